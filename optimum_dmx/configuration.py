@@ -1,0 +1,174 @@
+"""`DMXConfig`: the transformers quantization config of the dMX backend.
+
+One object serves two moments:
+
+* **before quantization** it describes a calibration (target bits, format pair, data, schedule), or an
+  explicit per-layer `format_map` to apply without calibrating;
+* **after quantization** (what `config.json` holds) it records the `format_map` that was applied, the
+  achieved bit-widths and the settings needed to reproduce it.
+
+The calibration fields are validated and defaulted by `CalibrationSettings`, so both live in one place.
+The calibration inputs (`dataset`, `tokenizer`) are runtime objects: they are shared by reference on
+`copy.deepcopy` (transformers deep-copies quantization configs, and a generator cannot be copied) and
+never serialized.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .formats import MX_FORMATS, get_format
+
+QUANT_METHOD = "dmx"
+
+# Written by `to_dict` only once a format map has been applied.
+_RESULT_FIELDS = ("bits_simple", "bits_weighted", "storage_bits")
+# Runtime-only inputs: shared on deepcopy, never serialized.
+_RUNTIME_FIELDS = ("dataset", "tokenizer")
+
+
+def _calibration_settings_cls():
+    from .calibration.settings import CalibrationSettings
+
+    return CalibrationSettings
+
+
+class DMXConfig(QuantizationConfigMixin):
+    """Configuration of dMX mixed-precision MX quantization.
+
+    Args:
+        target_bits: average element bit-width the calibration aims for; within the format pair's range
+            (4-8 for `"mxfp8-mxfp4"`, 4-6 for `"mxfp6-mxfp4"`).
+        format_pair: `"mxfp8-mxfp4"` or `"mxfp6-mxfp4"`, the low and high format each layer chooses from.
+        dataset: calibration text: a Hub dataset name, local text/json/parquet file(s), a
+            `datasets.Dataset` (streaming or not), a generator or a list of strings. Never serialized.
+        tokenizer: tokenizer used to build the calibration batches. Never serialized.
+        num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, t_start, t_end,
+        t_warmup_ratio, seed: calibration settings (DESIGN section 2); `None` takes the paper's default.
+        block_size: MX block size (32 in the OCP spec).
+        quantize_activations: quantize each quantized linear's input activations to its format.
+        modules_to_not_convert: module names (or suffixes) kept in full precision. Defaults to `["lm_head"]`.
+        format_map: full module name -> MX format name. Given without a dataset, it is applied as is
+            (no calibration); after calibration it holds the learned assignment.
+        bits_simple, bits_weighted, storage_bits: achieved bit-widths, written with the format map.
+        kwargs: keys written by other versions of the package; accepted and ignored.
+    """
+
+    def __init__(
+        self,
+        target_bits: float | None = None,
+        format_pair: str | None = None,
+        dataset: Any = None,
+        tokenizer: Any = None,
+        num_samples: int | None = None,
+        seq_len: int | None = None,
+        batch_size: int | None = None,
+        steps: int | None = None,
+        lr: float | None = None,
+        regularizer: str | None = None,
+        reg_lambda: float | None = None,
+        bit_average: str | None = None,
+        t_start: float | None = None,
+        t_end: float | None = None,
+        t_warmup_ratio: float | None = None,
+        block_size: int | None = None,
+        quantize_activations: bool | None = None,
+        modules_to_not_convert: list[str] | None = None,
+        seed: int | None = None,
+        format_map: Mapping[str, str] | None = None,
+        bits_simple: float | None = None,
+        bits_weighted: float | None = None,
+        storage_bits: float | None = None,
+        **kwargs: Any,
+    ):
+        given = {
+            "target_bits": target_bits,
+            "format_pair": format_pair,
+            "num_samples": num_samples,
+            "seq_len": seq_len,
+            "batch_size": batch_size,
+            "steps": steps,
+            "lr": lr,
+            "regularizer": regularizer,
+            "reg_lambda": reg_lambda,
+            "bit_average": bit_average,
+            "t_start": t_start,
+            "t_end": t_end,
+            "t_warmup_ratio": t_warmup_ratio,
+            "block_size": block_size,
+            "quantize_activations": quantize_activations,
+            "modules_to_not_convert": modules_to_not_convert,
+            "seed": seed,
+        }
+        settings = _calibration_settings_cls()(**{k: v for k, v in given.items() if v is not None})
+        for field in dataclasses.fields(settings):
+            setattr(self, field.name, copy.copy(getattr(settings, field.name)))
+        self.dataset = dataset
+        self.tokenizer = tokenizer
+        self.format_map = _validate_format_map(format_map)
+        self.bits_simple = bits_simple
+        self.bits_weighted = bits_weighted
+        self.storage_bits = storage_bits
+        self.quant_method = QUANT_METHOD
+
+    @property
+    def needs_calibration(self) -> bool:
+        """True when quantizing with this config means learning a format map (none was given)."""
+        return self.format_map is None
+
+    def calibration_settings(self):
+        """The `CalibrationSettings` these fields describe."""
+        cls = _calibration_settings_cls()
+        return cls(**{f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(cls)})
+
+    def with_result(self, format_map: Mapping[str, str], **bits: float | None) -> DMXConfig:
+        """A config recording an applied `format_map` and its achieved bits, without dataset or tokenizer.
+
+        `bits` takes `bits_simple`, `bits_weighted` and `storage_bits`.
+        """
+        unknown = set(bits) - set(_RESULT_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown result fields {sorted(unknown)}; allowed: {list(_RESULT_FIELDS)}")
+        values = {k: v for k, v in self.to_dict().items() if k != "quant_method"}
+        values.update(format_map=dict(format_map), **bits)
+        return DMXConfig(**values)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON-serializable fields (never the dataset or the tokenizer)."""
+        out = {f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(_calibration_settings_cls())}
+        out["format_map"] = None if self.format_map is None else dict(self.format_map)
+        out.update({name: getattr(self, name) for name in _RESULT_FIELDS})
+        out["quant_method"] = self.quant_method
+        return out
+
+    def __iter__(self):
+        yield from self.to_dict().items()
+
+    def __deepcopy__(self, memo: dict) -> DMXConfig:
+        new = self.__class__.__new__(self.__class__)
+        memo[id(self)] = new
+        for key, value in self.__dict__.items():
+            new.__dict__[key] = value if key in _RUNTIME_FIELDS else copy.deepcopy(value, memo)
+        return new
+
+
+def _validate_format_map(format_map: Mapping[str, str] | None) -> dict[str, str] | None:
+    """Canonical-name copy of `format_map`; raises naming the module whose format is unknown."""
+    if format_map is None:
+        return None
+    if not isinstance(format_map, Mapping):
+        raise TypeError(f"format_map must map module names to format names, got {type(format_map).__name__}")
+    canonical = {}
+    for module_name, fmt in format_map.items():
+        try:
+            canonical[module_name] = get_format(fmt).name
+        except (ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"format_map[{module_name!r}] = {fmt!r} is not an MX format; allowed: {sorted(MX_FORMATS)}"
+            ) from err
+    return canonical

@@ -1,0 +1,142 @@
+"""`DMXHfQuantizer`: the transformers loading hooks of the dMX backend, and its registration.
+
+* **Float checkpoint + `DMXConfig`**: the linears stay `nn.Linear` while the float weights load; after
+  loading, the model is calibrated (or the config's explicit `format_map` is taken as is) and the chosen
+  linears become `MXLinear`s. `model.config.quantization_config` then records the applied map.
+* **dMX checkpoint** (`quant_method: "dmx"` in config.json): the `MXLinear`s are rebuilt on the meta
+  skeleton from the saved `format_map`, the checkpoint's packed tensors are checked against them, and
+  the loader fills them. Nothing is recalibrated.
+
+Importing this module registers quant_method `"dmx"` with transformers (idempotently).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+
+from .configuration import QUANT_METHOD, DMXConfig
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+
+class DMXHfQuantizer(HfQuantizer):
+    """Quantizes a float checkpoint with dMX while loading it, or loads a saved dMX checkpoint."""
+
+    requires_calibration = False
+    quantization_config: DMXConfig
+
+    def validate_environment(self, *args: Any, **kwargs: Any) -> None:
+        """Fail before any weight is loaded when the config cannot be carried out."""
+        config = self.quantization_config
+        if self.pre_quantized:
+            if config.format_map is None:
+                raise ValueError("this dMX checkpoint's quantization_config has no format_map: it cannot be rebuilt")
+        else:
+            from .quantizer import check_calibration_inputs
+
+            check_calibration_inputs(config, config.tokenizer)
+
+    def _process_model_before_weight_loading(
+        self, model: PreTrainedModel, checkpoint_files: list[str] | None = None, **kwargs: Any
+    ) -> PreTrainedModel:
+        if self.pre_quantized:
+            from .modules import replace_with_mx_linear
+
+            config = self.quantization_config
+            replace_with_mx_linear(
+                model,
+                config.format_map,
+                block_size=config.block_size,
+                quantize_activations=config.quantize_activations,
+            )
+            _check_packed_tensors(model, checkpoint_files or [])
+        return model
+
+    def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
+        if not self.pre_quantized:
+            from .quantizer import apply_dmx
+
+            # `postprocess_model` has just set the user's config on the model: replace it with the record of
+            # what was applied (no dataset, no tokenizer), as config.json must hold.
+            self.quantization_config = apply_dmx(model, self.quantization_config)
+            model.config.quantization_config = self.quantization_config
+        return model
+
+    def is_serializable(self, safe_serialization: bool | None = None) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+
+def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -> None:
+    """Raise, naming the module, unless the checkpoint holds every MXLinear's tensors in the expected shapes.
+
+    The loader would only warn about a missing tensor (and leave uninitialized memory in its place), so
+    a checkpoint that does not match its own format map is refused here, before anything is loaded.
+    Only the safetensors headers are read.
+    """
+    from safetensors import safe_open
+
+    from .modules import MXLinear
+
+    found: dict[str, tuple[tuple[int, ...], str]] = {}
+    for path in checkpoint_files:
+        if not str(path).endswith(".safetensors"):
+            continue
+        with safe_open(path, framework="pt") as handle:
+            for key in handle.keys():
+                tensor = handle.get_slice(key)
+                found[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
+    if not found:
+        raise ValueError("a dMX checkpoint must be stored as safetensors; no .safetensors file was found")
+    for name, module in model.named_modules():
+        if not isinstance(module, MXLinear):
+            continue
+        for tensor_name, expected in (("weight_packed", module.weight_packed), ("weight_scale", module.weight_scale)):
+            key = f"{name}.{tensor_name}"
+            if key not in found:
+                raise ValueError(
+                    f"module {name!r} is {module.fmt.name} in the format_map, but the checkpoint has no {key!r}"
+                )
+            shape, dtype = found[key]
+            if shape != tuple(expected.shape) or dtype != "U8":
+                raise ValueError(
+                    f"module {name!r}: checkpoint tensor {key!r} is {dtype}{list(shape)}, but {module.fmt.name} "
+                    f"with in_features={module.in_features}, out_features={module.out_features} needs "
+                    f"U8{list(expected.shape)}"
+                )
+
+
+def register() -> None:
+    """Register `DMXConfig` and `DMXHfQuantizer` under quant_method `"dmx"`.
+
+    Safe to call repeatedly: a registration left by an earlier import of this module (e.g. before
+    `importlib.reload`) is replaced; one by another package is an error.
+    """
+    for mapping, cls, decorator in (
+        (AUTO_QUANTIZATION_CONFIG_MAPPING, DMXConfig, register_quantization_config),
+        (AUTO_QUANTIZER_MAPPING, DMXHfQuantizer, register_quantizer),
+    ):
+        current = mapping.get(QUANT_METHOD)
+        if current is None:
+            decorator(QUANT_METHOD)(cls)
+        elif current is not cls:
+            if (current.__module__, current.__qualname__) != (cls.__module__, cls.__qualname__):
+                raise ValueError(
+                    f"quant_method {QUANT_METHOD!r} is already registered by {current.__module__}.{current.__qualname__}"
+                )
+            mapping[QUANT_METHOD] = cls
+
+
+register()

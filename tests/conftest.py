@@ -1,0 +1,47 @@
+"""Shared fixtures: tiny random float checkpoints saved as real safetensors, and a local Hub server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+def _save_tiny(model_cls, config, path: Path) -> Path:
+    torch.manual_seed(0)
+    model = model_cls(config).eval()
+    model.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """Float Llama checkpoint whose linears all have in_features a multiple of 32."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return _save_tiny(LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny-llama"))
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """Float Qwen3 checkpoint with in_features 48 and 80: not multiples of the MX block size."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=False,
+    )
+    return _save_tiny(Qwen3ForCausalLM, config, tmp_path_factory.mktemp("tiny-qwen3"))
+
+
+@pytest.fixture
+def local_hub():
+    """A Hub API server on 127.0.0.1 (see `hf_hub_server.py`)."""
+    from hf_hub_server import LocalHub
+
+    with LocalHub() as hub:
+        yield hub
