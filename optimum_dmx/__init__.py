@@ -1,11 +1,14 @@
 """optimum-dmx: differentiable mixed-precision assignment of OCP microscaling (MX) float formats.
 
 Importing the package registers quant_method ``"dmx"`` with transformers, so that
-``from_pretrained(..., quantization_config=DMXConfig(...))`` quantizes and dMX checkpoints load.
+``from_pretrained(..., quantization_config=DMXConfig(...))`` quantizes a float model and dMX checkpoints
+load. (An installed package also registers itself when transformers' quantizer registry is first
+imported; see ``optimum_dmx_autoregister``.)
 """
 
 from .configuration import DMXConfig
-from .formats import MX_FORMATS, pack_mx, quantize_mx, unpack_mx
+from .continuous import FORMAT_PAIRS, FormatPair, get_format_pair, quantize_mx_continuous
+from .formats import MX_FORMATS, MXFormat, MXPackedTensor, get_format, pack_mx, quantize_mx, unpack_mx
 from .hf_quantizer import DMXHfQuantizer
 from .modules import MXLinear
 from .quantizer import DMXQuantizer
@@ -13,12 +16,19 @@ from .quantizer import DMXQuantizer
 __version__ = "0.1.0.dev0"
 
 __all__ = [
+    "FORMAT_PAIRS",
     "MX_FORMATS",
     "DMXConfig",
     "DMXHfQuantizer",
     "DMXQuantizer",
+    "FormatPair",
+    "MXFormat",
     "MXLinear",
+    "MXPackedTensor",
+    "get_format",
+    "get_format_pair",
     "pack_mx",
     "quantize_mx",
+    "quantize_mx_continuous",
     "unpack_mx",
 ]
