@@ -1,0 +1,97 @@
+"""MXLinear: packed storage, forward semantics, weight cache; model surgery errors."""
+
+import pytest
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from optimum_dmx import MXLinear, quantize_mx
+from optimum_dmx.formats import packed_shapes
+from optimum_dmx.modules import replace_with_mx_linear
+
+FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3"]
+
+
+def _linear(in_features, out_features, bias=True, dtype=torch.float32):
+    torch.manual_seed(1)
+    return nn.Linear(in_features, out_features, bias=bias).to(dtype)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("in_features", [64, 48, 70])
+def test_forward_is_quantized_activation_times_quantized_weight(fmt, in_features):
+    linear = _linear(in_features, 24)
+    module = MXLinear.from_linear(linear, fmt)
+    x = torch.randn(3, 5, in_features)
+    expected = F.linear(quantize_mx(x, fmt), quantize_mx(linear.weight.detach(), fmt), linear.bias)
+    torch.testing.assert_close(module(x), expected, rtol=0, atol=0)
+    codes, scales = packed_shapes((24, in_features), fmt)
+    assert module.weight_packed.dtype == torch.uint8 and module.weight_packed.shape == codes
+    assert module.weight_scale.dtype == torch.uint8 and module.weight_scale.shape == scales
+    assert set(module.state_dict()) == {"weight_packed", "weight_scale", "bias"}
+
+
+def test_weight_only_mode_leaves_activations_unquantized():
+    linear = _linear(64, 16, bias=False)
+    module = MXLinear.from_linear(linear, "mxfp4", quantize_activations=False)
+    x = torch.randn(2, 64)
+    torch.testing.assert_close(module(x), x @ quantize_mx(linear.weight.detach(), "mxfp4").T, rtol=0, atol=0)
+
+
+def test_packed_only_mode_matches_cached_mode_and_keeps_no_cache():
+    module = MXLinear.from_linear(_linear(96, 32), "mxfp6")
+    x = torch.randn(4, 96)
+    cached = module(x)
+    module.cache_weight = False
+    assert torch.equal(module(x), cached)
+    assert module._weight_cache is None
+
+
+def test_computes_in_the_input_dtype():
+    linear = _linear(64, 16, dtype=torch.bfloat16)
+    module = MXLinear.from_linear(linear, "mxfp8")
+    x = torch.randn(2, 64, dtype=torch.bfloat16)
+    out = module(x)
+    assert out.dtype == torch.bfloat16
+    expected = F.linear(quantize_mx(x, "mxfp8"), quantize_mx(linear.weight.detach(), "mxfp8"), linear.bias)
+    assert torch.equal(out, expected)
+
+
+def test_cache_follows_new_packed_tensors():
+    source = MXLinear.from_linear(_linear(64, 8, bias=False), "mxfp4")
+    target = MXLinear(64, 8, bias=False, fmt="mxfp4")
+    x = torch.randn(2, 64)
+    stale = target(x)  # caches the all-zero weight
+    target.load_state_dict(source.state_dict())
+    assert not torch.equal(target(x), stale)
+    assert torch.equal(target(x), source(x))
+    with torch.no_grad():
+        target.weight_scale.add_(1)  # in place: every block scale doubles
+    assert torch.equal(target(x), 2 * source(x))
+
+
+def test_meta_linear_gives_empty_meta_module():
+    with torch.device("meta"):
+        linear = nn.Linear(80, 16)
+    module = MXLinear.from_linear(linear, "mxfp6_e3m2")
+    assert module.weight_packed.is_meta and module.weight_packed.shape == packed_shapes((16, 80), "mxfp6_e3m2")[0]
+
+
+def _tiny():
+    return nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def test_replace_names_a_missing_module():
+    with pytest.raises(ValueError, match=r"'5'.*does not have"):
+        replace_with_mx_linear(_tiny(), {"5": "mxfp4"})
+
+
+def test_replace_names_a_module_that_is_not_linear():
+    with pytest.raises(ValueError, match=r"'1', a ReLU"):
+        replace_with_mx_linear(_tiny(), {"1": "mxfp4"})
+
+
+def test_replace_refuses_an_already_quantized_module():
+    model = replace_with_mx_linear(_tiny(), {"0": "mxfp4"})
+    with pytest.raises(ValueError, match=r"'0' is already an MXLinear"):
+        replace_with_mx_linear(model, {"0": "mxfp8"})
