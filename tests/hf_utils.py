@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 
@@ -28,3 +29,15 @@ def run_python(code: str, env: dict[str, str] | None = None, python: str = sys.e
 
 def last_json_line(proc: subprocess.CompletedProcess):
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3", "mxfp6_e3m2"]
+INPUT_IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 127, 0, 3, 42, 7, 11]])
+
+
+def cycling_format_map(float_dir: Path) -> dict[str, str]:
+    """Every quantizable linear, in formats cycling through all four."""
+    config = AutoConfig.from_pretrained(float_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: FORMATS[i % len(FORMATS)] for i, name in enumerate(linear_names(model))}

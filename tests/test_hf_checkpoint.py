@@ -11,23 +11,11 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 
-from hf_utils import REPO_ROOT, linear_names, run_python
+from hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear, quantize_mx
 from optimum_dmx.formats import get_format, packed_shapes
-
-FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3", "mxfp6_e3m2"]
-INPUT_IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 127, 0, 3, 42, 7, 11]])
-
-
-def cycling_format_map(float_dir: Path) -> dict[str, str]:
-    """Every quantizable linear, in formats cycling through all four."""
-    config = AutoConfig.from_pretrained(float_dir)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
-    return {name: FORMATS[i % len(FORMATS)] for i, name in enumerate(linear_names(model))}
-
 
 def quantize_and_save(float_dir: Path, out_dir: Path, dtype=torch.float32):
     format_map = cycling_format_map(float_dir)
@@ -96,7 +84,7 @@ def test_reload_in_a_fresh_process_gives_identical_logits(request, tmp_path, mod
     _, format_map, logits = quantize_and_save(float_dir, tmp_path / "dmx", getattr(torch, dtype))
     code = f"""
 import json, logging, sys, torch
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 from transformers.utils import logging as hf_logging
 import optimum_dmx
 records = []
@@ -109,7 +97,7 @@ with torch.no_grad():
 formats = {{n: m.fmt.name for n, m in model.named_modules() if isinstance(m, optimum_dmx.MXLinear)}}
 print(json.dumps({{"formats": formats, "log": records}}))
 """
-    result = json.loads(run_python(code).stdout.strip().splitlines()[-1])
+    result = last_json_line(run_python(code))
     assert result["formats"] == format_map
     assert not [line for line in result["log"] if any(w in line for w in ("MISSING", "UNEXPECTED", "MISMATCH"))]
     reloaded = torch.load(tmp_path / "logits.pt")
@@ -180,7 +168,7 @@ def _save_with_file_size_limit(source: Path, target: Path, how: str) -> subproce
     code = f"""
 import resource, signal
 import optimum_dmx
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(source)!r})
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead
 resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))

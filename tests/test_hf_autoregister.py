@@ -1,0 +1,104 @@
+"""An installed optimum-dmx registers itself with transformers: dMX checkpoints load without `import optimum_dmx`.
+
+Each test installs the package (from a copy of the source tree) into a fresh virtual environment that
+sees the system site-packages, then loads a dMX checkpoint in that environment's interpreter, from a
+working directory where the source tree is not importable, with code that never imports optimum_dmx.
+"""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
+from optimum_dmx import DMXConfig
+
+LOAD_WITHOUT_IMPORT = """
+import json, sys
+startup = sorted(m for m in ("optimum_dmx", "torch", "transformers") if m in sys.modules)
+import optimum_dmx_autoregister
+hook_at_startup = optimum_dmx_autoregister.AutoRegisterFinder in sys.meta_path
+import torch
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+with torch.no_grad():
+    torch.save(model(torch.tensor({input_ids})).logits, sys.argv[2])
+print(json.dumps({{
+    "startup": startup, "hook_file": optimum_dmx_autoregister.__file__,
+    "hook": [hook_at_startup, optimum_dmx_autoregister.AutoRegisterFinder in sys.meta_path],
+    "package_file": sys.modules["optimum_dmx"].__file__,
+    "q_proj": type(model.model.layers[0].self_attn.q_proj).__name__,
+}}))
+"""
+
+
+@pytest.fixture(scope="module")
+def dmx_checkpoint(tmp_path_factory, tiny_llama_dir):
+    out = tmp_path_factory.mktemp("dmx")
+    config = DMXConfig(format_map=cycling_format_map(tiny_llama_dir))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
+    model.save_pretrained(out)
+    with torch.no_grad():
+        return out, model(INPUT_IDS).logits
+
+
+def _source_copy(tmp_path: Path) -> Path:
+    src = tmp_path / "src"
+    shutil.copytree(
+        REPO_ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "tests", "benchmarks")
+    )
+    return src
+
+
+def _pip(venv: Path, *args: str) -> None:
+    cmd = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", "--ignore-installed", *args]
+    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+
+
+@pytest.mark.parametrize("install", ["wheel", "editable"])
+def test_installed_package_loads_dmx_checkpoints_without_import(tmp_path, dmx_checkpoint, install):
+    checkpoint, logits = dmx_checkpoint
+    src = _source_copy(tmp_path)
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    if install == "wheel":
+        subprocess.run(
+            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
+            check=True, capture_output=True, timeout=300,
+        )
+        _pip(venv, str(next((tmp_path / "dist").glob("*.whl"))))
+    else:
+        _pip(venv, "--no-build-isolation", "-e", str(src))
+
+    code = LOAD_WITHOUT_IMPORT.format(input_ids=INPUT_IDS.tolist())
+    proc = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", code, str(checkpoint), str(tmp_path / "logits.pt")],
+        capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}, timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    result = last_json_line(proc)
+    assert result["startup"] == []  # the start-up hook imports nothing heavy
+    assert result["hook"] == [True, False]  # installed at start-up; acted once, then removed itself
+    expected_root = src if install == "editable" else venv
+    assert Path(result["package_file"]).is_relative_to(expected_root)
+    assert Path(result["hook_file"]).is_relative_to(expected_root)
+    assert result["q_proj"] == "MXLinear"
+    assert torch.equal(torch.load(tmp_path / "logits.pt"), logits)
+
+
+def test_without_the_hook_a_dmx_checkpoint_would_load_as_float(dmx_checkpoint, tmp_path):
+    """What the hook prevents: transformers alone skips the unknown quant_method and keeps float linears."""
+    checkpoint, _ = dmx_checkpoint
+    code = f"""
+import json, sys
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(checkpoint)!r})
+print(json.dumps([type(model.model.layers[0].self_attn.q_proj).__name__, "optimum_dmx" in sys.modules]))
+"""
+    proc = run_python(code, env={"PYTHONPATH": "", "OPTIMUM_DMX_NO_AUTOREGISTER": "1"})
+    assert last_json_line(proc) == ["Linear", False]
