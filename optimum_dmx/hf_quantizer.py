@@ -27,6 +27,8 @@ from .configuration import QUANT_METHOD, DMXConfig
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+MODEL_TAGS = ("dmx", "mx-formats")
+
 
 class DMXHfQuantizer(HfQuantizer):
     """Quantizes a float checkpoint with dMX while loading it, or loads a saved dMX checkpoint."""
@@ -69,6 +71,8 @@ class DMXHfQuantizer(HfQuantizer):
             # what was applied (no dataset, no tokenizer), as config.json must hold.
             self.quantization_config = apply_dmx(model, self.quantization_config)
             model.config.quantization_config = self.quantization_config
+        # Listed in the model card that `push_to_hub` writes.
+        model.add_model_tags(list(MODEL_TAGS))
         return model
 
     def is_serializable(self, safe_serialization: bool | None = None) -> bool:

@@ -101,9 +101,10 @@ class MXLinear(nn.Module):
         if not self.cache_weight:
             self._weight_cache = self._weight_cache_key = None
             return unpack_mx(self.packed_weight(), dtype)
-        # Loading, `.to()` and in-place edits replace or bump the buffers: compare identity and version.
+        # Loading and `.to()` replace the buffers, in-place edits (`load_state_dict`) bump their version:
+        # compare identity and version. (Tensors made under `torch.inference_mode` have no version.)
         packed, scale = self.weight_packed, self.weight_scale
-        key = (dtype, packed._version, scale._version)
+        key = (dtype, _version(packed), _version(scale))
         cached = self._weight_cache_key
         if cached is None or cached[0] is not packed or cached[1] is not scale or cached[2] != key:
             self._weight_cache = unpack_mx(self.packed_weight(), dtype)
@@ -122,6 +123,10 @@ class MXLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"fmt={self.fmt.name}, block_size={self.block_size}, quantize_activations={self.quantize_activations}"
         )
+
+
+def _version(tensor: torch.Tensor) -> int | None:
+    return None if tensor.is_inference() else tensor._version
 
 
 def replace_with_mx_linear(

@@ -32,6 +32,7 @@ AutoModelForCausalLM.from_pretrained({str(tmp_path / "dmx")!r}).push_to_hub("use
     assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)
     assert uploaded["model.safetensors"] == (tmp_path / "dmx" / "model.safetensors").read_bytes()
     assert json.loads(uploaded["config.json"])["quantization_config"]["format_map"] == format_map
+    assert "- dmx" in uploaded["README.md"].decode()  # the model card lists the backend's tags
 
     run_python(
         f"""

@@ -95,3 +95,10 @@ def test_replace_refuses_an_already_quantized_module():
     model = replace_with_mx_linear(_tiny(), {"0": "mxfp4"})
     with pytest.raises(ValueError, match=r"'0' is already an MXLinear"):
         replace_with_mx_linear(model, {"0": "mxfp8"})
+
+
+def test_module_built_in_inference_mode_runs():
+    with torch.inference_mode():
+        module = MXLinear.from_linear(_linear(64, 8), "mxfp8")
+        x = torch.randn(2, 64)
+        assert torch.equal(module(x), module(x))

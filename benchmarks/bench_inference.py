@@ -1,0 +1,181 @@
+#!/usr/bin/env python
+"""Inference cost of dMX checkpoints: MXLinear vs nn.Linear, load time and checkpoint size.
+
+Measures, in one run:
+
+1. one SmolLM2-135M-sized decoder linear (mlp.up_proj, 576 -> 1536) at batch x seq 1 x 512 and 8 x 128:
+   `nn.Linear` vs `MXLinear` with its cached dequantized weight vs `MXLinear` packed-only (dequantized
+   on every call), in each of the four MX formats;
+2. if the SmolLM2-135M benchmark model is built (`python /work/shared/bench/build_smollm2.py`), the whole
+   model: forward time of the float model vs the dMX model (cached and packed-only), `from_pretrained`
+   time and checkpoint bytes, float vs dMX. The dMX model uses a fixed mixed map (every fourth decoder
+   linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration.
+
+Times are medians over `--repeats` runs after a warm-up: the linear in bf16 (the checkpoint's dtype) and
+fp32, the whole model in fp32.
+Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
+
+usage: python benchmarks/bench_inference.py [--model DIR] [--repeats N] [--threads N] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from optimum_dmx import DMXConfig, MXLinear
+from optimum_dmx.formats import MX_FORMATS, get_format
+
+SHAPES = [(1, 512), (8, 128)]
+DTYPES = [torch.bfloat16, torch.float32]
+# Whole-model forwards run in fp32 only: CPUs without native bf16 matmul take ~10x longer in bf16.
+MODEL_DTYPES = [torch.float32]
+DEFAULT_MODEL = Path(os.environ.get("DMX_BENCH_CACHE", Path.home() / ".cache" / "dmx-bench")) / "smollm2-135m"
+
+
+def median_seconds(fn: Callable[[], object], repeats: int) -> float:
+    fn()  # warm-up (fills MXLinear's weight cache)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def bench_linear(repeats: int) -> list[list[str]]:
+    rows = []
+    for dtype in DTYPES:
+        torch.manual_seed(0)
+        linear = nn.Linear(576, 1536, bias=False).to(dtype)
+        for batch, seq in SHAPES:
+            x = torch.randn(batch, seq, 576, dtype=dtype)
+            with torch.inference_mode():
+                base = median_seconds(lambda: linear(x), repeats)
+                for fmt in MX_FORMATS:
+                    module = MXLinear.from_linear(linear, fmt)
+                    cached = median_seconds(lambda: module(x), repeats)
+                    module.cache_weight = False
+                    packed = median_seconds(lambda: module(x), repeats)
+                    rows.append([
+                        "up_proj 576->1536", str(dtype).removeprefix("torch."), f"{batch}x{seq}", fmt,
+                        f"{base * 1e3:.2f}", f"{cached * 1e3:.2f} ({cached / base:.2f}x)",
+                        f"{packed * 1e3:.2f} ({packed / base:.2f}x)",
+                    ])
+    return rows
+
+
+def mixed_format_map(model: nn.Module) -> dict[str, str]:
+    names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
+    return {name: "mxfp8_e4m3" if i % 4 == 0 else "mxfp4_e2m1" for i, name in enumerate(names)}
+
+
+def checkpoint_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+
+
+def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[str]]:
+    from transformers import AutoModelForCausalLM
+
+    rows, notes = [], []
+    float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    format_map = mixed_format_map(float_model)
+    with tempfile.TemporaryDirectory() as tmp:
+        dmx_dir = Path(tmp) / "dmx"
+        dmx = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, quantization_config=DMXConfig(format_map=format_map)
+        )
+        dmx.save_pretrained(dmx_dir)
+        del dmx
+
+        load_float = median_seconds(lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), repeats)
+        load_dmx = median_seconds(lambda: AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=torch.bfloat16), repeats)
+        float_bytes, dmx_bytes = checkpoint_bytes(model_dir), checkpoint_bytes(dmx_dir)
+
+        linears = dict(float_model.named_modules())
+        numel = {name: linears[name].weight.numel() for name in format_map}
+        storage_bits = sum(numel[n] * get_format(f).storage_bits() for n, f in format_map.items()) / sum(numel.values())
+        bits_simple = statistics.mean(get_format(f).bits for f in format_map.values())
+        linear_float_bytes = 2 * sum(numel.values())
+        rest_bytes = float_bytes - linear_float_bytes  # embeddings, norms: stored as before
+        notes += [
+            f"format map: {len(format_map)} decoder linears, {bits_simple:.2f} average element bits, "
+            f"{storage_bits:.4f} storage bits per weight (E8M0 scales included)",
+            f"checkpoint: float {float_bytes / 2**20:.1f} MiB, dMX {dmx_bytes / 2**20:.1f} MiB, "
+            f"ratio {dmx_bytes / float_bytes:.3f} (storage_bits/16 = {storage_bits / 16:.3f}; the "
+            f"{rest_bytes / 2**20:.1f} MiB of embeddings and norms stay bf16, so the expected ratio is "
+            f"{(rest_bytes + linear_float_bytes * storage_bits / 16) / float_bytes:.3f})",
+        ]
+        rows.append(["load time (from_pretrained)", "bf16", "", f"{load_float:.2f} s", f"{load_dmx:.2f} s ({load_dmx / load_float:.2f}x)", ""])
+        rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB", f"{dmx_bytes / 2**20:.1f} MiB ({dmx_bytes / float_bytes:.3f}x)", ""])
+
+        for dtype in MODEL_DTYPES:
+            float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+            dmx = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
+            mx_modules = [m for m in dmx.modules() if isinstance(m, MXLinear)]
+            for batch, seq in SHAPES:
+                ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+                with torch.inference_mode():
+                    base = median_seconds(lambda: float_model(ids), repeats)
+                    for m in mx_modules:
+                        m.cache_weight = True
+                    cached = median_seconds(lambda: dmx(ids), repeats)
+                    for m in mx_modules:
+                        m.cache_weight = False
+                    packed = median_seconds(lambda: dmx(ids), repeats)
+                rows.append([
+                    "SmolLM2-135M forward", str(dtype).removeprefix("torch."), f"{batch}x{seq}",
+                    f"{base * 1e3:.0f}", f"{cached * 1e3:.0f} ({cached / base:.2f}x)", f"{packed * 1e3:.0f} ({packed / base:.2f}x)",
+                ])
+    return rows, notes
+
+
+def table(header: list[str], rows: list[list[str]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    return "\n".join(lines + ["| " + " | ".join(row) + " |" for row in rows])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="SmolLM2-135M folder (skipped if absent)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+
+    parts = [
+        f"Command: `python {' '.join(sys.argv)}`",
+        f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, torch {torch.__version__}; "
+        f"times are medians of {args.repeats} runs in ms unless marked",
+        "",
+        "### One decoder linear",
+        table(["layer", "dtype", "batch x seq", "format", "nn.Linear", "MXLinear cached", "MXLinear packed-only"],
+              bench_linear(args.repeats)),
+    ]
+    if args.model.is_dir():
+        rows, notes = bench_model(args.model, args.repeats)
+        parts += ["", "### Whole model (SmolLM2-135M)",
+                  table(["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only"], rows), ""]
+        parts += [f"- {note}" for note in notes]
+    else:
+        parts += ["", f"(whole-model part skipped: {args.model} not found; build it with build_smollm2.py)"]
+    report = "\n".join(parts) + "\n"
+    print(report)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text("# Inference benchmark\n\n" + report)
+
+
+if __name__ == "__main__":
+    main()
