@@ -56,6 +56,42 @@ class _FloorLog2STE(torch.autograd.Function):
         return torch.where(nonzero, grad / (torch.where(nonzero, x, 1.0) * math.log(2)), 0.0)
 
 
+class _RescaleKeepingGradient(torch.autograd.Function):
+    """``x * factor`` whose backward pass leaves the gradient unscaled.
+
+    Dividing by the block scale on the way in and multiplying on the way out cancel in ``dy/dx``; doing
+    neither in the backward pass keeps intermediate gradients at the size of the element grid, so they do not
+    overflow for inputs near the top of the float32 range.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
+        return x * factor
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return grad, None
+
+
+class _BroadcastScalingGradient(torch.autograd.Function):
+    """Broadcast a scalar to ``scale``'s shape; the backward pass sums the gradient weighted by ``scale``.
+
+    Pairs with ``_RescaleKeepingGradient``: the block scale left out of the element gradients is applied
+    once per block to the gradient of the format parameters.
+    """
+
+    @staticmethod
+    def forward(ctx, value: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(scale)
+        return value.expand(scale.shape).clone()
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        (scale,) = ctx.saved_tensors
+        finite = torch.isfinite(scale)
+        return torch.where(finite, grad * scale, 0.0).sum(), None
+
+
 def default_max_normal(e: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
     """``(2 - 2^-m) * 2^(2^e - b - 1)``: the largest value with all exponent and mantissa bits set."""
     bias = torch.exp2(e - 1) - 1
@@ -172,11 +208,13 @@ def quantize_mx_continuous(
     beta = torch.as_tensor(beta, dtype=torch.float32, device=x.device)
     if beta.dim() != 0:
         raise ValueError(f"beta must be a scalar, got a tensor of shape {tuple(beta.shape)}.")
-    e, m, qmax = pair.exponent_bits(beta), pair.mantissa_bits(beta), pair.max_normal(beta)
 
     blocks = to_blocks(x, block_size)
     floor_log2, finite = block_max_exponent(blocks.detach())
-    shared_exponent = (floor_log2 - torch.exp2(e.detach() - 1)).clamp(-127, 127)
-    scale = torch.exp2(shared_exponent).masked_fill_(~finite, math.nan)
-    y = float_quantize(blocks / scale, e, m, qmax) * scale
+    emax = torch.exp2(pair.exponent_bits(beta.detach()) - 1)
+    scale = torch.exp2((floor_log2 - emax).clamp(-127, 127)).masked_fill_(~finite, math.nan)
+    block_beta = _BroadcastScalingGradient.apply(beta, scale)
+    e, m, qmax = pair.exponent_bits(block_beta), pair.mantissa_bits(block_beta), pair.max_normal(block_beta)
+    elements = _RescaleKeepingGradient.apply(blocks, 1 / scale)
+    y = _RescaleKeepingGradient.apply(float_quantize(elements, e, m, qmax), scale)
     return y.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)

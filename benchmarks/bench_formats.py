@@ -1,0 +1,114 @@
+"""Speed of MX quantize-dequantize: optimum-dmx vs torchao (eager), against a memory-copy floor.
+
+For each MX format, quantize-dequantize one float32 tensor (default 4096 x 4096) with ``quantize_mx`` and with
+torchao's ``to_mx`` + ``to_dtype`` (FLOOR scaling, the OCP rule), check that the two agree bit for bit, and
+report the median time per element over interleaved repetitions (the two run alternately, so machine noise
+hits both alike) with the ratio ours / torchao. A ``clone`` of the same tensor is the memory-bound floor.
+The continuous dMX quantizer's forward + backward (gradients for the input and beta) is timed on the same
+tensor, at beta 0.5 of each pair.
+
+    python benchmarks/bench_formats.py [--size 4096] [--repeats 7] [--threads N] [--output results/formats.md]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous
+
+
+def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
+    from torchao.prototype.mx_formats import constants
+    from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
+
+    elem_dtypes = {
+        "mxfp8_e4m3": torch.float8_e4m3fn,
+        "mxfp6_e3m2": constants.DTYPE_FP6_E3M2,
+        "mxfp6_e2m3": constants.DTYPE_FP6_E2M3,
+        "mxfp4_e2m1": torch.float4_e2m1fn_x2,
+    }
+
+    def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
+        scale, data = to_mx(x, elem_dtypes[name], 32)
+        return to_dtype(data, scale, elem_dtypes[name], 32, x.dtype)
+
+    return quantize
+
+
+def median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median wall time of each function, measured in interleaved rounds after one warm-up call each."""
+    for fn in fns.values():
+        fn()
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(t) for name, t in times.items()}
+
+
+def continuous_step(x: torch.Tensor, pair: str) -> Callable[[], None]:
+    beta = torch.tensor(0.5, requires_grad=True)
+    x = x.clone().requires_grad_()
+
+    def step() -> None:
+        quantize_mx_continuous(x, beta, pair).sum().backward()
+        x.grad = beta.grad = None
+
+    return step
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size float32")
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--output", type=Path, default=None, help="also write the markdown table here")
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+
+    x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0))
+    n = x.numel()
+    reference = torchao_reference()
+    rows = []
+    floor = median_seconds({"clone": x.clone}, args.repeats)["clone"]
+    rows.append(("memory copy (`clone`)", "-", floor / n * 1e9, None, None, "-"))
+    for name in MX_FORMATS:
+        ours, theirs = quantize_mx(x, name), reference(x, name)
+        exact = torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
+        t = median_seconds({"ours": lambda: quantize_mx(x, name), "torchao": lambda: reference(x, name)}, args.repeats)
+        rows.append((f"`quantize_mx` {name}", "yes" if exact else "NO", t["ours"] / n * 1e9,
+                     t["torchao"] / n * 1e9, t["ours"] / t["torchao"], f"{t['ours'] / floor:.1f}"))
+    for pair in FORMAT_PAIRS:
+        t = median_seconds({"step": continuous_step(x, pair)}, args.repeats)["step"]
+        rows.append((f"continuous {pair}, forward+backward", "-", t / n * 1e9, None, None, f"{t / floor:.1f}"))
+
+    header = (
+        f"{args.size}x{args.size} float32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
+        f"{platform.processor() or platform.machine()}, median of {args.repeats} interleaved repeats\n\n"
+        "| operation | bit-exact vs torchao | ours ns/elem | torchao ns/elem | ratio ours/torchao | x copy floor |\n"
+        "|---|---|---|---|---|---|"
+    )
+    lines = [header]
+    for label, exact, ours_ns, theirs_ns, ratio, vs_floor in rows:
+        theirs = f"{theirs_ns:.2f}" if theirs_ns is not None else "-"
+        ratio_s = f"**{ratio:.2f}**" if ratio is not None else "-"
+        lines.append(f"| {label} | {exact} | {ours_ns:.2f} | {theirs} | {ratio_s} | {vs_floor} |")
+    table = "\n".join(lines)
+    print(table)
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        args.output.write_text(table + "\n")
+
+
+if __name__ == "__main__":
+    main()
