@@ -41,7 +41,7 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture
 def local_hub():
     """A Hub API server on 127.0.0.1 (see `hf_hub_server.py`)."""
-    from hf_hub_server import LocalHub
+    from .hf_hub_server import LocalHub
 
     with LocalHub() as hub:
         yield hub

@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
+from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 from optimum_dmx import DMXConfig
 
 LOAD_WITHOUT_IMPORT = """

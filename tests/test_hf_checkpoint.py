@@ -13,7 +13,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
+from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear, quantize_mx
 from optimum_dmx.formats import get_format, packed_shapes
 

@@ -5,7 +5,7 @@ import json
 import torch
 from transformers import AutoModelForCausalLM
 
-from hf_utils import INPUT_IDS, cycling_format_map, run_python
+from .hf_utils import INPUT_IDS, cycling_format_map, run_python
 from optimum_dmx import DMXConfig
 
 
