@@ -1,0 +1,113 @@
+"""Baselines that dMX is compared with, on the same data and with the same bit accounting.
+
+* uniform: every targeted layer in one format (weights and activations);
+* KL pre-selection: rank layers by KL(float || model with only that layer in the pair's low format) on
+  calibration tokens, and give the high format to the most sensitive layers while the budget allows;
+* ROUND+STE: the dMX trainer with the format discretized in every forward pass and straight-through
+  gradients.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from ..continuous import get_format_pair
+from ..formats import get_format
+from .regularizers import average_bits, tensor_sizes
+from .settings import CalibrationSettings
+from .trainer import (
+    CalibrationResult,
+    calibrate,
+    emulate_format_map,
+    linear_modules_to_quantize,
+    result_from_format_map,
+)
+
+
+def uniform_format_map(model: nn.Module, fmt: str, modules_to_not_convert: list[str] | None = None) -> dict[str, str]:
+    """Every linear that dMX would target, in the single format `fmt`."""
+    name = get_format(fmt).name
+    return {n: name for n in linear_modules_to_quantize(model, modules_to_not_convert)}
+
+
+def uniform(model: nn.Module, fmt: str, settings: CalibrationSettings) -> CalibrationResult:
+    """The uniform baseline as a result (bits are those of `fmt` by construction)."""
+    format_map = uniform_format_map(model, fmt, settings.modules_to_not_convert)
+    linears = linear_modules_to_quantize(model, settings.modules_to_not_convert)
+    return result_from_format_map(format_map, linears, settings, method="uniform")
+
+
+@torch.no_grad()
+def kl_sensitivities(
+    model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
+) -> dict[str, float]:
+    """Per-layer KL(float || only this layer in the pair's low format), in nats per token.
+
+    One float forward pass over `input_ids` gives the reference distributions; then one pass per layer,
+    in batches of `settings.batch_size`. The low format is the same for both pairs (MXFP4), so the result
+    can be reused across pairs and targets.
+    """
+    low = get_format_pair(settings.format_pair).low.name
+    targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
+    tokens = input_ids.numel()
+
+    def log_probs(batch: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+
+    with emulate_format_map(model, {}):
+        reference = [log_probs(b) for b in batches]
+    sensitivities = {}
+    for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
+        with emulate_format_map(model, {name: low}, settings.block_size, settings.quantize_activations):
+            kl = sum(
+                F.kl_div(log_probs(b), ref, log_target=True, reduction="sum").item()
+                for b, ref in zip(batches, reference)
+            )
+        sensitivities[name] = kl / tokens
+    return sensitivities
+
+
+def kl_preselection(
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    settings: CalibrationSettings,
+    progress: bool = True,
+    sensitivities: dict[str, float] | None = None,
+) -> CalibrationResult:
+    """KL pre-selection: the most sensitive layers get the high format while the average stays within
+    `settings.target_bits` (in `settings.bit_average`); a layer that would overshoot is skipped and the next
+    (smaller, for the weighted average) one is tried. Pass precomputed `sensitivities` to skip the scan."""
+    start = time.perf_counter()
+    if sensitivities is None:
+        sensitivities = kl_sensitivities(model, input_ids, settings, progress)
+    pair = get_format_pair(settings.format_pair)
+    targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
+    missing = set(targets) - set(sensitivities)
+    if missing:
+        raise ValueError(f"sensitivities lack {len(missing)} targeted layers, e.g. {sorted(missing)[:3]}.")
+    names = list(targets)
+    sizes = tensor_sizes([tuple(targets[n].weight.shape) for n in names], settings.quantize_activations)
+    bits = torch.full((len(names),), float(pair.low.bits), dtype=torch.float64)
+    for name in sorted(names, key=lambda n: sensitivities[n], reverse=True):
+        i = names.index(name)
+        bits[i] = pair.high.bits
+        if average_bits(bits, settings.bit_average, sizes).item() > settings.target_bits + 1e-9:
+            bits[i] = pair.low.bits
+    format_map = {n: (pair.high if b == pair.high.bits else pair.low).name for n, b in zip(names, bits.tolist())}
+    return result_from_format_map(
+        format_map, targets, settings, method="kl", seconds=time.perf_counter() - start
+    )
+
+
+def calibrate_round_ste(
+    model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
+) -> CalibrationResult:
+    """ROUND+STE: `calibrate` with the discrete format in every forward pass (straight-through gradients)."""
+    return calibrate(model, input_ids, settings, progress, straight_through=True)

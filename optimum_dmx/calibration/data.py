@@ -1,0 +1,159 @@
+"""Calibration data: text from any common source -> packed, shuffled token blocks.
+
+Accepted sources (all go through `datasets`):
+
+* a `datasets.Dataset` (or a `DatasetDict` with a `"train"` split) with a `"text"` column;
+* a list of strings (the texts themselves);
+* a local file, a directory, a glob pattern, or a list of `pathlib.Path`: `.txt`, `.json`/`.jsonl` and
+  `.parquet` files (json and parquet need a `"text"` field);
+* any other string is a Hub dataset name, loaded with `split="train"` (only when online).
+
+All texts are joined with newlines (for text files this restores the original line breaks), tokenized
+once without special tokens, cut into non-overlapping `seq_len` blocks, and `num_samples` blocks are
+drawn without replacement in a seeded random order.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Union
+
+import torch
+
+
+logger = logging.getLogger(__name__)
+
+TEXT_COLUMN = "text"
+_BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+
+CalibrationDataset = Union[str, os.PathLike, Sequence[str], Sequence[os.PathLike], Any]
+
+
+def _local_files(source: str | os.PathLike | Sequence[os.PathLike]) -> list[str] | None:
+    """The files a local source names, or None when `source` is not a local path (then: a Hub name)."""
+    if not isinstance(source, (str, os.PathLike)):
+        files = [os.fspath(p) for p in source]
+        missing = [f for f in files if not os.path.isfile(f)]
+        if missing:
+            raise ValueError(f"calibration files not found: {missing}.")
+        return files
+    path = os.fspath(source)
+    if os.path.isdir(path):
+        files = sorted(os.path.join(path, n) for n in os.listdir(path) if Path(n).suffix.lower() in _BUILDERS)
+        if not files:
+            raise ValueError(
+                f"directory {path!r} holds no calibration files; allowed extensions: {', '.join(sorted(_BUILDERS))}."
+            )
+        return files
+    if os.path.isfile(path):
+        return [path]
+    if glob.has_magic(path):
+        files = sorted(glob.glob(path))
+        if not files:
+            raise ValueError(f"no calibration files match the pattern {path!r}.")
+        return files
+    return None
+
+
+def _load_local(files: list[str]):
+    from datasets import load_dataset
+
+    if not files:
+        raise ValueError("the calibration data names no files.")
+    builders = {}
+    for f in files:
+        suffix = Path(f).suffix.lower()
+        if suffix not in _BUILDERS:
+            raise ValueError(
+                f"calibration file {f!r} has an unsupported extension {suffix!r}; "
+                f"allowed: {', '.join(sorted(_BUILDERS))}."
+            )
+        builders[_BUILDERS[suffix]] = f
+    if len(builders) > 1:
+        raise ValueError(f"calibration files mix formats {sorted(builders)}; pass files of one format at a time.")
+    (builder,) = builders
+    return load_dataset(builder, data_files=files, split="train")
+
+
+def load_calibration_dataset(source: CalibrationDataset):
+    """Turn any accepted calibration source into a `datasets.Dataset`."""
+    from datasets import Dataset, DatasetDict, config
+
+    if isinstance(source, Dataset):
+        return source
+    if isinstance(source, DatasetDict):
+        if "train" not in source:
+            raise ValueError(f"the DatasetDict has no 'train' split; its splits are {sorted(source)}.")
+        return source["train"]
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, str) for s in source):
+        return Dataset.from_dict({TEXT_COLUMN: list(source)})
+    if isinstance(source, (list, tuple)) and all(isinstance(s, os.PathLike) for s in source):
+        return _load_local(_local_files(source))
+    if isinstance(source, (str, os.PathLike)):
+        files = _local_files(source)
+        if files is not None:
+            return _load_local(files)
+        if isinstance(source, os.PathLike):
+            raise ValueError(f"calibration path {os.fspath(source)!r} does not exist.")
+        if config.HF_HUB_OFFLINE:
+            raise ValueError(
+                f"{source!r} is not a local file, directory or glob, and the Hub is offline "
+                "(HF_HUB_OFFLINE), so it cannot be loaded as a Hub dataset."
+            )
+        from datasets import load_dataset
+
+        return load_dataset(source, split="train")
+    raise TypeError(
+        f"unsupported calibration data of type {type(source).__name__}; allowed: a Hub dataset name, a local "
+        "file/directory/glob, a list of pathlib.Path, a datasets.Dataset, or a list of strings."
+    )
+
+
+def _texts(dataset) -> list[str]:
+    if TEXT_COLUMN not in dataset.column_names:
+        raise ValueError(
+            f"the calibration dataset has no {TEXT_COLUMN!r} column; its columns are {dataset.column_names}."
+        )
+    return [t for t in dataset[TEXT_COLUMN] if t is not None]
+
+
+def build_calibration_batches(
+    dataset: CalibrationDataset, tokenizer, seq_len: int, num_samples: int, seed: int = 0
+) -> torch.LongTensor:
+    """Tokenize, pack and sample calibration sequences.
+
+    Returns a `[num_samples, seq_len]` LongTensor of token ids. When the text holds fewer than
+    `num_samples` blocks, all blocks are returned (with a warning) rather than repeating any.
+    Deterministic for a given `seed`.
+    """
+    if tokenizer is None:
+        raise ValueError("a tokenizer is required to build calibration batches; got tokenizer=None.")
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer must be a callable Hugging Face tokenizer; got {type(tokenizer).__name__}.")
+    for name, value in (("seq_len", seq_len), ("num_samples", num_samples)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+    if isinstance(dataset, (list, tuple)) and not dataset:
+        raise ValueError("the calibration data is empty: got an empty list.")
+
+    text = "\n".join(_texts(load_calibration_dataset(dataset)))
+    if not text.strip():
+        raise ValueError("the calibration data is empty: it holds no non-whitespace text.")
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    num_blocks = len(ids) // seq_len
+    if num_blocks == 0:
+        raise ValueError(
+            f"the calibration text is too short: {len(ids)} tokens, but one block needs seq_len={seq_len} tokens."
+        )
+    if num_blocks < num_samples:
+        logger.warning(
+            "The calibration text holds %d blocks of %d tokens, fewer than num_samples=%d; using all %d.",
+            num_blocks, seq_len, num_samples, num_blocks,
+        )
+    blocks = torch.tensor(ids[: num_blocks * seq_len], dtype=torch.long).view(num_blocks, seq_len)
+    order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
+    return blocks[order[:num_samples]]

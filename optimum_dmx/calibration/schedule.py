@@ -1,0 +1,32 @@
+"""Temperature annealing of the format offset (DESIGN section 2).
+
+Each layer learns a raw offset `beta_hat`; the quantizer sees `beta = F(beta_hat, T)`, a sigmoid scaled to
+[0, 2] whose midpoint sits at `beta_hat = 1`. A low temperature keeps the relaxation smooth; raising it
+makes `F` a step at 1, so the continuous format converges to the discrete choice made after calibration.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def temperature_sigmoid(beta_hat: torch.Tensor, temperature: float) -> torch.Tensor:
+    """`F(beta_hat, T) = 2 / (1 + exp(-T (beta_hat / 2 - 0.5)))`, with `F(1, T) = 1` for every `T`."""
+    return 2.0 * torch.sigmoid(temperature * (beta_hat / 2.0 - 0.5))
+
+
+def temperature_at(step: int, steps: int, t_start: float, t_end: float, warmup_ratio: float) -> float:
+    """Temperature used at `step` (0-based) of a run of `steps` steps.
+
+    The first `int(warmup_ratio * steps)` steps use `t_start`; the remaining ones rise geometrically so
+    that the last step uses exactly `t_end`.
+    """
+    if not 0 <= step < steps:
+        raise ValueError(f"step={step!r} must lie in [0, {steps}) for a run of {steps} steps.")
+    warmup = int(warmup_ratio * steps)
+    if step < warmup:
+        return float(t_start)
+    progress = (step - warmup + 1) / (steps - warmup)
+    return float(t_start * math.exp(progress * math.log(t_end / t_start)))

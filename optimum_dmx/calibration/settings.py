@@ -1,0 +1,113 @@
+"""Calibration settings: every knob of a dMX calibration run, validated once, at construction.
+
+The defaults are the dMX paper's (DESIGN section 2). `DMXConfig` builds one of these to validate its
+calibration fields, so defaults and validation live here only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..continuous import get_format_pair
+
+
+REGULARIZERS = ("target", "simple")
+BIT_AVERAGES = ("simple", "weighted")
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+@dataclass
+class CalibrationSettings:
+    """Hyper-parameters of one dMX calibration run.
+
+    Args:
+        target_bits: average element bits the format assignment should reach (scales excluded, so
+            MXFP4 counts 4.0). Must lie within the format pair's range.
+        format_pair: `"mxfp8-mxfp4"` (E2M1 -> E3M2 -> E4M3, 4 to 8 bits) or `"mxfp6-mxfp4"`
+            (E2M1 -> E2M3, 4 to 6 bits).
+        num_samples: number of packed calibration sequences.
+        seq_len: tokens per calibration sequence.
+        batch_size: sequences per optimization step.
+        steps: number of SGD steps on the per-layer offsets.
+        lr: SGD learning rate for the offsets `beta_hat`.
+        regularizer: `"target"` for `max(0, lambda (bits - target))`, `"simple"` for `lambda bits`.
+        reg_lambda: regularizer strength lambda.
+        bit_average: `"simple"` (mean over layers) or `"weighted"` (by tensor size) average used by the
+            regularizer. Both are always reported.
+        t_start, t_end: temperature of the sigmoid that maps `beta_hat` to `beta`, before and at the end
+            of annealing.
+        t_warmup_ratio: fraction of the steps kept at `t_start` before the exponential rise to `t_end`.
+        block_size: MX block size along `in_features`.
+        quantize_activations: also quantize each targeted linear's input activation (dynamically, with the
+            layer's format).
+        modules_to_not_convert: module-name patterns left in float (see `linear_modules_to_quantize`).
+        seed: seeds data shuffling and the batch order, which makes a run deterministic.
+    """
+
+    target_bits: float = 5.0
+    format_pair: str = "mxfp8-mxfp4"
+    num_samples: int = 3200
+    seq_len: int = 2048
+    batch_size: int = 8
+    steps: int = 400
+    lr: float = 1.0
+    regularizer: str = "target"
+    reg_lambda: float = 5.0
+    bit_average: str = "simple"
+    t_start: float = 8.0
+    t_end: float = 400.0
+    t_warmup_ratio: float = 0.6
+    block_size: int = 32
+    quantize_activations: bool = True
+    modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        pair = get_format_pair(self.format_pair)
+        self.format_pair = pair.name
+        _require(
+            pair.min_bits <= self.target_bits <= pair.max_bits,
+            f"target_bits={self.target_bits!r} is outside the range of format pair {pair.name!r}: "
+            f"allowed {pair.min_bits} to {pair.max_bits}.",
+        )
+        for name in ("num_samples", "seq_len", "batch_size", "steps", "block_size"):
+            value = getattr(self, name)
+            _require(
+                isinstance(value, int) and not isinstance(value, bool) and value > 0,
+                f"{name}={value!r} must be a positive integer.",
+            )
+        _require(self.seq_len >= 2, f"seq_len={self.seq_len!r} must be at least 2 to predict a next token.")
+        _require(self.lr > 0, f"lr={self.lr!r} must be positive.")
+        _require(self.reg_lambda >= 0, f"reg_lambda={self.reg_lambda!r} must be non-negative.")
+        _require(
+            self.regularizer in REGULARIZERS,
+            f"regularizer={self.regularizer!r} is not supported; allowed: {', '.join(REGULARIZERS)}.",
+        )
+        _require(
+            self.bit_average in BIT_AVERAGES,
+            f"bit_average={self.bit_average!r} is not supported; allowed: {', '.join(BIT_AVERAGES)}.",
+        )
+        _require(
+            0 < self.t_start <= self.t_end,
+            f"temperatures must satisfy 0 < t_start <= t_end; got t_start={self.t_start!r}, t_end={self.t_end!r}.",
+        )
+        _require(
+            0.0 <= self.t_warmup_ratio <= 1.0,
+            f"t_warmup_ratio={self.t_warmup_ratio!r} must lie in [0, 1].",
+        )
+        _require(
+            isinstance(self.modules_to_not_convert, (list, tuple))
+            and all(isinstance(p, str) for p in self.modules_to_not_convert),
+            f"modules_to_not_convert={self.modules_to_not_convert!r} must be a list of module-name patterns (str).",
+        )
+        self.modules_to_not_convert = list(self.modules_to_not_convert)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain-data view (JSON-serialisable)."""
+        return dataclasses.asdict(self)

@@ -1,0 +1,109 @@
+import pytest
+import torch
+from torch.nn import functional as F
+
+from calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
+from optimum_dmx.calibration import (
+    CalibrationSettings,
+    average_bits,
+    calibrate_round_ste,
+    emulate_format_map,
+    kl_preselection,
+    kl_sensitivities,
+    linear_modules_to_quantize,
+    tensor_sizes,
+    uniform,
+    uniform_format_map,
+)
+from optimum_dmx.formats import quantize_mx
+
+
+@pytest.fixture(scope="module")
+def sensitive():
+    model, ids = sensitive_llama_and_data()
+    return model, ids[:8]
+
+
+@pytest.fixture(scope="module")
+def sensitivities(sensitive):
+    model, ids = sensitive
+    return kl_sensitivities(model, ids, CalibrationSettings(batch_size=4), progress=False)
+
+
+def settings(**overrides):
+    return CalibrationSettings(**{**dict(num_samples=8, seq_len=32, batch_size=4, steps=20), **overrides})
+
+
+@pytest.mark.parametrize("fmt, bits", [("mxfp4", 4.0), ("mxfp6_e2m3", 6.0), ("mxfp8", 8.0)])
+def test_uniform_baseline(fmt, bits):
+    model = tiny_llama()
+    result = uniform(model, fmt, settings())
+    assert len(result.format_map) == 14 and "lm_head" not in result.format_map
+    assert result.bits_simple == result.bits_weighted == bits
+    assert result.storage_bits == pytest.approx(bits + 0.25)
+    assert set(uniform_format_map(model, fmt).values()) == {result.format_map["model.layers.0.mlp.up_proj"]}
+
+
+def test_emulated_layer_equals_exact_mx_quantization():
+    model = tiny_llama()
+    linear = model.model.layers[0].mlp.down_proj
+    x = torch.randn(2, 5, 128)
+    with emulate_format_map(model, {"model.layers.0.mlp.down_proj": "mxfp6_e2m3"}):
+        emulated = model.model.layers[0].mlp.down_proj(x)
+    expected = F.linear(quantize_mx(x, "mxfp6_e2m3"), quantize_mx(linear.weight, "mxfp6_e2m3"))
+    assert torch.equal(emulated, expected)
+    assert model.model.layers[0].mlp.down_proj is linear
+    with pytest.raises(ValueError, match="mxfp6_e3m2.*not an endpoint.*mxfp4_e2m1"):
+        with emulate_format_map(model, {"model.layers.0.mlp.down_proj": "mxfp6_e3m2"}):
+            pass
+
+
+def test_kl_sensitivities_cover_every_layer_and_are_positive(sensitive, sensitivities):
+    model, _ = sensitive
+    assert set(sensitivities) == set(linear_modules_to_quantize(model, ["lm_head"]))
+    assert all(v > 0 for v in sensitivities.values())
+    assert len({round(v, 8) for v in sensitivities.values()}) > 1
+
+
+@pytest.mark.parametrize("bit_average", ["simple", "weighted"])
+@pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 5.5), ("mxfp8-mxfp4", 6.0)])
+def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target, bit_average):
+    model, ids = sensitive
+    s = settings(format_pair=pair, target_bits=target, bit_average=bit_average)
+    result = kl_preselection(model, ids, s, sensitivities=sensitivities)
+    achieved = result.bits_simple if bit_average == "simple" else result.bits_weighted
+    assert achieved <= target + 1e-9
+    # Greedy is tight: promoting any remaining low layer would break the budget.
+    names = list(result.format_map)
+    sizes = tensor_sizes([tuple(model.get_submodule(n).weight.shape) for n in names])
+    high = {"mxfp8-mxfp4": 8.0, "mxfp6-mxfp4": 6.0}[pair]
+    bits = torch.tensor([high if f != "mxfp4_e2m1" else 4.0 for f in result.format_map.values()], dtype=torch.float64)
+    for i, f in enumerate(result.format_map.values()):
+        if f == "mxfp4_e2m1":
+            trial = bits.clone()
+            trial[i] = high
+            assert average_bits(trial, bit_average, sizes).item() > target
+    # The most sensitive layer is in the high format.
+    assert result.format_map[max(sensitivities, key=sensitivities.get)] != "mxfp4_e2m1"
+    assert result.method == "kl"
+
+
+def test_kl_preselection_computes_sensitivities_itself(sensitive, sensitivities):
+    model, ids = sensitive
+    s = settings(target_bits=5.0)
+    assert kl_preselection(model, ids, s, progress=False).format_map == kl_preselection(
+        model, ids, s, sensitivities=sensitivities
+    ).format_map
+    with pytest.raises(ValueError, match="sensitivities lack 1 targeted layers"):
+        kl_preselection(model, ids, s, sensitivities={k: v for k, v in list(sensitivities.items())[1:]})
+
+
+def test_round_ste_uses_discrete_formats_and_moves_toward_the_target(sensitive):
+    model, ids = sensitive
+    result = calibrate_round_ste(model, ids, settings(target_bits=6.0, steps=20), progress=False)
+    assert result.method == "round_ste"
+    # Every forward pass sees only 4- or 8-bit layers: the average is a multiple of 4 / 14.
+    for h in result.history:
+        assert (h["bits_simple"] - 4.0) * 14 / 4 == pytest.approx(round((h["bits_simple"] - 4.0) * 14 / 4), abs=1e-5)
+    assert result.history[-1]["bits"] > 4.0
+    assert abs(result.bits_simple - 6.0) < 2.0

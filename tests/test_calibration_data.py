@@ -1,0 +1,147 @@
+import json
+import logging
+from pathlib import Path
+
+import pytest
+import torch
+from datasets import Dataset, DatasetDict
+
+from calibration_fixtures import word_tokenizer, words
+from optimum_dmx.calibration import build_calibration_batches
+
+TEXTS = [words(0, 50), words(50, 30), words(80, 40)]  # 120 tokens, ids 1..120 in order
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return word_tokenizer()
+
+
+def stream():
+    return torch.arange(1, 121)
+
+
+def assert_blocks_of_stream(batches, seq_len):
+    """Every row is one of the non-overlapping seq_len windows of the token stream, none repeated."""
+    windows = stream()[: len(stream()) // seq_len * seq_len].view(-1, seq_len)
+    positions = [next(i for i, w in enumerate(windows) if torch.equal(w, row)) for row in batches]
+    assert len(set(positions)) == len(positions)
+
+
+def test_list_of_strings_is_packed_into_blocks(tokenizer):
+    batches = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=5, seed=0)
+    assert batches.shape == (5, 10) and batches.dtype == torch.long
+    assert_blocks_of_stream(batches, 10)
+
+
+def test_shuffle_is_reproducible_and_seeded(tokenizer):
+    a = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=0)
+    b = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=0)
+    c = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=1)
+    assert torch.equal(a, b)
+    assert not torch.equal(a, c)
+    # The same blocks, in another order; all 12 blocks together rebuild the token stream.
+    assert torch.equal(a.flatten().sort().values, stream()) and torch.equal(c.flatten().sort().values, stream())
+
+
+def test_fewer_blocks_than_samples_returns_all_with_a_warning(tokenizer, caplog):
+    with caplog.at_level(logging.WARNING):
+        batches = build_calibration_batches(TEXTS, tokenizer, seq_len=50, num_samples=10, seed=0)
+    assert batches.shape == (2, 50)
+    assert "fewer than num_samples=10" in caplog.text
+
+
+def test_dataset_and_datasetdict(tokenizer):
+    expected = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=0)
+    ds = Dataset.from_dict({"text": TEXTS, "id": [0, 1, 2]})
+    assert torch.equal(build_calibration_batches(ds, tokenizer, 10, 12, 0), expected)
+    dd = DatasetDict({"train": ds})
+    assert torch.equal(build_calibration_batches(dd, tokenizer, 10, 12, 0), expected)
+    with pytest.raises(ValueError, match=r"no 'train' split; its splits are \['test'\]"):
+        build_calibration_batches(DatasetDict({"test": ds}), tokenizer, 10, 12, 0)
+
+
+@pytest.mark.parametrize("kind", ["txt", "jsonl", "json", "parquet"])
+def test_local_files(tmp_path, tokenizer, kind):
+    expected = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=0)
+    path = tmp_path / f"calib.{kind}"
+    if kind == "txt":
+        path.write_text("\n".join(TEXTS) + "\n")
+    elif kind == "jsonl":
+        path.write_text("".join(json.dumps({"text": t, "n": i}) + "\n" for i, t in enumerate(TEXTS)))
+    elif kind == "json":
+        path.write_text(json.dumps([{"text": t} for t in TEXTS]))
+    else:
+        Dataset.from_dict({"text": TEXTS}).to_parquet(str(path))
+    assert torch.equal(build_calibration_batches(str(path), tokenizer, 10, 12, 0), expected)
+    assert torch.equal(build_calibration_batches(path, tokenizer, 10, 12, 0), expected)
+
+
+def test_several_files_directory_and_glob(tmp_path, tokenizer):
+    expected = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=0)
+    for i, text in enumerate(TEXTS):
+        (tmp_path / f"part{i}.txt").write_text(text + "\n")
+    files = sorted(tmp_path.glob("*.txt"))
+    assert torch.equal(build_calibration_batches(files, tokenizer, 10, 12, 0), expected)
+    assert torch.equal(build_calibration_batches(str(tmp_path), tokenizer, 10, 12, 0), expected)
+    assert torch.equal(build_calibration_batches(str(tmp_path / "part*.txt"), tokenizer, 10, 12, 0), expected)
+
+
+def test_empty_data_errors(tmp_path, tokenizer):
+    with pytest.raises(ValueError, match="empty"):
+        build_calibration_batches([], tokenizer, 10, 4)
+    with pytest.raises(ValueError, match="empty"):
+        build_calibration_batches(["  ", "\n"], tokenizer, 10, 4)
+    (tmp_path / "blank.txt").write_text("\n\n")
+    with pytest.raises(ValueError, match="empty"):
+        build_calibration_batches(tmp_path / "blank.txt", tokenizer, 10, 4)
+
+
+def test_text_too_short_names_both_lengths(tokenizer):
+    with pytest.raises(ValueError, match="120 tokens.*seq_len=200"):
+        build_calibration_batches(TEXTS, tokenizer, seq_len=200, num_samples=4)
+
+
+def test_missing_tokenizer():
+    with pytest.raises(ValueError, match="tokenizer is required.*None"):
+        build_calibration_batches(TEXTS, None, 10, 4)
+    with pytest.raises(TypeError, match="tokenizer must be a callable.*str"):
+        build_calibration_batches(TEXTS, "gpt2", 10, 4)
+
+
+def test_dataset_without_text_column_names_its_columns(tmp_path, tokenizer):
+    ds = Dataset.from_dict({"content": TEXTS, "label": [0, 1, 2]})
+    with pytest.raises(ValueError, match=r"no 'text' column; its columns are \['content', 'label'\]"):
+        build_calibration_batches(ds, tokenizer, 10, 4)
+    path = tmp_path / "rows.jsonl"
+    path.write_text("".join(json.dumps({"body": t}) + "\n" for t in TEXTS))
+    with pytest.raises(ValueError, match=r"its columns are \['body'\]"):
+        build_calibration_batches(path, tokenizer, 10, 4)
+
+
+def test_bad_sources_are_named(tmp_path, tokenizer):
+    with pytest.raises(TypeError, match="type int.*Hub dataset name"):
+        build_calibration_batches(42, tokenizer, 10, 4)
+    (tmp_path / "data.csv").write_text("text\nw1 w2\n")
+    with pytest.raises(ValueError, match=r"'\.csv'.*\.json, \.jsonl, \.parquet, \.text, \.txt"):
+        build_calibration_batches(tmp_path / "data.csv", tokenizer, 10, 4)
+    with pytest.raises(ValueError, match="not found.*missing.txt"):
+        build_calibration_batches([Path(tmp_path / "missing.txt")], tokenizer, 10, 4)
+    with pytest.raises(ValueError, match="does not exist"):
+        build_calibration_batches(Path(tmp_path / "missing.txt"), tokenizer, 10, 4)
+    with pytest.raises(ValueError, match="no calibration files match"):
+        build_calibration_batches(str(tmp_path / "*.parquet"), tokenizer, 10, 4)
+    (tmp_path / "a.txt").write_text("w1\n")
+    (tmp_path / "b.jsonl").write_text('{"text": "w2"}\n')
+    with pytest.raises(ValueError, match=r"mix formats \['json', 'text'\]"):
+        build_calibration_batches([tmp_path / "a.txt", tmp_path / "b.jsonl"], tokenizer, 10, 4)
+    with pytest.raises(ValueError, match="num_samples=0"):
+        build_calibration_batches(TEXTS, tokenizer, 10, 0)
+
+
+def test_hub_name_refused_when_offline(monkeypatch, tokenizer):
+    import datasets
+
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    with pytest.raises(ValueError, match="'someone/some-corpus'.*offline"):
+        build_calibration_batches("someone/some-corpus", tokenizer, 10, 4)

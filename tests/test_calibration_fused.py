@@ -1,0 +1,132 @@
+"""The fused calibration quantizer against the autograd reference `quantize_mx_continuous`."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from optimum_dmx.calibration.fused import quantize_mx_continuous_fused, weight_block_exponent
+from optimum_dmx.continuous import FORMAT_PAIRS, quantize_mx_continuous
+from optimum_dmx.formats import quantize_mx
+from optimum_dmx.modules import DMXLinear
+
+BETAS = [0.0, 0.2, 0.5, 0.999, 1.0, 1.37, 1.8, 2.0]
+
+
+def sample(shape, dtype, seed=0):
+    """Gaussian blocks with per-row magnitudes over 8 decades, exact zeros and a tie-heavy row."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * torch.logspace(-4, 4, shape[0]).unsqueeze(-1)
+    x[0, : shape[1] // 3] = 0.0
+    x[1] = torch.randint(-12, 13, (shape[1],), generator=g) * 0.25
+    return x.to(dtype)
+
+
+def both(x, beta, pair, block_size=32):
+    """Values and gradients (w.r.t. x and beta) of the reference and of the fused quantizer."""
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.dtype)
+    results = []
+    for fn in (quantize_mx_continuous, quantize_mx_continuous_fused):
+        xi = x.clone().requires_grad_(True)
+        b = torch.tensor(beta, requires_grad=True)
+        y = fn(xi, b, pair, block_size)
+        (y.float() * grad_out.float()).sum().backward()
+        results.append((y.detach(), xi.grad, b.grad))
+    return results, grad_out
+
+
+@pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("beta", BETAS)
+def test_values_bit_identical_and_gradients_close(pair, dtype, beta):
+    x = sample((24, 96), dtype)
+    ((ref_y, ref_gx, ref_gb), (fused_y, fused_gx, fused_gb)), grad_out = both(x, beta, pair)
+    assert fused_y.dtype == x.dtype
+    bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+    assert torch.equal(fused_y.view(bits), ref_y.view(bits))
+    torch.testing.assert_close(fused_gx, ref_gx, rtol=1e-4, atol=1e-5)
+    # beta's gradient is a sum of many signed terms: compare relative to the sum of their magnitudes.
+    scale = (grad_out.float().abs() * (x.float().abs() + 1e-30)).sum().item()
+    assert abs(fused_gb.item() - ref_gb.item()) <= 1e-5 * scale
+    assert fused_gb.item() != 0.0
+
+
+@pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
+def test_integer_endpoints_equal_the_exact_mx_quantizer(pair):
+    x = sample((16, 64), torch.float32)
+    p = FORMAT_PAIRS[pair]
+    for beta, fmt in ((0.0, p.low), (2.0, p.high)):
+        assert torch.equal(quantize_mx_continuous_fused(x, torch.tensor(beta), pair), quantize_mx(x, fmt))
+
+
+@pytest.mark.parametrize("last_dim", [40, 70])
+def test_padded_last_block_and_leading_dims(last_dim):
+    x = sample((12, last_dim), torch.float32).view(3, 4, last_dim)
+    ((ref_y, ref_gx, ref_gb), (fused_y, fused_gx, fused_gb)), _ = both(x, 0.7, "mxfp8-mxfp4")
+    assert torch.equal(fused_y, ref_y) and fused_y.shape == x.shape
+    torch.testing.assert_close(fused_gx, ref_gx, rtol=1e-4, atol=1e-5)
+    assert fused_gb.item() == pytest.approx(ref_gb.item(), rel=1e-4)
+
+
+def test_cached_block_exponent_and_no_grad_path_give_the_same_values():
+    w = sample((32, 64), torch.float32)
+    beta = torch.tensor(1.3)
+    reference = quantize_mx_continuous(w, beta, "mxfp8-mxfp4")
+    cached = quantize_mx_continuous_fused(w, beta, "mxfp8-mxfp4", block_exponent=weight_block_exponent(w))
+    with torch.no_grad():
+        no_grad = quantize_mx_continuous_fused(w, beta.requires_grad_(True), "mxfp8-mxfp4")
+    assert torch.equal(cached, reference) and torch.equal(no_grad, reference)
+
+
+def test_frozen_input_gets_no_gradient_but_beta_does():
+    w = sample((8, 64), torch.float32)
+    beta = torch.tensor(0.4, requires_grad=True)
+    quantize_mx_continuous_fused(w, beta, "mxfp6-mxfp4").sum().backward()
+    assert w.grad is None and beta.grad is not None
+
+
+def test_nan_block_stays_nan():
+    x = sample((4, 64), torch.float32)
+    x[2, 5] = float("nan")
+    y = quantize_mx_continuous_fused(x, torch.tensor(0.6), "mxfp8-mxfp4")
+    assert y[2, :32].isnan().all() and not y[2, 32:].isnan().any() and not y[[0, 1, 3]].isnan().any()
+
+
+def test_beta_must_be_a_scalar_tensor():
+    with pytest.raises(ValueError, match="0-dim"):
+        quantize_mx_continuous_fused(torch.ones(4, 32), torch.ones(2), "mxfp8-mxfp4")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
+def test_dmx_linear_matches_the_reference_layer(dtype, pair):
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 48).to(dtype)
+    layer = DMXLinear(linear, pair, temperature=8.0)
+    assert layer.weight is linear.weight and layer.bias is linear.bias
+    layer.beta_hat.data.fill_(0.9)
+    x = torch.randn(5, 7, 64, dtype=dtype, requires_grad=True)
+    y = layer(x)
+    y.float().square().sum().backward()
+
+    beta_hat = torch.tensor(0.9, requires_grad=True)
+    beta = 2 * torch.sigmoid(8.0 * (beta_hat / 2 - 0.5))
+    x_ref = x.detach().clone().requires_grad_(True)
+    w = quantize_mx_continuous(linear.weight.detach(), beta, pair)
+    y_ref = F.linear(quantize_mx_continuous(x_ref, beta, pair), w, linear.bias.detach())
+    y_ref.float().square().sum().backward()
+
+    assert y.dtype == dtype and torch.equal(y, y_ref)
+    assert layer.beta_hat.grad.item() == pytest.approx(beta_hat.grad.item(), rel=1e-3)
+    torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-3, atol=1e-5)
+
+
+def test_dmx_linear_discrete_format_and_straight_through():
+    layer = DMXLinear(torch.nn.Linear(32, 8), "mxfp6-mxfp4", straight_through=True)
+    assert layer.discrete_format.name == "mxfp4_e2m1" and layer.beta().item() == 0.0
+    layer.beta_hat.data.fill_(1.0)
+    assert layer.discrete_format.name == "mxfp6_e2m3" and layer.beta().item() == 2.0
+    assert layer.element_bits().item() == 6.0
+    layer.element_bits().backward()
+    assert layer.beta_hat.grad.item() == pytest.approx(8.0 / 4)  # dF/dbeta_hat at 1 is T / 4 (T = 8)
+    x = torch.randn(3, 32)
+    assert torch.equal(layer(x), F.linear(quantize_mx(x, "mxfp6_e2m3"), quantize_mx(layer.weight, "mxfp6_e2m3"), layer.bias))

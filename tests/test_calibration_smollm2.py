@@ -1,0 +1,52 @@
+"""End-to-end checks on the real SmolLM2-135M benchmark model (slow; needs the model built by
+`shared/bench/build_smollm2.py`, found through $DMX_BENCH_MODEL or the builder's default cache)."""
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from optimum_dmx.calibration import CalibrationSettings, build_calibration_batches, calibrate, emulate_format_map, uniform_format_map
+from optimum_dmx.evaluation import evaluate_perplexity
+
+pytestmark = pytest.mark.slow
+
+MODEL = Path(os.environ.get("DMX_BENCH_MODEL", Path.home() / ".cache/dmx-bench/smollm2-135m"))
+DATA = Path(os.environ.get("DMX_BENCH_DATA", "/work/shared/data"))
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    if not (MODEL / "config.json").exists() or not DATA.is_dir():
+        pytest.skip(f"benchmark model ({MODEL}) or texts ({DATA}) not available")
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(MODEL)
+
+
+def held_out(name: str) -> str:
+    text = (DATA / name).read_text()
+    return text[len(text) // 10 :]
+
+
+@pytest.mark.parametrize("fmt, reference", [(None, 27.05), ("mxfp8_e4m3", 28.65), ("mxfp4_e2m1", 101.35)])
+def test_reproduces_the_reference_perplexities(smollm2, fmt, reference):
+    """The data README's numbers: 4,096 tokens of Pride and Prejudice from 10% in, 512-token windows."""
+    model, tokenizer = smollm2
+    format_map = uniform_format_map(model, fmt, ["lm_head"]) if fmt else {}
+    with emulate_format_map(model, format_map):
+        result = evaluate_perplexity(model, tokenizer, held_out("austen_prideprejudice.txt"), 512, 4096, 4)
+    assert result.perplexity == pytest.approx(reference, abs=0.01)
+
+
+def test_short_calibration_on_austen_moves_toward_the_target(smollm2):
+    model, tokenizer = smollm2
+    files = sorted(DATA.glob("austen_*.txt"))
+    files = [f for f in files if "prideprejudice" not in f.name]
+    ids = build_calibration_batches(files, tokenizer, seq_len=128, num_samples=16, seed=0)
+    settings = CalibrationSettings(target_bits=5.0, num_samples=16, seq_len=128, batch_size=2, steps=12)
+    result = calibrate(model, ids, settings, progress=False)
+    assert len(result.format_map) == 210
+    assert result.history[-1]["bits"] > result.history[0]["bits"]

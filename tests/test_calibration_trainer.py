@@ -1,0 +1,145 @@
+import json
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
+from optimum_dmx.calibration import CalibrationSettings, calibrate, linear_modules_to_quantize
+from optimum_dmx.modules import DMXLinear
+
+
+@pytest.fixture(scope="module")
+def sensitive():
+    return sensitive_llama_and_data()
+
+
+def settings(**overrides) -> CalibrationSettings:
+    base = dict(target_bits=5.0, num_samples=16, seq_len=32, batch_size=4, steps=6)
+    return CalibrationSettings(**{**base, **overrides})
+
+
+def test_linear_modules_to_quantize_matches_at_module_boundaries():
+    model = tiny_llama()
+    names = set(linear_modules_to_quantize(model, ["lm_head"]))
+    assert len(names) == 14 and "lm_head" not in names
+    assert set(linear_modules_to_quantize(model, None)) == names | {"lm_head"}
+    # suffix at a boundary
+    kept = linear_modules_to_quantize(model, ["lm_head", "mlp.down_proj"])
+    assert not any(n.endswith("down_proj") for n in kept) and len(kept) == 12
+    assert len(linear_modules_to_quantize(model, ["lm_head", "own_proj"])) == 14
+    # prefix at a boundary, and a full name
+    kept = linear_modules_to_quantize(model, ["lm_head", "model.layers.1"])
+    assert all(n.startswith("model.layers.0.") for n in kept) and len(kept) == 7
+    assert len(linear_modules_to_quantize(model, ["lm_head", "model.layers.1.self"])) == 14
+    assert "model.layers.0.self_attn.q_proj" not in linear_modules_to_quantize(model, ["model.layers.0.self_attn.q_proj"])
+
+
+def test_calibration_restores_the_model():
+    model = tiny_llama()
+    model.train()
+    model.model.embed_tokens.weight.requires_grad_(False)
+    before = {n: m for n, m in model.named_modules()}
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    ids = torch.randint(0, 128, (8, 16), generator=torch.Generator().manual_seed(0))
+    result = calibrate(model, ids, settings(steps=2, seq_len=16, num_samples=8), progress=False)
+    after = {n: m for n, m in model.named_modules()}
+    assert after.keys() == before.keys() and all(after[n] is before[n] for n in before)
+    assert not any(isinstance(m, DMXLinear) for m in model.modules())
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert model.training and not model.model.embed_tokens.weight.requires_grad
+    assert all(p.requires_grad for n, p in model.named_parameters() if "embed" not in n)
+    assert all(p.grad is None for p in model.parameters())
+    assert set(result.format_map) == set(linear_modules_to_quantize(model, ["lm_head"]))
+
+
+def test_restores_the_model_when_a_step_fails():
+    model = tiny_llama()
+    before = {n: m for n, m in model.named_modules()}
+    bad_ids = torch.full((4, 16), 10_000)  # out of the vocabulary: the embedding lookup fails
+    with pytest.raises(IndexError):
+        calibrate(model, bad_ids, settings(steps=1, seq_len=16), progress=False)
+    assert all(m is before[n] for n, m in model.named_modules())
+
+
+def test_deterministic_for_a_seed(sensitive):
+    model, ids = sensitive
+    a = calibrate(model, ids, settings(seed=1), progress=False)
+    b = calibrate(model, ids, settings(seed=1), progress=False)
+    c = calibrate(model, ids, settings(seed=2), progress=False)
+    assert a.history == b.history and a.beta_hat == b.beta_hat and a.format_map == b.format_map
+    assert [h["task_loss"] for h in a.history] != [h["task_loss"] for h in c.history]
+
+
+def test_bits_move_up_toward_a_high_target(sensitive):
+    model, ids = sensitive
+    result = calibrate(model, ids, settings(target_bits=8.0, steps=30), progress=False)
+    start, end = result.history[0]["bits"], result.history[-1]["bits"]
+    assert start == pytest.approx(4.0 + 4 / (1 + math.exp(4)), abs=1e-4)  # beta_hat = 0 at T = 8
+    assert end > start + 1.0
+    assert result.bits_simple > 5.0
+    assert result.history[-1]["task_loss"] < result.history[0]["task_loss"]
+
+
+def test_bits_come_down_to_a_low_target(sensitive):
+    model, ids = sensitive
+    result = calibrate(model, ids, settings(target_bits=4.5, steps=40), progress=False)
+    bits = [h["bits"] for h in result.history]
+    peak = max(bits)
+    assert peak > 4.6  # the task loss pushes above the target ...
+    assert abs(bits[-1] - 4.5) < peak - 4.5  # ... and the regularizer pulls back toward it
+    assert abs(result.bits_simple - 4.5) <= 4 / 14 + 1e-9  # within one layer's step (14 layers)
+
+
+def test_simple_regularizer_and_weighted_average_are_used(sensitive):
+    model, ids = sensitive
+    result = calibrate(model, ids, settings(regularizer="simple", reg_lambda=50.0, bit_average="weighted", steps=10), progress=False)
+    first = result.history[0]
+    assert first["bits"] == pytest.approx(first["bits_weighted"])
+    assert first["reg_loss"] == pytest.approx(50.0 * first["bits_weighted"], rel=1e-5)
+    assert result.history[-1]["bits"] < first["bits"]  # a strong plain size penalty only pushes down
+
+
+def test_history_and_json(tmp_path, sensitive):
+    model, ids = sensitive
+    s = settings(steps=5)
+    result = calibrate(model, ids, s, progress=False)
+    assert [h["step"] for h in result.history] == list(range(5))
+    assert [h["temperature"] for h in result.history][:3] == [8.0] * 3
+    assert result.history[-1]["temperature"] == pytest.approx(400.0)
+    for h in result.history:
+        assert h["loss"] == pytest.approx(h["task_loss"] + h["reg_loss"], rel=1e-5)
+    path = tmp_path / "result.json"
+    result.to_json(path)
+    loaded = json.loads(path.read_text())
+    assert loaded["format_map"] == result.format_map and loaded["history"] == result.history
+    assert loaded["method"] == "dmx" and loaded["storage_bits"] == pytest.approx(result.bits_weighted, abs=0.5)
+
+
+def test_discretization_threshold_is_beta_hat_one(sensitive):
+    model, ids = sensitive
+    result = calibrate(model, ids, settings(target_bits=8.0, steps=20), progress=False)
+    for name, fmt in result.format_map.items():
+        assert (fmt == "mxfp8_e4m3") == (result.beta_hat[name] >= 1.0)
+    assert {"mxfp8_e4m3", "mxfp4_e2m1"} >= set(result.format_map.values())
+
+
+def test_bf16_model_calibrates():
+    model = tiny_llama(dtype=torch.bfloat16)
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    result = calibrate(model, ids, settings(steps=2, seq_len=16), progress=False)
+    assert all(torch.isfinite(torch.tensor(h["loss"])) for h in result.history)
+    assert any(v != 0.0 for v in result.beta_hat.values())
+
+
+def test_invalid_inputs():
+    model = tiny_llama()
+    with pytest.raises(TypeError, match="CalibrationSettings.*dict"):
+        calibrate(model, torch.zeros(2, 8, dtype=torch.long), {"steps": 1})
+    with pytest.raises(ValueError, match="2-D LongTensor"):
+        calibrate(model, torch.zeros(8, dtype=torch.long), settings())
+    with pytest.raises(ValueError, match="no nn.Linear left"):
+        calibrate(model, torch.zeros(2, 8, dtype=torch.long), settings(modules_to_not_convert=["model", "lm_head"]))
+    with pytest.raises(ValueError, match="no nn.Linear left"):
+        calibrate(nn.Sequential(nn.Embedding(4, 4)), torch.zeros(2, 8, dtype=torch.long), settings())
