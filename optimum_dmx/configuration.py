@@ -167,7 +167,7 @@ def _validate_format_map(format_map: Mapping[str, str] | None) -> dict[str, str]
     for module_name, fmt in format_map.items():
         try:
             canonical[module_name] = get_format(fmt).name
-        except (ValueError, KeyError, TypeError) as err:
+        except ValueError as err:
             raise ValueError(
                 f"format_map[{module_name!r}] = {fmt!r} is not an MX format; allowed: {sorted(MX_FORMATS)}"
             ) from err

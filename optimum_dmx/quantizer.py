@@ -52,32 +52,34 @@ def apply_dmx(model: nn.Module, config: DMXConfig, tokenizer: Any = None) -> DMX
     `tokenizer`, default `config.tokenizer`) first. Everything is checked before any weight is touched.
     The returned config holds the format map and achieved bits and no dataset or tokenizer.
     """
+    from .calibration.trainer import result_from_format_map
     from .modules import replace_with_mx_linear
 
     tokenizer = config.tokenizer if tokenizer is None else tokenizer
     check_calibration_inputs(config, tokenizer)
     _check_not_quantized(model)
+    settings = config.calibration_settings()
     if config.needs_calibration:
         from .calibration.data import build_calibration_batches
         from .calibration.trainer import calibrate
 
-        settings = config.calibration_settings()
         input_ids = build_calibration_batches(
             config.dataset, tokenizer, settings.seq_len, settings.num_samples, settings.seed
         )
-        result = calibrate(model, input_ids, settings)
-        format_map = result.format_map
-        bits = {
-            "bits_simple": result.bits_simple,
-            "bits_weighted": result.bits_weighted,
-            "storage_bits": result.storage_bits,
-        }
+        format_map = calibrate(model, input_ids, settings).format_map
     else:
-        format_map, bits = config.format_map, {}
+        format_map = config.format_map
+    linears = dict(model.named_modules())  # the float linears, for the bit accounting
     replace_with_mx_linear(
         model, format_map, block_size=config.block_size, quantize_activations=config.quantize_activations
     )
-    return config.with_result(format_map, **bits)
+    result = result_from_format_map(format_map, {name: linears[name] for name in format_map}, settings)
+    return config.with_result(
+        format_map,
+        bits_simple=result.bits_simple,
+        bits_weighted=result.bits_weighted,
+        storage_bits=result.storage_bits,
+    )
 
 
 class DMXQuantizer(OptimumQuantizer):

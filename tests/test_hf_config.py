@@ -43,11 +43,16 @@ def test_target_bits_at_the_range_ends_is_accepted(pair, bits):
 
 
 @pytest.mark.parametrize(
-    ("field", "value"),
-    [("format_pair", "mxfp8-mxfp6"), ("regularizer", "l2"), ("bit_average", "median"), ("steps", 0)],
+    ("field", "value", "message"),
+    [
+        ("format_pair", "mxfp8-mxfp6", "'mxfp8-mxfp6'.*mxfp8-mxfp4, mxfp6-mxfp4"),
+        ("regularizer", "l2", "regularizer='l2'.*target, simple"),
+        ("bit_average", "median", "bit_average='median'.*simple, weighted"),
+        ("steps", 0, "steps=0"),
+    ],
 )
-def test_invalid_settings_are_rejected_naming_the_field(field, value):
-    with pytest.raises(ValueError, match=field):
+def test_invalid_settings_are_rejected_naming_the_value_and_what_is_allowed(field, value, message):
+    with pytest.raises(ValueError, match=message):
         DMXConfig(**{field: value})
 
 

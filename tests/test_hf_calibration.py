@@ -1,0 +1,75 @@
+"""Calibrating while loading: from_pretrained(float, quantization_config=DMXConfig(dataset=..., tokenizer=...))."""
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+
+from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear
+
+from .hf_utils import INPUT_IDS, cycling_format_map
+
+CALIBRATION = {"num_samples": 8, "seq_len": 16, "batch_size": 4, "steps": 3, "seed": 3}
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[UNK]": 0, **{f"w{i}": i for i in range(1, 128)}}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
+
+
+class UncopyableTexts(list):
+    """Calibration text that, like a generator or a stream, cannot be deep-copied."""
+
+    def __deepcopy__(self, memo):
+        raise TypeError("calibration data cannot be copied")
+
+
+def _texts(n: int = 40) -> list[str]:
+    rng = random.Random(0)
+    return [" ".join(f"w{rng.randrange(1, 128)}" for _ in range(20)) for _ in range(n)]
+
+
+def test_from_pretrained_calibrates_and_records_the_result(tmp_path, tiny_llama_dir, tokenizer):
+    # from_pretrained deep-copies its arguments: the config must share the dataset, not copy it
+    config = DMXConfig(target_bits=5.0, dataset=UncopyableTexts(_texts()), tokenizer=tokenizer, **CALIBRATION)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
+
+    expected_modules = set(cycling_format_map(tiny_llama_dir))
+    formats = {n: m.fmt.name for n, m in model.named_modules() if isinstance(m, MXLinear)}
+    assert set(formats) == expected_modules
+    assert set(formats.values()) <= {"mxfp4_e2m1", "mxfp8_e4m3"}  # the pair's two endpoints
+
+    recorded = model.config.quantization_config
+    assert recorded.format_map == formats
+    assert recorded.dataset is None and recorded.tokenizer is None
+    assert 4.0 <= recorded.bits_simple <= 8.0 and 4.0 <= recorded.bits_weighted <= 8.0
+    assert recorded.storage_bits > recorded.bits_weighted - 1e-9
+
+    model.save_pretrained(tmp_path / "dmx")
+    saved = json.loads((tmp_path / "dmx" / "config.json").read_text())["quantization_config"]
+    for key, value in {**CALIBRATION, "target_bits": 5.0, "format_pair": "mxfp8-mxfp4", "format_map": formats}.items():
+        assert saved[key] == value, key
+    for key in ("bits_simple", "bits_weighted", "storage_bits", "lr", "reg_lambda", "t_start", "t_end"):
+        assert saved[key] is not None, key
+
+    # the reload has no dataset: it can only succeed without calibrating
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")
+    with torch.no_grad():
+        assert torch.equal(reloaded(INPUT_IDS).logits, model(INPUT_IDS).logits)
+
+
+def test_dmx_quantizer_calibrates_with_the_given_tokenizer(tiny_qwen3_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    config = DMXConfig(target_bits=5.0, format_pair="mxfp6-mxfp4", dataset=_texts(), **CALIBRATION)
+    DMXQuantizer(config).quantize_model(model, tokenizer)
+    formats = model.config.quantization_config.format_map
+    assert set(formats) == set(cycling_format_map(tiny_qwen3_dir))
+    assert set(formats.values()) <= {"mxfp4_e2m1", "mxfp6_e2m3"}
+    assert all(isinstance(model.get_submodule(name), MXLinear) for name in formats)
