@@ -185,29 +185,53 @@ def _shared_exponents(blocks: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     return k.masked_fill_(~finite, E8M0_NAN - E8M0_BIAS)
 
 
-def _block_scale(k: torch.Tensor) -> torch.Tensor:
-    """``2^k`` as float32 (``2^-127`` is an fp32 subnormal, so not built from bits); NaN for NaN blocks."""
-    scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.clamp(max=127))
+def _block_scale(k: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """``2^(k + shift)`` as float32 (``ldexp``, since ``2^-127`` is an fp32 subnormal); NaN for NaN blocks."""
+    scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.clamp(max=127) + shift)
     return scale.masked_fill_(k > 127, math.nan)
+
+
+def _float8_carrier(fmt: MXFormat) -> tuple[torch.dtype, int] | None:
+    """A native float8 dtype that rounds exactly like ``fmt`` once values are scaled by ``2^-shift``.
+
+    A float8 type with the same mantissa width rounds identically (half to even, subnormals included) when
+    its smallest normal is aligned with ``fmt``'s, which a power-of-two shift does: E4M3 carries MXFP8 E4M3
+    (shift 0) and MXFP6 E2M3 (shift 6), E5M2 carries MXFP6 E3M2 (shift 12). E2M1 has no float8 carrier.
+    """
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        info = torch.finfo(dtype)
+        if round(-math.log2(info.eps)) == fmt.mbits:
+            shift = fmt.emin - round(math.log2(info.smallest_normal))
+            if fmt.max_normal * 2.0**-shift <= info.max:
+                return dtype, shift
+    return None
 
 
 def _round_elements(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     """Round block-scaled elements to ``fmt`` in place: RNE to the element grid, then saturate."""
-    if fmt.name == "mxfp8_e4m3":
-        # The native cast rounds half to even with E4M3 subnormals; saturate first (no Inf in E4M3).
-        return v.clamp_(-fmt.max_normal, fmt.max_normal).to(torch.float8_e4m3fn).float()
     # Grid step of each element: 2^(max(floor(log2|v|), emin) - mbits), from the exponent field.
     exponent_field = (v.view(torch.int32) & _FP32_EXPONENT_MASK).clamp_(min=(fmt.emin + 127) << 23)
     step = exponent_field.sub_(fmt.mbits << _FP32_MANTISSA_BITS).view(torch.float32)
     return v.div_(step).round_().mul_(step).clamp_(-fmt.max_normal, fmt.max_normal)
 
 
-def _quantize_blocks(blocks: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, torch.Tensor]:
-    """Element values in units of the block scale (float32) and the unbiased shared exponents."""
+def _quantize_blocks(blocks: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Round blocks to ``fmt``: elements in units of ``2^-shift`` element units, shared exponents, ``shift``.
+
+    The value of an element is ``elements * 2^(k + shift)``. With a float8 carrier (``shift`` may be non-zero)
+    the rounding is one native cast; otherwise it is done on the float32 bit pattern (``shift`` 0).
+    """
     k = _shared_exponents(blocks, fmt)
+    carrier = _float8_carrier(fmt)
+    # The carrier's output scale 2^(k + shift) must stay a finite float32: true unless amax >= ~2^120.
+    if carrier is not None and int(k.masked_fill(k > 127, -127).max()) + carrier[1] <= 127:
+        dtype, shift = carrier
+        bound = fmt.max_normal * 2.0**-shift
+        scaled = blocks * _block_scale(-k.clamp(max=127), -shift)
+        rounded = scaled.clamp_(-bound, bound).to(dtype)
+        return scaled.copy_(rounded), k, shift  # reuse the float32 buffer: cheaper than a new allocation
     # 1 / 2^k for k in [-127, 125] is a normal float32; NaN blocks are fixed by their NaN scale later.
-    v = blocks * _pow2(-k.clamp(max=125))
-    return _round_elements(v, fmt), k
+    return _round_elements(blocks * _pow2(-k.clamp(max=125)), fmt), k, 0
 
 
 def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> torch.Tensor:
@@ -224,8 +248,8 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> t
     fmt = get_format(fmt)
     block_size = validate_block_size(block_size)
     validate_input(x)
-    elements, k = _quantize_blocks(to_blocks(x, block_size), fmt)
-    y = elements.mul_(_block_scale(k))
+    elements, k, shift = _quantize_blocks(to_blocks(x, block_size), fmt)
+    y = elements.mul_(_block_scale(k, shift))
     return y.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)
 
 
@@ -325,8 +349,8 @@ def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> MXPac
     fmt = get_format(fmt)
     block_size = validate_block_size(block_size)
     validate_input(x)
-    elements, k = _quantize_blocks(to_blocks(x, block_size), fmt)
-    codes = _element_codes(elements, fmt).masked_fill_(k > 127, 0)
+    elements, k, shift = _quantize_blocks(to_blocks(x, block_size), fmt)
+    codes = _element_codes(elements * 2.0**shift, fmt).masked_fill_(k > 127, 0)
     codes = codes.reshape(*x.shape[:-1], -1)
     codes_shape, _ = packed_shapes(x.shape, fmt, block_size)
     codes = torch.nn.functional.pad(codes, (0, codes_shape[-1] * 8 // fmt.bits - codes.shape[-1]))

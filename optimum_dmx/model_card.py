@@ -1,0 +1,207 @@
+"""Model cards for dMX checkpoints: a Hub-ready README.md and a per-layer format heatmap.
+
+The card is rendered from what ``config.json`` records (the ``quantization_config`` of a dMX model) plus
+facts only the caller knows (base model, calibration data, checkpoint sizes, perplexities). The template
+lives in ``model_cards/dmx_model_card.md`` (installed as the package data ``optimum_dmx.model_cards``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from .continuous import get_format_pair
+from .formats import MX_FORMATS
+
+README_NAME = "README.md"
+HEATMAP_NAME = "dmx_format_map.png"
+TEMPLATE_NAME = "dmx_model_card.md"
+# Decoder-layer linears: "<prefix>.layers.<index>.<projection path>"
+_LAYER_PATTERN = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
+_FORMAT_COLOURS = {"mxfp4_e2m1": "#d7191c", "mxfp6_e3m2": "#fdae61", "mxfp6_e2m3": "#a6d96a", "mxfp8_e4m3": "#1a9641"}
+
+
+@dataclass
+class PerplexityResult:
+    """One perplexity measurement for the card: the text, the protocol, and the two numbers."""
+
+    text: str
+    protocol: str
+    before: float | None
+    after: float
+
+
+@dataclass
+class ModelCardInfo:
+    """What the card needs beyond ``quantization_config``; every field is optional."""
+
+    base_model: str | None = None
+    repo_id: str | None = None
+    calibration_data: str | None = None
+    calibration_seconds: float | None = None
+    checkpoint_bytes: int | None = None
+    float_checkpoint_bytes: int | None = None
+    perplexities: Sequence[PerplexityResult] = field(default_factory=list)
+    license: str | None = None
+
+
+def layer_grid(format_map: Mapping[str, str]) -> tuple[list[int], list[str], dict[tuple[int, str], str]]:
+    """Decoder layer indices, projection names (in first-seen order) and ``(layer, projection) -> format``."""
+    cells: dict[tuple[int, str], str] = {}
+    projections: list[str] = []
+    for name, fmt in format_map.items():
+        match = _LAYER_PATTERN.match(name)
+        if match is None:
+            continue
+        layer, projection = int(match.group(1)), match.group(2)
+        if projection not in projections:
+            projections.append(projection)
+        cells[(layer, projection)] = fmt
+    return sorted({layer for layer, _ in cells}), projections, cells
+
+
+def save_format_heatmap(format_map: Mapping[str, str], path: str | Path) -> Path | None:
+    """Save a decoder-layer x projection heatmap of the formats as PNG; ``None`` if no layer names match."""
+    layers, projections, cells = layer_grid(format_map)
+    if not cells:
+        return None
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+    from matplotlib.colors import ListedColormap
+    from matplotlib.patches import Patch
+
+    names = list(MX_FORMATS)
+    grid = [[names.index(cells[(layer, p)]) if (layer, p) in cells else -1 for p in projections] for layer in layers]
+    cmap = ListedColormap(["#eeeeee"] + [_FORMAT_COLOURS[n] for n in names])
+    fig, ax = plt.subplots(figsize=(1.1 + 0.9 * len(projections), 1.2 + 0.22 * len(layers)))
+    ax.imshow([[v + 1 for v in row] for row in grid], cmap=cmap, vmin=0, vmax=len(names), aspect="auto")
+    ax.set_xticks(range(len(projections)), [p.split(".")[-1] for p in projections], rotation=45, ha="right")
+    ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
+    ax.set_ylabel("decoder layer")
+    used = sorted({fmt for fmt in cells.values()}, key=names.index)
+    ax.legend(handles=[Patch(color=_FORMAT_COLOURS[n], label=n) for n in used], loc="upper left",
+              bbox_to_anchor=(1.02, 1), frameon=False)
+    ax.set_title("dMX format per layer")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def _fmt_bits(value: Any) -> str:
+    return "n/a" if value is None else f"{value:.3f}"
+
+
+def _format_table(format_map: Mapping[str, str]) -> str:
+    layers, projections, cells = layer_grid(format_map)
+    short = {name: f"{name[:5].upper()} {name[6:].upper()}" for name in MX_FORMATS}
+    lines = []
+    if cells:
+        lines += ["| layer | " + " | ".join(projections) + " |", "|---" * (len(projections) + 1) + "|"]
+        for layer in layers:
+            row = [short.get(cells.get((layer, p), ""), "-") for p in projections]
+            lines.append(f"| {layer} | " + " | ".join(row) + " |")
+    others = {n: f for n, f in format_map.items() if _LAYER_PATTERN.match(n) is None}
+    if others:
+        lines += ["", "| module | format |", "|---|---|"] + [f"| `{n}` | {short[f]} |" for n, f in others.items()]
+    return "\n".join(lines)
+
+
+def _metadata(config: Mapping[str, Any], info: ModelCardInfo) -> str:
+    formats_used = sorted(set(config["format_map"].values()))
+    tags = ["dmx", "mx-formats", "mxfp4", "quantized", "mixed-precision"]
+    tags += [f.split("_")[0] for f in formats_used if f.split("_")[0] not in tags]
+    lines = ["library_name: transformers"]
+    if info.license:
+        lines.append(f"license: {info.license}")
+    if info.base_model:
+        lines += ["base_model:", f"- {info.base_model}", "base_model_relation: quantized"]
+    lines += ["tags:"] + [f"- {tag}" for tag in tags]
+    return "\n".join(lines)
+
+
+def _size_row(info: ModelCardInfo) -> str:
+    if not (info.checkpoint_bytes and info.float_checkpoint_bytes):
+        return ""
+    ratio = info.checkpoint_bytes / info.float_checkpoint_bytes
+    return (f"| Checkpoint size | {info.checkpoint_bytes / 2**20:.1f} MiB, {ratio:.3f} x the float checkpoint "
+            f"({info.float_checkpoint_bytes / 2**20:.1f} MiB) |\n")
+
+
+def _calibration_section(config: Mapping[str, Any], info: ModelCardInfo) -> str:
+    if config.get("target_bits") is None or config.get("steps") is None:
+        return "The format map was given explicitly (no calibration)."
+    settings = ", ".join(
+        f"{key}={config[key]}"
+        for key in ("steps", "batch_size", "seq_len", "num_samples", "lr", "regularizer", "reg_lambda",
+                    "bit_average", "t_start", "t_end", "t_warmup_ratio", "seed")
+        if config.get(key) is not None
+    )
+    data = info.calibration_data or "not recorded"
+    text = f"Calibration data: {data}.\n\nSettings: {settings}."
+    if info.calibration_seconds is not None:
+        text += f" Calibration took {info.calibration_seconds / 60:.1f} min."
+    return text
+
+
+def _evaluation_section(info: ModelCardInfo) -> str:
+    if not info.perplexities:
+        return ""
+    lines = ["\n## Evaluation\n", "| text | protocol | perplexity (float) | perplexity (dMX) |", "|---|---|---|---|"]
+    for r in info.perplexities:
+        before = "n/a" if r.before is None else f"{r.before:.2f}"
+        lines.append(f"| {r.text} | {r.protocol} | {before} | {r.after:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInfo | None = None) -> str:
+    """The README.md text of a dMX model card, from ``quantization_config.to_dict()`` and ``info``."""
+    info = info or ModelCardInfo()
+    config = dict(quantization_config)
+    if not config.get("format_map"):
+        raise ValueError("A dMX model card needs a quantization_config with a format_map (quantize the model first).")
+    pair = get_format_pair(config.get("format_pair") or "mxfp8-mxfp4")
+    counts = Counter(config["format_map"].values())
+    base = info.base_model or "a transformers model"
+    values = {
+        "metadata": _metadata(config, info),
+        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(config.get('bits_simple'))} bits)" if info.base_model
+        else "dMX mixed-precision MX model",
+        "base_model_label": f"[{info.base_model}](https://huggingface.co/{info.base_model})" if info.base_model and "/" in info.base_model else base,
+        "kept": ", ".join(f"`{m}`" for m in config.get("modules_to_not_convert") or []) or "none",
+        "format_pair": pair.name,
+        "low_format": pair.low.name,
+        "high_format": pair.high.name,
+        "target_bits": "n/a" if config.get("target_bits") is None else f"{config['target_bits']}",
+        "bits_simple": _fmt_bits(config.get("bits_simple")),
+        "bits_weighted": _fmt_bits(config.get("bits_weighted")),
+        "storage_bits": _fmt_bits(config.get("storage_bits")),
+        "format_counts": ", ".join(f"{name}: {counts[name]}" for name in MX_FORMATS if counts[name]),
+        "size_rows": _size_row(info),
+        "repo_id": info.repo_id or "path/to/this/model",
+        "calibration": _calibration_section(config, info),
+        "evaluation": _evaluation_section(info),
+        "format_table": _format_table(config["format_map"]),
+        "block_size": config.get("block_size") or 32,
+    }
+    template = resources.files("optimum_dmx.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
+    return Template(template).substitute(values)
+
+
+def write_model_card(save_directory: str | Path, quantization_config: Mapping[str, Any],
+                     info: ModelCardInfo | None = None) -> Path:
+    """Write ``README.md`` and the heatmap ``dmx_format_map.png`` into ``save_directory``."""
+    save_directory = Path(save_directory)
+    save_format_heatmap(dict(quantization_config)["format_map"], save_directory / HEATMAP_NAME)
+    path = save_directory / README_NAME
+    path.write_text(render_model_card(quantization_config, info), encoding="utf-8")
+    return path

