@@ -1,12 +1,13 @@
-"""push_to_hub and from_pretrained(repo_id) through the real huggingface_hub client, against a local Hub server."""
+"""Pushing to and loading from the Hub with the real huggingface_hub client, against a local Hub server."""
 
 import json
 
 import torch
 from transformers import AutoModelForCausalLM
 
-from .hf_utils import INPUT_IDS, cycling_format_map, run_python
 from optimum_dmx import DMXConfig
+
+from .hf_utils import INPUT_IDS, cycling_format_map, run_python
 
 
 def test_push_to_hub_then_from_pretrained_round_trips(tmp_path, tiny_llama_dir, local_hub):
@@ -20,28 +21,38 @@ def test_push_to_hub_then_from_pretrained_round_trips(tmp_path, tiny_llama_dir, 
         return {"HF_ENDPOINT": local_hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_local_test",
                 "HF_HOME": str(tmp_path / name)}
 
+    # transformers' push_to_hub, and DMXQuantizer.push_to_hub (which uploads the dMX model card)
     run_python(
         f"""
 import optimum_dmx
+from optimum_dmx.model_card import ModelCardInfo
 from transformers import AutoModelForCausalLM
-AutoModelForCausalLM.from_pretrained({str(tmp_path / "dmx")!r}).push_to_hub("user/tiny-llama-dmx")
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "dmx")!r})
+model.push_to_hub("user/tiny-llama-dmx")
+quantizer = optimum_dmx.DMXQuantizer(model.config.quantization_config)
+quantizer.push_to_hub(model, "user/tiny-llama-dmx-card", ModelCardInfo(base_model="tests/tiny-llama"))
 """,
         env=hub_env("pusher"),
     )
-    uploaded = local_hub.state.repos["user/tiny-llama-dmx"]
-    assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)
-    assert uploaded["model.safetensors"] == (tmp_path / "dmx" / "model.safetensors").read_bytes()
-    assert json.loads(uploaded["config.json"])["quantization_config"]["format_map"] == format_map
-    assert "- dmx" in uploaded["README.md"].decode()  # the model card lists the backend's tags
+    for repo_id in ("user/tiny-llama-dmx", "user/tiny-llama-dmx-card"):
+        uploaded = local_hub.state.repos[repo_id]
+        assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)
+        assert uploaded["model.safetensors"] == (tmp_path / "dmx" / "model.safetensors").read_bytes()
+        assert json.loads(uploaded["config.json"])["quantization_config"]["format_map"] == format_map
+        assert "- dmx" in uploaded["README.md"].decode()  # the model card lists the backend's tags
+    card = local_hub.state.repos["user/tiny-llama-dmx-card"]
+    assert "tiny-llama dMX" in card["README.md"].decode() and "dmx_format_map.png" in card
 
     run_python(
         f"""
 import torch, optimum_dmx
 from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("user/tiny-llama-dmx")
-with torch.no_grad():
-    torch.save(model(torch.tensor({INPUT_IDS.tolist()})).logits, {str(tmp_path / "logits.pt")!r})
+for i, repo_id in enumerate(["user/tiny-llama-dmx", "user/tiny-llama-dmx-card"]):
+    model = AutoModelForCausalLM.from_pretrained(repo_id)
+    with torch.no_grad():
+        torch.save(model(torch.tensor({INPUT_IDS.tolist()})).logits, {str(tmp_path)!r} + f"/logits{{i}}.pt")
 """,
         env=hub_env("downloader"),
     )
-    assert torch.equal(torch.load(tmp_path / "logits.pt"), logits)
+    for i in range(2):
+        assert torch.equal(torch.load(tmp_path / f"logits{i}.pt"), logits)
