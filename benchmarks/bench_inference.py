@@ -11,8 +11,8 @@ Measures, in one run:
    time and checkpoint bytes, float vs dMX. The dMX model uses a fixed mixed map (every fourth decoder
    linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration.
 
-Times are medians over `--repeats` runs after a warm-up: the linear in bf16 (the checkpoint's dtype) and
-fp32, the whole model in fp32.
+Times are median CPU times (one torch thread by default) over `--repeats` runs after a warm-up: the
+linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32.
 Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
 
 usage: python benchmarks/bench_inference.py [--model DIR] [--repeats N] [--threads N] [--output FILE]
@@ -27,7 +27,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -43,14 +43,29 @@ MODEL_DTYPES = [torch.float32]
 DEFAULT_MODEL = Path(os.environ.get("DMX_BENCH_CACHE", Path.home() / ".cache" / "dmx-bench")) / "smollm2-135m"
 
 
-def median_seconds(fn: Callable[[], object], repeats: int) -> float:
-    fn()  # warm-up (fills MXLinear's weight cache)
-    times = []
+def log(message: str) -> None:
+    print(message, file=sys.stderr, flush=True)
+
+
+def median_seconds(
+    fns: Sequence[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.process_time
+) -> list[float]:
+    """Median time of each of `fns` over `repeats` rounds, after one warm-up call of each.
+
+    The functions are called in turn within each round, so a slow spell of the machine hits all of them
+    alike. Computation is timed in CPU time of this process (the default `clock`): on a machine shared
+    with other jobs, wall time mostly measures the other jobs; with one torch thread (the default) CPU
+    time is the time the work itself takes. Loading, which waits on the file system, is timed in wall time.
+    """
+    for fn in fns:
+        fn()  # warm-up; fills MXLinear's weight cache
+    times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
+        for fn, samples in zip(fns, times):
+            start = clock()
+            fn()
+            samples.append(clock() - start)
+    return [statistics.median(samples) for samples in times]
 
 
 def bench_linear(repeats: int) -> list[list[str]]:
@@ -61,12 +76,14 @@ def bench_linear(repeats: int) -> list[list[str]]:
         for batch, seq in SHAPES:
             x = torch.randn(batch, seq, 576, dtype=dtype)
             with torch.inference_mode():
-                base = median_seconds(lambda: linear(x), repeats)
                 for fmt in MX_FORMATS:
-                    module = MXLinear.from_linear(linear, fmt)
-                    cached = median_seconds(lambda: module(x), repeats)
-                    module.cache_weight = False
-                    packed = median_seconds(lambda: module(x), repeats)
+                    cached_module = MXLinear.from_linear(linear, fmt)
+                    packed_module = MXLinear.from_linear(linear, fmt)
+                    packed_module.cache_weight = False
+                    base, cached, packed = median_seconds(
+                        [lambda: linear(x), lambda: cached_module(x), lambda: packed_module(x)], repeats
+                    )
+                    log(f"linear {dtype} {batch}x{seq} {fmt}: {base * 1e3:.2f} / {cached * 1e3:.2f} / {packed * 1e3:.2f} ms")
                     rows.append([
                         "up_proj 576->1536", str(dtype).removeprefix("torch."), f"{batch}x{seq}", fmt,
                         f"{base * 1e3:.2f}", f"{cached * 1e3:.2f} ({cached / base:.2f}x)",
@@ -98,8 +115,11 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
         dmx.save_pretrained(dmx_dir)
         del dmx
 
-        load_float = median_seconds(lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16), repeats)
-        load_dmx = median_seconds(lambda: AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=torch.bfloat16), repeats)
+        load_float, load_dmx = median_seconds(
+            [lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16) for path in (model_dir, dmx_dir)],
+            repeats,
+            time.perf_counter,
+        )
         float_bytes, dmx_bytes = checkpoint_bytes(model_dir), checkpoint_bytes(dmx_dir)
 
         linears = dict(float_model.named_modules())
@@ -116,23 +136,23 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
             f"{rest_bytes / 2**20:.1f} MiB of embeddings and norms stay bf16, so the expected ratio is "
             f"{(rest_bytes + linear_float_bytes * storage_bits / 16) / float_bytes:.3f})",
         ]
-        rows.append(["load time (from_pretrained)", "bf16", "", f"{load_float:.2f} s", f"{load_dmx:.2f} s ({load_dmx / load_float:.2f}x)", ""])
+        rows.append(["load time (from_pretrained, wall)", "bf16", "", f"{load_float:.2f} s", f"{load_dmx:.2f} s ({load_dmx / load_float:.2f}x)", ""])
         rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB", f"{dmx_bytes / 2**20:.1f} MiB ({dmx_bytes / float_bytes:.3f}x)", ""])
 
         for dtype in MODEL_DTYPES:
             float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
             dmx = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
-            mx_modules = [m for m in dmx.modules() if isinstance(m, MXLinear)]
+            dmx_packed = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
+            for module in dmx_packed.modules():
+                if isinstance(module, MXLinear):
+                    module.cache_weight = False
             for batch, seq in SHAPES:
                 ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
                 with torch.inference_mode():
-                    base = median_seconds(lambda: float_model(ids), repeats)
-                    for m in mx_modules:
-                        m.cache_weight = True
-                    cached = median_seconds(lambda: dmx(ids), repeats)
-                    for m in mx_modules:
-                        m.cache_weight = False
-                    packed = median_seconds(lambda: dmx(ids), repeats)
+                    base, cached, packed = median_seconds(
+                        [lambda: float_model(ids), lambda: dmx(ids), lambda: dmx_packed(ids)], repeats
+                    )
+                log(f"model {dtype} {batch}x{seq}: {base:.2f} / {cached:.2f} / {packed:.2f} s")
                 rows.append([
                     "SmolLM2-135M forward", str(dtype).removeprefix("torch."), f"{batch}x{seq}",
                     f"{base * 1e3:.0f}", f"{cached * 1e3:.0f} ({cached / base:.2f}x)", f"{packed * 1e3:.0f} ({packed / base:.2f}x)",
@@ -149,15 +169,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="SmolLM2-135M folder (skipped if absent)")
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
 
     parts = [
-        f"Command: `python {' '.join(sys.argv)}`",
+        f"Command (from the repository root, with the package importable, e.g. `pip install -e .`): "
+        f"`python {' '.join(sys.argv)}`",
         f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, torch {torch.__version__}; "
-        f"times are medians of {args.repeats} runs in ms unless marked",
+        f"times are median CPU times of {args.repeats} runs, in ms unless marked",
         "",
         "### One decoder linear",
         table(["layer", "dtype", "batch x seq", "format", "nn.Linear", "MXLinear cached", "MXLinear packed-only"],
