@@ -116,6 +116,19 @@ def test_dmx_quantizer_quantizes_and_saves(tmp_path, tiny_qwen3_dir):
     with torch.no_grad():
         assert torch.equal(model(INPUT_IDS).logits, reloaded(INPUT_IDS).logits)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["dmx"]  # no staging directory left behind
+    assert "dmx_format_map.png" in (tmp_path / "dmx" / "README.md").read_text()  # the dMX model card
+
+
+def test_dmx_quantizer_quantize_is_quantize_model_then_save(tmp_path, tiny_qwen3_dir):
+    format_map = cycling_format_map(tiny_qwen3_dir)
+    quantizer = DMXQuantizer(DMXConfig(format_map=format_map))
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir)
+    with pytest.raises(ValueError, match="file_prefix='q' is not supported"):
+        quantizer.quantize(tmp_path / "dmx", "q", model=model)
+    assert not any(isinstance(m, MXLinear) for m in model.modules())
+    quantizer.quantize(tmp_path / "dmx", model=model)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")
+    assert reloaded.config.quantization_config.format_map == format_map
 
 
 # -- bad input and integrity ---------------------------------------------------------------------------
