@@ -22,20 +22,16 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
+from .calibration.settings import CalibrationSettings
 from .formats import MX_FORMATS, get_format
 
 QUANT_METHOD = "dmx"
 
-# Written by `to_dict` only once a format map has been applied.
+_SETTINGS_FIELDS = tuple(field.name for field in dataclasses.fields(CalibrationSettings))
+# Achieved bit-widths, recorded with an applied format map.
 _RESULT_FIELDS = ("bits_simple", "bits_weighted", "storage_bits")
 # Runtime-only inputs: shared on deepcopy, never serialized.
 _RUNTIME_FIELDS = ("dataset", "tokenizer")
-
-
-def _calibration_settings_cls():
-    from .calibration.settings import CalibrationSettings
-
-    return CalibrationSettings
 
 
 class DMXConfig(QuantizationConfigMixin):
@@ -105,7 +101,7 @@ class DMXConfig(QuantizationConfigMixin):
             "modules_to_not_convert": modules_to_not_convert,
             "seed": seed,
         }
-        settings = _calibration_settings_cls()(**{k: v for k, v in given.items() if v is not None})
+        settings = CalibrationSettings(**{k: v for k, v in given.items() if v is not None})
         for field in dataclasses.fields(settings):
             setattr(self, field.name, copy.copy(getattr(settings, field.name)))
         self.dataset = dataset
@@ -121,26 +117,28 @@ class DMXConfig(QuantizationConfigMixin):
         """True when quantizing with this config means learning a format map (none was given)."""
         return self.format_map is None
 
-    def calibration_settings(self):
+    def calibration_settings(self) -> CalibrationSettings:
         """The `CalibrationSettings` these fields describe."""
-        cls = _calibration_settings_cls()
-        return cls(**{f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(cls)})
+        return CalibrationSettings(**{name: copy.copy(getattr(self, name)) for name in _SETTINGS_FIELDS})
 
-    def with_result(self, format_map: Mapping[str, str], **bits: float | None) -> DMXConfig:
-        """A config recording an applied `format_map` and its achieved bits, without dataset or tokenizer.
-
-        `bits` takes `bits_simple`, `bits_weighted` and `storage_bits`.
-        """
-        unknown = set(bits) - set(_RESULT_FIELDS)
-        if unknown:
-            raise TypeError(f"unknown result fields {sorted(unknown)}; allowed: {list(_RESULT_FIELDS)}")
+    def with_result(
+        self,
+        format_map: Mapping[str, str],
+        *,
+        bits_simple: float | None = None,
+        bits_weighted: float | None = None,
+        storage_bits: float | None = None,
+    ) -> DMXConfig:
+        """A config recording an applied `format_map` and its achieved bits, without dataset or tokenizer."""
         values = {k: v for k, v in self.to_dict().items() if k != "quant_method"}
-        values.update(format_map=dict(format_map), **bits)
+        values.update(
+            format_map=dict(format_map), bits_simple=bits_simple, bits_weighted=bits_weighted, storage_bits=storage_bits
+        )
         return DMXConfig(**values)
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON-serializable fields (never the dataset or the tokenizer)."""
-        out = {f.name: copy.copy(getattr(self, f.name)) for f in dataclasses.fields(_calibration_settings_cls())}
+        out = {name: copy.copy(getattr(self, name)) for name in _SETTINGS_FIELDS}
         out["format_map"] = None if self.format_map is None else dict(self.format_map)
         out.update({name: getattr(self, name) for name in _RESULT_FIELDS})
         out["quant_method"] = self.quant_method
