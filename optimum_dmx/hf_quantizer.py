@@ -137,9 +137,8 @@ def register() -> None:
             decorator(QUANT_METHOD)(cls)
         elif current is not cls:
             if (current.__module__, current.__qualname__) != (cls.__module__, cls.__qualname__):
-                raise ValueError(
-                    f"quant_method {QUANT_METHOD!r} is already registered by {current.__module__}.{current.__qualname__}"
-                )
+                owner = f"{current.__module__}.{current.__qualname__}"
+                raise ValueError(f"quant_method {QUANT_METHOD!r} is already registered by {owner}")
             mapping[QUANT_METHOD] = cls
 
 

@@ -240,7 +240,8 @@ def replace_with_mx_linear(
                 f"module {name!r} is already an MXLinear ({module.fmt.name}): the model is already dMX-quantized"
             )
         if not isinstance(module, nn.Linear):
-            raise ValueError(f"format_map names module {name!r}, a {type(module).__name__}; only nn.Linear can be quantized")
+            kind = type(module).__name__
+            raise ValueError(f"format_map names module {name!r}, a {kind}; only nn.Linear can be quantized")
         new = MXLinear.from_linear(module, fmt, block_size=block_size, quantize_activations=quantize_activations)
         model.set_submodule(name, new)
     return model

@@ -164,7 +164,12 @@ class DMXQuantizer(OptimumQuantizer):
         return repo_id
 
     def quantize(
-        self, save_dir: str | os.PathLike, file_prefix: str | None = None, *, model: PreTrainedModel, tokenizer: Any = None
+        self,
+        save_dir: str | os.PathLike,
+        file_prefix: str | None = None,
+        *,
+        model: PreTrainedModel,
+        tokenizer: Any = None,
     ) -> PreTrainedModel:
         """`quantize_model` then `save` (the `OptimumQuantizer` entry point).
 

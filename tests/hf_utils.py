@@ -18,10 +18,10 @@ def linear_names(model: torch.nn.Module, skip: tuple[str, ...] = ("lm_head",)) -
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in skip]
 
 
-def run_python(code: str, env: dict[str, str] | None = None, python: str = sys.executable) -> subprocess.CompletedProcess:
+def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (the repository importable); raise with its output if it fails."""
     full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRANSFORMERS_VERBOSITY": "warning", **(env or {})}
-    proc = subprocess.run([python, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc

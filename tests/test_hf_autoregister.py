@@ -5,7 +5,6 @@ sees the system site-packages, then loads a dMX checkpoint in that environment's
 working directory where the source tree is not importable, with code that never imports optimum_dmx.
 """
 
-import json
 import shutil
 import subprocess
 import sys
@@ -15,8 +14,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 from optimum_dmx import DMXConfig
+
+from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 
 LOAD_WITHOUT_IMPORT = """
 import json, sys
@@ -50,14 +50,16 @@ def dmx_checkpoint(tmp_path_factory, tiny_llama_dir):
 def _source_copy(tmp_path: Path) -> Path:
     src = tmp_path / "src"
     shutil.copytree(
-        REPO_ROOT, src, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "tests", "benchmarks")
+        REPO_ROOT,
+        src,
+        ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "__pycache__", "tests", "benchmarks"),
     )
     return src
 
 
 def _pip(venv: Path, *args: str) -> None:
-    cmd = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python"), "install", "-q", "--no-deps", "--ignore-installed", *args]
-    subprocess.run(cmd, check=True, capture_output=True, timeout=300)
+    pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
+    subprocess.run([*pip, "install", "-q", "--no-deps", "--ignore-installed", *args], check=True, capture_output=True, timeout=300)
 
 
 @pytest.mark.parametrize("install", ["wheel", "editable"])
@@ -67,10 +69,8 @@ def test_installed_package_loads_dmx_checkpoints_without_import(tmp_path, dmx_ch
     venv = tmp_path / "venv"
     subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
     if install == "wheel":
-        subprocess.run(
-            [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(tmp_path / "dist"), str(src)],
-            check=True, capture_output=True, timeout=300,
-        )
+        wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
+        subprocess.run([*wheel, "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)
         _pip(venv, str(next((tmp_path / "dist").glob("*.whl"))))
     else:
         _pip(venv, "--no-build-isolation", "-e", str(src))

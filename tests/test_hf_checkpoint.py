@@ -13,13 +13,15 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from transformers import AutoModelForCausalLM
 
-from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear, quantize_mx
 from optimum_dmx.formats import get_format, packed_shapes
 
+from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
+
 def quantize_and_save(float_dir: Path, out_dir: Path, dtype=torch.float32):
     format_map = cycling_format_map(float_dir)
-    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype, quantization_config=DMXConfig(format_map=format_map))
+    config = DMXConfig(format_map=format_map)
+    model = AutoModelForCausalLM.from_pretrained(float_dir, dtype=dtype, quantization_config=config)
     model.save_pretrained(out_dir)
     with torch.no_grad():
         logits = model(INPUT_IDS).logits
@@ -134,22 +136,22 @@ def test_dmx_quantizer_quantize_is_quantize_model_then_save(tmp_path, tiny_qwen3
 # -- bad input and integrity ---------------------------------------------------------------------------
 
 
-def _copy_with_config_edit(src: Path, dst: Path, edit) -> Path:
+def _copy_with_format_map_update(src: Path, dst: Path, update: dict[str, str]) -> Path:
     shutil.copytree(src, dst)
     config = json.loads((dst / "config.json").read_text())
-    edit(config["quantization_config"]["format_map"])
+    config["quantization_config"]["format_map"].update(update)
     (dst / "config.json").write_text(json.dumps(config))
     return dst
 
 
 def test_format_map_naming_a_missing_module_is_an_error(llama_dmx, tmp_path):
-    bad = _copy_with_config_edit(llama_dmx[0], tmp_path / "bad", lambda m: m.update({"model.layers.7.mlp.up_proj": "mxfp4"}))
+    bad = _copy_with_format_map_update(llama_dmx[0], tmp_path / "bad", {"model.layers.7.mlp.up_proj": "mxfp4"})
     with pytest.raises(ValueError, match=r"'model\.layers\.7\.mlp\.up_proj'.*does not have"):
         AutoModelForCausalLM.from_pretrained(bad)
 
 
 def test_unknown_format_in_checkpoint_is_an_error(llama_dmx, tmp_path):
-    bad = _copy_with_config_edit(llama_dmx[0], tmp_path / "bad", lambda m: m.update({"model.layers.0.mlp.up_proj": "fp5"}))
+    bad = _copy_with_format_map_update(llama_dmx[0], tmp_path / "bad", {"model.layers.0.mlp.up_proj": "fp5"})
     with pytest.raises(ValueError, match=r"'model\.layers\.0\.mlp\.up_proj'.*fp5"):
         AutoModelForCausalLM.from_pretrained(bad)
 
@@ -157,7 +159,7 @@ def test_unknown_format_in_checkpoint_is_an_error(llama_dmx, tmp_path):
 def test_packed_shapes_not_matching_the_map_is_an_error(llama_dmx, tmp_path):
     out, format_map, _ = llama_dmx
     name = next(n for n, f in format_map.items() if f == "mxfp4_e2m1")
-    bad = _copy_with_config_edit(out, tmp_path / "bad", lambda m: m.update({name: "mxfp8"}))
+    bad = _copy_with_format_map_update(out, tmp_path / "bad", {name: "mxfp8"})
     with pytest.raises(ValueError, match=rf"module '{name}'.*U8\[.*needs U8\["):
         AutoModelForCausalLM.from_pretrained(bad)
 

@@ -6,7 +6,11 @@ import json
 
 import pytest
 from transformers import PreTrainedTokenizerFast
-from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING, AUTO_QUANTIZER_MAPPING, AutoQuantizationConfig
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    AutoQuantizationConfig,
+)
 
 import optimum_dmx
 from optimum_dmx import DMXConfig
