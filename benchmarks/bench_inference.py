@@ -83,7 +83,7 @@ def bench_linear(repeats: int) -> list[list[str]]:
                     base, cached, packed = median_seconds(
                         [lambda: linear(x), lambda: cached_module(x), lambda: packed_module(x)], repeats
                     )
-                    log(f"linear {dtype} {batch}x{seq} {fmt}: {base * 1e3:.2f} / {cached * 1e3:.2f} / {packed * 1e3:.2f} ms")
+                    log(f"linear {dtype} {batch}x{seq} {fmt}: {base:.4f} / {cached:.4f} / {packed:.4f} s")
                     rows.append([
                         "up_proj 576->1536", str(dtype).removeprefix("torch."), f"{batch}x{seq}", fmt,
                         f"{base * 1e3:.2f}", f"{cached * 1e3:.2f} ({cached / base:.2f}x)",
@@ -136,8 +136,11 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
             f"{rest_bytes / 2**20:.1f} MiB of embeddings and norms stay bf16, so the expected ratio is "
             f"{(rest_bytes + linear_float_bytes * storage_bits / 16) / float_bytes:.3f})",
         ]
-        rows.append(["load time (from_pretrained, wall)", "bf16", "", f"{load_float:.2f} s", f"{load_dmx:.2f} s ({load_dmx / load_float:.2f}x)", ""])
-        rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB", f"{dmx_bytes / 2**20:.1f} MiB ({dmx_bytes / float_bytes:.3f}x)", ""])
+        load_ratio, size_ratio = load_dmx / load_float, dmx_bytes / float_bytes
+        rows.append(["load time (from_pretrained, wall)", "bf16", "", f"{load_float:.2f} s",
+                     f"{load_dmx:.2f} s ({load_ratio:.2f}x)", ""])
+        rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB",
+                     f"{dmx_bytes / 2**20:.1f} MiB ({size_ratio:.3f}x)", ""])
 
         for dtype in MODEL_DTYPES:
             float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -147,7 +150,8 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
                 if isinstance(module, MXLinear):
                     module.cache_weight = False
             for batch, seq in SHAPES:
-                ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+                generator = torch.Generator().manual_seed(0)
+                ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
                 with torch.inference_mode():
                     base, cached, packed = median_seconds(
                         [lambda: float_model(ids), lambda: dmx(ids), lambda: dmx_packed(ids)], repeats
@@ -155,7 +159,8 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
                 log(f"model {dtype} {batch}x{seq}: {base:.2f} / {cached:.2f} / {packed:.2f} s")
                 rows.append([
                     "SmolLM2-135M forward", str(dtype).removeprefix("torch."), f"{batch}x{seq}",
-                    f"{base * 1e3:.0f}", f"{cached * 1e3:.0f} ({cached / base:.2f}x)", f"{packed * 1e3:.0f} ({packed / base:.2f}x)",
+                    f"{base * 1e3:.0f}", f"{cached * 1e3:.0f} ({cached / base:.2f}x)",
+                    f"{packed * 1e3:.0f} ({packed / base:.2f}x)",
                 ])
     return rows, notes
 
@@ -180,7 +185,8 @@ def main() -> None:
     parts = [
         f"Command (from the repository root, with the package importable, e.g. `pip install -e .`): "
         f"`python {' '.join(sys.argv)}`",
-        f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, torch {torch.__version__}; "
+        f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "
+        f"torch {torch.__version__}; "
         f"times are median CPU times of {args.repeats} runs, in ms unless marked",
         "",
         "### One decoder linear",

@@ -1,8 +1,8 @@
 """A minimal Hugging Face Hub API server on 127.0.0.1, for push/download tests that never touch the real Hub.
 
 It implements the subset of the Hub HTTP API that `huggingface_hub` uses to create a repo, upload a
-commit (model-card YAML check, preupload, Git LFS batch + basic transfer, ndjson commit) and resolve/download files, keeping
-repositories in memory. Point a client at it with `HF_ENDPOINT` (and `HF_HUB_DISABLE_XET=1`: the Xet
+commit (model-card YAML check, preupload, Git LFS batch + basic transfer, ndjson commit) and
+resolve/download files, keeping repositories in memory. Point a client at it with `HF_ENDPOINT` (and `HF_HUB_DISABLE_XET=1`: the Xet
 storage protocol is not implemented).
 """
 

@@ -59,7 +59,8 @@ def _source_copy(tmp_path: Path) -> Path:
 
 def _pip(venv: Path, *args: str) -> None:
     pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
-    subprocess.run([*pip, "install", "-q", "--no-deps", "--ignore-installed", *args], check=True, capture_output=True, timeout=300)
+    install = [*pip, "install", "-q", "--no-deps", "--ignore-installed", *args]
+    subprocess.run(install, check=True, capture_output=True, timeout=300)
 
 
 @pytest.mark.parametrize("install", ["wheel", "editable"])
