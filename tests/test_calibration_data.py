@@ -83,6 +83,7 @@ def test_several_files_directory_and_glob(tmp_path, tokenizer):
         (tmp_path / f"part{i}.txt").write_text(text + "\n")
     files = sorted(tmp_path.glob("*.txt"))
     assert torch.equal(build_calibration_batches(files, tokenizer, 10, 12, 0), expected)
+    assert torch.equal(build_calibration_batches([str(f) for f in files], tokenizer, 10, 12, 0), expected)
     assert torch.equal(build_calibration_batches(str(tmp_path), tokenizer, 10, 12, 0), expected)
     assert torch.equal(build_calibration_batches(str(tmp_path / "part*.txt"), tokenizer, 10, 12, 0), expected)
 

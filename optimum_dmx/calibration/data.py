@@ -3,9 +3,9 @@
 Accepted sources (all go through `datasets`):
 
 * a `datasets.Dataset` (or a `DatasetDict` with a `"train"` split) with a `"text"` column;
-* a list of strings (the texts themselves);
-* a local file, a directory, a glob pattern, or a list of `pathlib.Path`: `.txt`, `.json`/`.jsonl` and
-  `.parquet` files (json and parquet need a `"text"` field);
+* a list of strings (the texts themselves, unless every string names an existing file);
+* a local file, a directory, a glob pattern, or a list of file paths (`pathlib.Path`, or strings naming
+  existing files): `.txt`, `.json`/`.jsonl` and `.parquet` files (json and parquet need a `"text"` field);
 * any other string is a Hub dataset name, loaded with `split="train"` (only when online).
 
 All texts are joined with newlines (for text files this restores the original line breaks), tokenized
@@ -89,10 +89,11 @@ def load_calibration_dataset(source: CalibrationDataset):
         if "train" not in source:
             raise ValueError(f"the DatasetDict has no 'train' split; its splits are {sorted(source)}.")
         return source["train"]
-    if isinstance(source, (list, tuple)) and source and all(isinstance(s, str) for s in source):
-        return Dataset.from_dict({TEXT_COLUMN: list(source)})
-    if isinstance(source, (list, tuple)) and all(isinstance(s, os.PathLike) for s in source):
-        return _load_local(_local_files(source))
+    if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
+        if all(isinstance(s, os.PathLike) or os.path.isfile(s) for s in source):
+            return _load_local(_local_files(source))
+        if all(isinstance(s, str) for s in source):
+            return Dataset.from_dict({TEXT_COLUMN: list(source)})
     if isinstance(source, (str, os.PathLike)):
         files = _local_files(source)
         if files is not None:

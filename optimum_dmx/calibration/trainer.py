@@ -21,8 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..continuous import FORMAT_PAIRS, FormatPair
-from ..formats import get_format
+from ..formats import get_format, quantize_mx
 from .regularizers import average_bits, bit_regularizer, bit_summary, tensor_sizes
 from .schedule import temperature_at
 from .settings import CalibrationSettings
@@ -167,14 +166,21 @@ def dmx_linears(
         yield layers
 
 
-def _endpoint(fmt: str) -> tuple[FormatPair, float]:
-    """A format pair with `fmt` as its low or high format, and the offset that selects it."""
-    fmt = get_format(fmt)
-    for pair in FORMAT_PAIRS.values():
-        if fmt in (pair.low, pair.high):
-            return pair, 0.0 if fmt == pair.low else 2.0
-    allowed = sorted({p.low.name for p in FORMAT_PAIRS.values()} | {p.high.name for p in FORMAT_PAIRS.values()})
-    raise ValueError(f"format {fmt.name!r} is not an endpoint of any format pair; allowed: {', '.join(allowed)}.")
+class _EmulatedMXLinear(nn.Module):
+    """A linear evaluated in one fixed MX format: weight quantized once, input quantized per call."""
+
+    def __init__(self, linear: nn.Linear, fmt: str, block_size: int, quantize_activations: bool):
+        super().__init__()
+        self.fmt = get_format(fmt)
+        self.block_size = block_size
+        self.quantize_activations = quantize_activations
+        self.weight = quantize_mx(linear.weight.detach(), self.fmt, block_size)
+        self.bias = linear.bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.quantize_activations:
+            x = quantize_mx(x, self.fmt, self.block_size)
+        return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
 
 @contextmanager
@@ -183,20 +189,15 @@ def emulate_format_map(
 ) -> Iterator[None]:
     """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
 
-    Emulation for evaluating an assignment without building packed modules: each layer becomes a
-    `DMXLinear` pinned to a pair endpoint, whose values are exactly those of `quantize_mx`. Weights are
-    frozen and the model is in eval mode inside the block; everything is restored on exit.
+    Emulation for evaluating an assignment without packing: inside the block each named linear computes
+    with its weight and input passed through `quantize_mx`; the quantized weights are computed once on
+    entry (one extra copy of the named weights). Weights are frozen and the model is in eval mode inside
+    the block; everything is restored on exit.
     """
-    from ..modules import DMXLinear
-
-    layers = {}
-    for name, fmt in format_map.items():
-        linear = model.get_submodule(name)
-        pair, beta_hat = _endpoint(fmt)
-        layers[name] = DMXLinear(
-            linear, pair, block_size=block_size, quantize_activations=quantize_activations, straight_through=True
-        )
-        layers[name].beta_hat.data.fill_(beta_hat)
+    layers = {
+        name: _EmulatedMXLinear(model.get_submodule(name), fmt, block_size, quantize_activations)
+        for name, fmt in format_map.items()
+    }
     with _swapped(model, layers):
         yield
 
