@@ -57,7 +57,7 @@ class _FloorLog2STE(torch.autograd.Function):
 
 
 class _RescaleKeepingGradient(torch.autograd.Function):
-    """``x * factor`` whose backward pass leaves the gradient unscaled.
+    """``x * scale`` (or ``x / scale`` with ``divide``) whose backward pass leaves the gradient unscaled.
 
     Dividing by the block scale on the way in and multiplying on the way out cancel in ``dy/dx``; doing
     neither in the backward pass keeps intermediate gradients at the size of the element grid, so they do not
@@ -65,12 +65,12 @@ class _RescaleKeepingGradient(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, factor: torch.Tensor) -> torch.Tensor:
-        return x * factor
+    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, divide: bool) -> torch.Tensor:
+        return x / scale if divide else x * scale
 
     @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return grad, None
+    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return grad, None, None
 
 
 class _BroadcastScalingGradient(torch.autograd.Function):
@@ -110,8 +110,16 @@ def float_quantize(
     e = torch.as_tensor(e, dtype=x.dtype, device=x.device)
     m = torch.as_tensor(m, dtype=x.dtype, device=x.device)
     qmax = default_max_normal(e, m) if qmax is None else torch.as_tensor(qmax, dtype=x.dtype, device=x.device)
-    bias = torch.exp2(e - 1) - 1
-    e_min = 1 - bias - m
+    return _quantize_elements(x, m, _subnormal_exponent(e, m), qmax)
+
+
+def _subnormal_exponent(e: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``e_min = 1 - b - m`` with ``b = 2^(e-1) - 1``: the exponent of the subnormal grid step."""
+    return 1 - (torch.exp2(e - 1) - 1) - m
+
+
+def _quantize_elements(x: torch.Tensor, m: torch.Tensor, e_min: torch.Tensor, qmax: torch.Tensor) -> torch.Tensor:
+    """The element quantizer of :func:`float_quantize` with its format parameters already derived."""
     normal_exponent = _FloorLog2STE.apply(x) - m
     eta = torch.where(normal_exponent >= e_min, normal_exponent, e_min)
     step = torch.exp2(eta)
@@ -213,8 +221,12 @@ def quantize_mx_continuous(
     floor_log2, finite = block_max_exponent(blocks.detach())
     emax = torch.exp2(pair.exponent_bits(beta.detach()) - 1)
     scale = torch.exp2((floor_log2 - emax).clamp(-127, 127)).masked_fill_(~finite, math.nan)
-    block_beta = _BroadcastScalingGradient.apply(beta, scale)
-    e, m, qmax = pair.exponent_bits(block_beta), pair.mantissa_bits(block_beta), pair.max_normal(block_beta)
-    elements = _RescaleKeepingGradient.apply(blocks, 1 / scale)
-    y = _RescaleKeepingGradient.apply(float_quantize(elements, e, m, qmax), scale)
+    # The format parameters are derived once, as scalars, then broadcast to the blocks.
+    e, m = pair.exponent_bits(beta), pair.mantissa_bits(beta)
+    m, e_min, qmax = (
+        _BroadcastScalingGradient.apply(param, scale)
+        for param in (m, _subnormal_exponent(e, m), pair.max_normal(beta))
+    )
+    elements = _RescaleKeepingGradient.apply(blocks, scale, True)
+    y = _RescaleKeepingGradient.apply(_quantize_elements(elements, m, e_min, qmax), scale, False)
     return y.reshape(*x.shape[:-1], -1)[..., : x.shape[-1]].to(x.dtype)

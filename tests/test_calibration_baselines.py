@@ -2,7 +2,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
+from .calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
 from optimum_dmx.calibration import (
     CalibrationSettings,
     average_bits,

@@ -6,7 +6,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from calibration_fixtures import word_tokenizer, words
+from .calibration_fixtures import word_tokenizer, words
 from optimum_dmx.calibration import build_calibration_batches
 
 TEXTS = [words(0, 50), words(50, 30), words(80, 40)]  # 120 tokens, ids 1..120 in order

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
+from .calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
 from optimum_dmx.calibration import CalibrationSettings, calibrate, linear_modules_to_quantize
 from optimum_dmx.modules import DMXLinear
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from calibration_fixtures import single_thread, tiny_llama, word_tokenizer, words  # noqa: F401
+from .calibration_fixtures import single_thread, tiny_llama, word_tokenizer, words  # noqa: F401
 from optimum_dmx.evaluation import evaluate_perplexity
 
 TEXT = words(0, 100) + "\n" + words(7, 60)  # 160 tokens
