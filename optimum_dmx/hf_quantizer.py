@@ -23,6 +23,7 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 
 from .configuration import QUANT_METHOD, DMXConfig
+from .model_card import attach_model_card
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -71,8 +72,8 @@ class DMXHfQuantizer(HfQuantizer):
             # what was applied (no dataset, no tokenizer), as config.json must hold.
             self.quantization_config = apply_dmx(model, self.quantization_config)
             model.config.quantization_config = self.quantization_config
-        # Listed in the model card that `push_to_hub` writes.
         model.add_model_tags(list(MODEL_TAGS))
+        attach_model_card(model)  # save_pretrained and push_to_hub write the dMX model card
         return model
 
     def is_serializable(self, safe_serialization: bool | None = None) -> bool:

@@ -7,6 +7,7 @@ lives in ``model_cards/dmx_model_card.md`` (installed as the package data ``opti
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -28,8 +29,8 @@ _FORMAT_COLOURS = {"mxfp4_e2m1": "#d7191c", "mxfp6_e3m2": "#fdae61", "mxfp6_e2m3
 
 
 @dataclass
-class PerplexityResult:
-    """One perplexity measurement for the card: the text, the protocol, and the two numbers."""
+class PerplexityComparison:
+    """Perplexity of the float and the dMX model on one text, under one protocol."""
 
     text: str
     protocol: str
@@ -47,8 +48,9 @@ class ModelCardInfo:
     calibration_seconds: float | None = None
     checkpoint_bytes: int | None = None
     float_checkpoint_bytes: int | None = None
-    perplexities: Sequence[PerplexityResult] = field(default_factory=list)
+    perplexities: Sequence[PerplexityComparison] = field(default_factory=list)
     license: str | None = None
+    tags: Sequence[str] = ()
 
 
 def layer_grid(format_map: Mapping[str, str]) -> tuple[list[int], list[str], dict[tuple[int, str], str]]:
@@ -119,7 +121,9 @@ def _format_table(format_map: Mapping[str, str]) -> str:
 def _metadata(config: Mapping[str, Any], info: ModelCardInfo) -> str:
     formats_used = sorted(set(config["format_map"].values()))
     tags = ["dmx", "mx-formats", "mxfp4", "quantized", "mixed-precision"]
-    tags += [f.split("_")[0] for f in formats_used if f.split("_")[0] not in tags]
+    for tag in [f.split("_")[0] for f in formats_used] + list(info.tags):
+        if tag not in tags:
+            tags.append(tag)
     lines = ["library_name: transformers"]
     if info.license:
         lines.append(f"license: {info.license}")
@@ -130,8 +134,10 @@ def _metadata(config: Mapping[str, Any], info: ModelCardInfo) -> str:
 
 
 def _size_row(info: ModelCardInfo) -> str:
-    if not (info.checkpoint_bytes and info.float_checkpoint_bytes):
+    if not info.checkpoint_bytes:
         return ""
+    if not info.float_checkpoint_bytes:
+        return f"| Checkpoint size | {info.checkpoint_bytes / 2**20:.1f} MiB |\n"
     ratio = info.checkpoint_bytes / info.float_checkpoint_bytes
     return (f"| Checkpoint size | {info.checkpoint_bytes / 2**20:.1f} MiB, {ratio:.3f} x the float checkpoint "
             f"({info.float_checkpoint_bytes / 2**20:.1f} MiB) |\n")
@@ -199,9 +205,55 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
 
 def write_model_card(save_directory: str | Path, quantization_config: Mapping[str, Any],
                      info: ModelCardInfo | None = None) -> Path:
-    """Write ``README.md`` and the heatmap ``dmx_format_map.png`` into ``save_directory``."""
+    """Write ``README.md`` and the heatmap ``dmx_format_map.png`` into ``save_directory``.
+
+    The checkpoint size on the card is measured from the ``*.safetensors`` files already in the folder.
+    """
     save_directory = Path(save_directory)
+    checkpoint_bytes = sum(p.stat().st_size for p in save_directory.glob("*.safetensors"))
+    info = dataclasses.replace(info or ModelCardInfo(), checkpoint_bytes=checkpoint_bytes or None)
     save_format_heatmap(dict(quantization_config)["format_map"], save_directory / HEATMAP_NAME)
     path = save_directory / README_NAME
     path.write_text(render_model_card(quantization_config, info), encoding="utf-8")
     return path
+
+
+def attach_model_card(model, info: ModelCardInfo | None = None) -> None:
+    """Make ``model.save_pretrained`` and ``model.push_to_hub`` write the dMX model card.
+
+    transformers has no hook for a quantization method's model card (``push_to_hub`` writes a generic one),
+    so a dMX model gets two instance methods: ``save_pretrained`` saves as usual, then writes ``README.md``
+    and the heatmap; ``push_to_hub`` uploads that folder. ``info`` (replaceable later through
+    ``model.dmx_card_info``) defaults to the model's source as base model.
+    """
+    model.dmx_card_info = info or ModelCardInfo(base_model=getattr(model.config, "_name_or_path", None) or None)
+    save_without_card = type(model).save_pretrained
+
+    def save_pretrained(save_directory, *args, is_main_process: bool = True, **kwargs):
+        result = save_without_card(model, save_directory, *args, is_main_process=is_main_process, **kwargs)
+        if is_main_process and not kwargs.get("push_to_hub"):
+            write_model_card(save_directory, model.config.quantization_config.to_dict(), model.dmx_card_info)
+        return result
+
+    def push_to_hub(repo_id: str, commit_message: str | None = None, private: bool | None = None,
+                    token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
+                    max_shard_size: int | str | None = "50GB", tags: list[str] | None = None, **_: Any):
+        import tempfile
+
+        from huggingface_hub import HfApi
+
+        api = HfApi(token=token if isinstance(token, str) else None)
+        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
+        with tempfile.TemporaryDirectory() as folder:
+            card = model.dmx_card_info
+            model.dmx_card_info = dataclasses.replace(card, repo_id=card.repo_id or repo_id,
+                                                      tags=[*card.tags, *(tags or [])])
+            try:
+                save_pretrained(folder, max_shard_size=max_shard_size)
+            finally:
+                model.dmx_card_info = card
+            return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision, create_pr=create_pr,
+                                     commit_message=commit_message or "Upload dMX-quantized model")
+
+    model.save_pretrained = save_pretrained
+    model.push_to_hub = push_to_hub

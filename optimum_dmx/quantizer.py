@@ -115,20 +115,19 @@ class DMXQuantizer(OptimumQuantizer):
         card_info: ModelCardInfo | None = None,
         **kwargs: Any,
     ) -> None:
-        """`model.save_pretrained(save_dir, **kwargs)` plus the dMX model card, atomically.
+        """`model.save_pretrained(save_dir, **kwargs)`, with the dMX model card, atomically.
 
-        The checkpoint and its `README.md` (with the per-layer format heatmap; `card_info` adds what only
-        the caller knows, e.g. the base model) are written to a temporary sibling directory that replaces
-        `save_dir` only once complete, so an interrupted save never leaves a partial checkpoint there.
+        `card_info` adds to the card what only the caller knows (base model, data, measurements). The
+        checkpoint and its `README.md` are written to a temporary sibling directory that replaces `save_dir`
+        only once complete, so an interrupted save never leaves a partial checkpoint there.
         """
-        from .model_card import write_model_card
-
+        if card_info is not None:
+            model.dmx_card_info = card_info
         save_dir = Path(save_dir)
         save_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.", suffix=".partial", dir=save_dir.parent))
         try:
             model.save_pretrained(staging, **kwargs)
-            write_model_card(staging, model.config.quantization_config.to_dict(), card_info)
             if save_dir.exists():
                 old = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.", suffix=".old", dir=save_dir.parent))
                 os.replace(save_dir, old / save_dir.name)
@@ -140,28 +139,12 @@ class DMXQuantizer(OptimumQuantizer):
             shutil.rmtree(staging, ignore_errors=True)
 
     def push_to_hub(
-        self,
-        model: PreTrainedModel,
-        repo_id: str,
-        card_info: ModelCardInfo | None = None,
-        *,
-        private: bool | None = None,
-        token: str | None = None,
-        commit_message: str = "Upload dMX-quantized model",
-    ) -> str:
-        """Upload what `save` writes (checkpoint and dMX model card) to the Hub repo `repo_id`; returns its id.
-
-        (`model.push_to_hub` also works, with transformers' generic model card.)
-        """
-        from huggingface_hub import HfApi
-
-        api = HfApi(token=token)
-        repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as tmp:
-            folder = Path(tmp) / "checkpoint"
-            self.save(model, folder, card_info)
-            api.upload_folder(repo_id=repo_id, folder_path=folder, commit_message=commit_message)
-        return repo_id
+        self, model: PreTrainedModel, repo_id: str, card_info: ModelCardInfo | None = None, **kwargs: Any
+    ) -> Any:
+        """`model.push_to_hub(repo_id, **kwargs)`: uploads the checkpoint with its dMX model card."""
+        if card_info is not None:
+            model.dmx_card_info = card_info
+        return model.push_to_hub(repo_id, **kwargs)
 
     def quantize(
         self,

@@ -45,3 +45,20 @@ def local_hub():
 
     with LocalHub() as hub:
         yield hub
+
+
+@pytest.fixture(scope="session")
+def tiny_text_model_dir(tmp_path_factory) -> Path:
+    """A tiny Llama saved with a real (word-level) tokenizer, plus `calibration.txt` and `heldout.txt` beside it.
+
+    What a user points the CLI and the examples at, only small: `<root>/model`, `<root>/calibration.txt`,
+    `<root>/heldout.txt`.
+    """
+    from .calibration_fixtures import tiny_llama, word_tokenizer, words
+
+    root = tmp_path_factory.mktemp("tiny-text-model")
+    tiny_llama(seed=0).save_pretrained(root / "model")
+    word_tokenizer().save_pretrained(root / "model")
+    (root / "calibration.txt").write_text("\n".join(words(7 * i, 40) for i in range(60)))
+    (root / "heldout.txt").write_text("\n".join(words(11 * i + 3, 40) for i in range(30)))
+    return root

@@ -21,7 +21,7 @@ def test_push_to_hub_then_from_pretrained_round_trips(tmp_path, tiny_llama_dir, 
         return {"HF_ENDPOINT": local_hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_local_test",
                 "HF_HOME": str(tmp_path / name)}
 
-    # transformers' push_to_hub, and DMXQuantizer.push_to_hub (which uploads the dMX model card)
+    # the model's push_to_hub, and DMXQuantizer.push_to_hub with extra card facts: both upload the dMX card
     run_python(
         f"""
 import optimum_dmx
@@ -39,9 +39,12 @@ quantizer.push_to_hub(model, "user/tiny-llama-dmx-card", ModelCardInfo(base_mode
         assert {"config.json", "model.safetensors", "README.md"} <= set(uploaded)
         assert uploaded["model.safetensors"] == (tmp_path / "dmx" / "model.safetensors").read_bytes()
         assert json.loads(uploaded["config.json"])["quantization_config"]["format_map"] == format_map
-        assert "- dmx" in uploaded["README.md"].decode()  # the model card lists the backend's tags
-    card = local_hub.state.repos["user/tiny-llama-dmx-card"]
-    assert "tiny-llama dMX" in card["README.md"].decode() and "dmx_format_map.png" in card
+        card = uploaded["README.md"].decode()
+        assert "- dmx" in card and "## Format per layer" in card and "dmx_format_map.png" in uploaded
+        assert f'from_pretrained("{repo_id}")' in card  # the loading snippet names the repo
+    assert "tiny-llama dMX" in local_hub.state.repos["user/tiny-llama-dmx-card"]["README.md"].decode()
+    # model.save_pretrained wrote the card too; a local folder has no repo id for the loading snippet yet
+    assert "path/to/this/model" in (tmp_path / "dmx" / "README.md").read_text()
 
     run_python(
         f"""

