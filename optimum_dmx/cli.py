@@ -106,9 +106,10 @@ def _checkpoint_bytes(folder: Path) -> int:
     return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
 
 
-def _perplexity(model, tokenizer, text: str):
+def _perplexity(model, tokenizer, text: str, which: str):
     from .evaluation import evaluate_perplexity
 
+    print(f"Measuring the perplexity of the {which} model (up to {EVAL_MAX_TOKENS} tokens)...", flush=True)
     return evaluate_perplexity(model, tokenizer, text, seq_len=EVAL_SEQ_LEN, max_tokens=EVAL_MAX_TOKENS)
 
 
@@ -193,12 +194,12 @@ def run_quantize(args) -> int:
         raise UsageError(f"cannot load model {model_path!r}: {str(err).splitlines()[0]}") from err
 
     eval_text = _read_text(eval_text_path) if eval_text_path else None
-    before = _perplexity(model, tokenizer, eval_text) if eval_text else None
+    before = _perplexity(model, tokenizer, eval_text, "float") if eval_text else None
     start = time.perf_counter()
     quantizer = DMXQuantizer(config)
     quantizer.quantize_model(model, tokenizer)
     seconds = time.perf_counter() - start
-    after = _perplexity(model, tokenizer, eval_text) if eval_text else None
+    after = _perplexity(model, tokenizer, eval_text, "dMX") if eval_text else None
 
     float_bytes = _checkpoint_bytes(Path(model_path)) if Path(model_path).is_dir() else None
     info = ModelCardInfo(

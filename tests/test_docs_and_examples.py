@@ -22,9 +22,33 @@ def test_readme_python_snippets_run_in_order():
         exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - executing our own documentation
 
 
-@pytest.mark.parametrize("script", ["quickstart.py"])
-def test_example_runs(script):
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / script)], capture_output=True, text=True,
-                            timeout=300, cwd=ROOT)
-    assert result.returncode == 0, result.stderr[-2000:]
-    assert "mxfp4_e2m1" in result.stdout and "beta=2.0" in result.stdout
+def run_example(script: str, *args) -> str:
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / script), *map(str, args)], capture_output=True,
+                            text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_quickstart_example():
+    stdout = run_example("quickstart.py")
+    assert "mxfp4_e2m1" in stdout and "beta=2.0" in stdout
+
+
+def test_quantize_save_load_generate_examples(tiny_text_model_dir, tmp_path):
+    root, out = tiny_text_model_dir, tmp_path / "dmx"
+    stdout = run_example("quantize_and_save.py", root / "model", "--dataset", root / "calibration.txt",
+                         "--steps", 4, "--seq-len", 16, "--batch-size", 2, "--output", out)
+    assert "average bits" in stdout and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
+    stdout = run_example("load_and_generate.py", out, "--prompt", "w1 w2 w3", "--max-new-tokens", 5)
+    assert "14 MX linear layers" in stdout and stdout.strip().splitlines()[-1].startswith("w1 w2 w3")
+
+
+def test_pareto_sweep_example(tiny_text_model_dir, tmp_path):
+    root = tiny_text_model_dir
+    run_example("pareto_sweep.py", "--model", root / "model", "--calibration", root / "calibration.txt",
+                "--eval", f"heldout={root / 'heldout.txt'}", "--out", tmp_path, "--methods", "float,uniform,dmx",
+                "--pairs", "mxfp8-mxfp4", "--targets", "5", "--steps", 4, "--batch-size", 2, "--seq-len", 16,
+                "--eval-tokens", 256, "--eval-seq-len", 16)
+    rows = (tmp_path / "pareto.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1 + 3 + 1  # header, float, three uniform formats, one dMX run
+    assert (tmp_path / "pareto.md").is_file() and (tmp_path / "pareto.png").stat().st_size > 1000
