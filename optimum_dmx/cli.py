@@ -154,6 +154,13 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
     return model, source, description, eval_text
 
 
+def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The calibration settings given on the command line; the default run fills the rest with DEFAULT_RUN."""
+    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "lr")}
+    given = {key: value for key, value in given.items() if value is not None}
+    return {**DEFAULT_RUN, **given} if args.model is None and not args.dataset else given
+
+
 def run_quantize(args) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -163,13 +170,9 @@ def run_quantize(args) -> int:
     from .model_card import ModelCardInfo, PerplexityComparison
     from .quantizer import DMXQuantizer
 
-    settings = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "lr")}
-    if args.model is None and not args.dataset:
-        settings = {key: settings[key] if settings.get(key) is not None else value
-                    for key, value in {**DEFAULT_RUN, **settings}.items()}
-    settings = {key: value for key, value in settings.items() if value is not None}
     try:
-        config = DMXConfig(target_bits=args.target_bits, format_pair=args.pair, seed=args.seed, **settings)
+        config = DMXConfig(target_bits=args.target_bits, format_pair=args.pair, seed=args.seed,
+                           **calibration_overrides(args))
     except ValueError as err:
         raise UsageError(str(err)) from err
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"

@@ -8,6 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from optimum_dmx.cli import DEFAULT_RUN, build_parser, calibration_overrides
+
 FAST = ["--steps", "4", "--seq-len", "16", "--batch-size", "2", "--num-samples", "8"]
 
 
@@ -103,3 +105,17 @@ def test_console_script_is_installed():
         pytest.skip("package not installed with its console script")
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
     assert result.returncode == 0 and "quantize" in result.stdout and "inspect" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "argv, expected",
+    [
+        (["quantize"], DEFAULT_RUN),
+        (["quantize", "--steps", "10"], {**DEFAULT_RUN, "steps": 10}),
+        (["quantize", "m", "--dataset", "d.txt"], {}),
+        (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--lr", "2"], {"seq_len": 64, "lr": 2.0}),
+    ],
+)
+def test_default_run_settings_and_explicit_overrides(argv, expected):
+    """The embedded default run is CPU-sized; a user's own model gets DMXConfig's defaults unless overridden."""
+    assert calibration_overrides(build_parser().parse_args(argv)) == expected
