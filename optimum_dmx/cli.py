@@ -211,7 +211,7 @@ def run_quantize(args) -> int:
         perplexities=[PerplexityComparison(eval_text_path.name, after.protocol, before.perplexity, after.perplexity)]
         if after else [],
     )
-    quantizer.save(model, output, info)  # replaces a previous folder only when complete (--overwrite was checked)
+    quantizer.save(model, output, info, overwrite=args.overwrite)  # replaced only once complete
     tokenizer.save_pretrained(output)
     info.checkpoint_bytes = _checkpoint_bytes(output)
 

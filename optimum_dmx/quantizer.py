@@ -113,17 +113,22 @@ class DMXQuantizer(OptimumQuantizer):
         model: PreTrainedModel,
         save_dir: str | os.PathLike,
         card_info: ModelCardInfo | None = None,
+        *,
+        overwrite: bool = False,
         **kwargs: Any,
     ) -> None:
         """`model.save_pretrained(save_dir, **kwargs)`, with the dMX model card, atomically.
 
         `card_info` adds to the card what only the caller knows (base model, data, measurements). The
         checkpoint and its `README.md` are written to a temporary sibling directory that replaces `save_dir`
-        only once complete, so an interrupted save never leaves a partial checkpoint there.
+        only once complete, so an interrupted save never leaves a partial checkpoint there. A `save_dir` that
+        exists and is not empty is replaced only with `overwrite=True`.
         """
+        save_dir = Path(save_dir)
+        if save_dir.exists() and not overwrite and (not save_dir.is_dir() or any(save_dir.iterdir())):
+            raise FileExistsError(f"{str(save_dir)!r} exists and is not empty; pass overwrite=True to replace it")
         if card_info is not None:
             model.dmx_card_info = card_info
-        save_dir = Path(save_dir)
         save_dir.parent.mkdir(parents=True, exist_ok=True)
         staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.", suffix=".partial", dir=save_dir.parent))
         try:

@@ -178,7 +178,7 @@ def test_missing_packed_tensor_is_an_error(llama_dmx, tmp_path):
 def _save_with_file_size_limit(source: Path, target: Path, how: str) -> subprocess.CompletedProcess:
     """Load `source` and save it to `target` in a process whose files may not grow past 20 kB."""
     save = f"model.save_pretrained({str(target)!r})" if how == "save_pretrained" else (
-        f"optimum_dmx.DMXQuantizer(model.config.quantization_config).save(model, {str(target)!r})"
+        f"optimum_dmx.DMXQuantizer(model.config.quantization_config).save(model, {str(target)!r}, overwrite=True)"
     )
     code = f"""
 import resource, signal
@@ -213,6 +213,19 @@ def test_interrupted_dmx_quantizer_save_leaves_previous_checkpoint(llama_dmx, tm
         assert torch.equal(model(INPUT_IDS).logits, logits)
     proc = _save_with_file_size_limit(out, tmp_path / "new", "dmx_quantizer")
     assert proc.returncode != 0 and not (tmp_path / "new").exists()
+
+
+def test_dmx_quantizer_save_keeps_a_non_empty_folder_unless_told(llama_dmx, tmp_path):
+    out, _, _ = llama_dmx
+    model = AutoModelForCausalLM.from_pretrained(out)
+    quantizer = DMXQuantizer(model.config.quantization_config)
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("keep")
+    with pytest.raises(FileExistsError, match="mine' exists and is not empty; pass overwrite=True"):
+        quantizer.save(model, tmp_path / "mine")
+    assert (tmp_path / "mine" / "notes.txt").read_text() == "keep"
+    quantizer.save(model, tmp_path / "mine", overwrite=True)
+    assert (tmp_path / "mine" / "config.json").is_file() and not (tmp_path / "mine" / "notes.txt").exists()
 
 
 def test_calibration_without_dataset_or_tokenizer_fails_before_loading(tiny_llama_dir):
