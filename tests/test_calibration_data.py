@@ -146,3 +146,29 @@ def test_hub_name_refused_when_offline(monkeypatch, tokenizer):
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
     with pytest.raises(ValueError, match="'someone/some-corpus'.*offline"):
         build_calibration_batches("someone/some-corpus", tokenizer, 10, 4)
+
+
+def test_generators_and_streaming_datasets_are_read_lazily(tokenizer):
+    expected = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=0)
+    assert torch.equal(build_calibration_batches(iter(TEXTS), tokenizer, 10, 12, 0), expected)
+    records = (Dataset.from_dict({"text": TEXTS, "id": [0, 1, 2]}).to_iterable_dataset())
+    assert torch.equal(build_calibration_batches(records, tokenizer, 10, 12, 0), expected)
+
+    consumed = []
+
+    def endless():
+        for i in range(10**6):
+            consumed.append(i)
+            yield words(i, 20)
+
+    batches = build_calibration_batches(endless(), tokenizer, seq_len=10, num_samples=3, seed=0)
+    assert batches.shape == (3, 10) and len(consumed) < 100  # stops once the blocks are covered
+
+
+def test_stream_errors_name_what_is_wrong(tokenizer):
+    with pytest.raises(ValueError, match=r"no 'text' field; its fields are \['body'\]"):
+        build_calibration_batches(iter([{"body": "w1 w2"}]), tokenizer, 2, 1, 0)
+    with pytest.raises(TypeError, match="yields int"):
+        build_calibration_batches(iter([1, 2]), tokenizer, 2, 1, 0)
+    with pytest.raises(ValueError, match="empty"):
+        build_calibration_batches(iter([]), tokenizer, 2, 1, 0)

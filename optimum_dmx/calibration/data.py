@@ -6,7 +6,9 @@ Accepted sources (all go through `datasets`):
 * a list of strings (the texts themselves, unless every string names an existing file);
 * a local file, a directory, a glob pattern, or a list of file paths (`pathlib.Path`, or strings naming
   existing files): `.txt`, `.json`/`.jsonl` and `.parquet` files (json and parquet need a `"text"` field);
-* any other string is a Hub dataset name, loaded with `split="train"` (only when online).
+* any other string is a Hub dataset name, loaded with `split="train"` (only when online);
+* a streaming `datasets.IterableDataset`, or a generator/iterator of strings or of records with a `"text"`
+  field: read lazily, only as far as the requested blocks need.
 
 All texts are joined with newlines (for text files this restores the original line breaks), tokenized
 once without special tokens, cut into non-overlapping `seq_len` blocks, and `num_samples` blocks are
@@ -18,7 +20,7 @@ from __future__ import annotations
 import glob
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Union
 
@@ -114,6 +116,30 @@ def load_calibration_dataset(source: CalibrationDataset):
     )
 
 
+def _is_stream(source: Any) -> bool:
+    """A streaming `datasets.IterableDataset`, or any other iterator or generator (read once, lazily)."""
+    from datasets import IterableDataset
+
+    return isinstance(source, IterableDataset) or isinstance(source, Iterator)
+
+
+def _streamed_texts(source: Any, max_chars: int) -> list[str]:
+    """Texts from a stream of strings or of records with a "text" field, until `max_chars` characters."""
+    texts, total = [], 0
+    for item in source:
+        if isinstance(item, Mapping):
+            if TEXT_COLUMN not in item:
+                raise ValueError(f"the calibration stream has no {TEXT_COLUMN!r} field; its fields are {sorted(item)}.")
+            item = item[TEXT_COLUMN]
+        if not isinstance(item, str):
+            raise TypeError(f"the calibration stream yields {type(item).__name__}; expected str or a record with 'text'.")
+        texts.append(item)
+        total += len(item) + 1
+        if total >= max_chars:
+            break
+    return texts
+
+
 def _texts(dataset) -> list[str]:
     if TEXT_COLUMN not in dataset.column_names:
         raise ValueError(
@@ -141,7 +167,12 @@ def build_calibration_batches(
     if isinstance(dataset, (list, tuple)) and not dataset:
         raise ValueError("the calibration data is empty: got an empty list.")
 
-    text = "\n".join(_texts(load_calibration_dataset(dataset)))
+    if _is_stream(dataset):
+        # Read only what the blocks need: no tokenizer packs more than 16 characters per token on average.
+        texts = _streamed_texts(dataset, max_chars=16 * seq_len * num_samples)
+    else:
+        texts = _texts(load_calibration_dataset(dataset))
+    text = "\n".join(texts)
     if not text.strip():
         raise ValueError("the calibration data is empty: it holds no non-whitespace text.")
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
