@@ -24,21 +24,14 @@ def tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
 
 
-class UncopyableTexts(list):
-    """Calibration text that, like a generator or a stream, cannot be deep-copied."""
-
-    def __deepcopy__(self, memo):
-        raise TypeError("calibration data cannot be copied")
-
-
 def _texts(n: int = 40) -> list[str]:
     rng = random.Random(0)
     return [" ".join(f"w{rng.randrange(1, 128)}" for _ in range(20)) for _ in range(n)]
 
 
 def test_from_pretrained_calibrates_and_records_the_result(tmp_path, tiny_llama_dir, tokenizer):
-    # from_pretrained deep-copies its arguments: the config must share the dataset, not copy it
-    config = DMXConfig(target_bits=5.0, dataset=UncopyableTexts(_texts()), tokenizer=tokenizer, **CALIBRATION)
+    # from_pretrained deep-copies its arguments: the config must share the dataset (a generator cannot be copied)
+    config = DMXConfig(target_bits=5.0, dataset=(text for text in _texts()), tokenizer=tokenizer, **CALIBRATION)
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
 
     expected_modules = set(cycling_format_map(tiny_llama_dir))
