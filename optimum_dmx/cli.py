@@ -165,7 +165,7 @@ def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_quantize(args) -> int:
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .calibration.data import load_calibration_dataset
     from .configuration import DMXConfig
@@ -213,6 +213,8 @@ def run_quantize(args) -> int:
         perplexities=[PerplexityComparison(eval_text_path.name, after.protocol, before.perplexity, after.perplexity)]
         if after else [],
     )
+    # Calibrated in float32 (fast on CPUs); embeddings, norms and biases are saved in the checkpoint's dtype.
+    model.to(AutoConfig.from_pretrained(model_path).dtype or torch.float32)
     quantizer.save(model, output, info, overwrite=args.overwrite)  # replaced only once complete
     tokenizer.save_pretrained(output)
     info.checkpoint_bytes = _checkpoint_bytes(output)

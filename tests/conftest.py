@@ -57,7 +57,7 @@ def tiny_text_model_dir(tmp_path_factory) -> Path:
     from .calibration_fixtures import tiny_llama, word_tokenizer, words
 
     root = tmp_path_factory.mktemp("tiny-text-model")
-    tiny_llama(seed=0).save_pretrained(root / "model")
+    tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(root / "model")  # stored in bf16, like most LLMs
     word_tokenizer().save_pretrained(root / "model")
     (root / "calibration.txt").write_text("\n".join(words(7 * i, 40) for i in range(60)))
     (root / "heldout.txt").write_text("\n".join(words(11 * i + 3, 40) for i in range(30)))

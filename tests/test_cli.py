@@ -7,6 +7,8 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors import safe_open
 
 from optimum_dmx.cli import DEFAULT_RUN, build_parser, calibration_overrides
 
@@ -41,6 +43,8 @@ def test_quantize_saves_model_tokenizer_and_card_and_prints_a_summary(quantized)
     quant = json.loads((out / "config.json").read_text())["quantization_config"]
     assert quant["quant_method"] == "dmx" and len(quant["format_map"]) == 14 and quant["steps"] == 4
     assert (out / "tokenizer.json").is_file() and (out / "dmx_format_map.png").is_file()
+    with safe_open(out / "model.safetensors", "pt") as f:  # calibrated in fp32, saved in the source's bf16
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
     card = (out / "README.md").read_text()
     assert "calibration.txt" in card and "heldout.txt" in card and "## Format per layer" in card
     for line in ("average bits", "storage bits", "checkpoint", "perplexity", f"saved to       {out}"):
@@ -134,6 +138,7 @@ def test_default_run_on_the_embedded_model_finishes_within_15_minutes(tmp_path):
     assert minutes < 15, f"the default run took {minutes:.1f} minutes"
     quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert len(quant["format_map"]) == 210 and abs(quant["bits_simple"] - 5.0) <= 0.5
+    assert "x the float checkpoint" in result.stdout and float(result.stdout.split(" x the float")[0].split("(")[-1]) < 0.55
     card = (tmp_path / "out" / "README.md").read_text()
     assert "tempest_gut.txt" in card and "SmolLM2-135M-Instruct" in card
     print(result.stdout[-1500:], f"\nwall time {minutes:.1f} min")
