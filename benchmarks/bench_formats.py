@@ -5,7 +5,7 @@ torchao's ``to_mx`` + ``to_dtype`` (FLOOR scaling, the OCP rule), check that the
 report the median time per element over interleaved repetitions (the two run alternately, so machine noise
 hits both alike) with the ratio ours / torchao. A ``clone`` of the same tensor is the memory-bound floor.
 The continuous dMX quantizer's forward + backward (gradients for the input and beta) is timed on the same
-tensor, at beta 0.5 of each pair.
+tensor, at beta 0.5 of each pair: the autograd reference and the fused version calibration uses.
 
     python benchmarks/bench_formats.py [--size 4096] [--repeats 7] [--threads N] [--output results/formats.md]
 """
@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous
+from optimum_dmx.calibration.fused import quantize_mx_continuous_fused
 
 
 def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
@@ -55,12 +56,13 @@ def median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[s
     return {name: statistics.median(t) for name, t in times.items()}
 
 
-def continuous_step(x: torch.Tensor, pair: str) -> Callable[[], None]:
+def continuous_step(x: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous) -> Callable[[], None]:
+    """Forward + backward of a continuous quantizer at beta 0.5, with gradients for the input and beta."""
     beta = torch.tensor(0.5, requires_grad=True)
     x = x.clone().requires_grad_()
 
     def step() -> None:
-        quantize_mx_continuous(x, beta, pair).sum().backward()
+        quantize(x, beta, pair).sum().backward()
         x.grad = beta.grad = None
 
     return step
@@ -89,8 +91,10 @@ def main() -> None:
         rows.append((f"`quantize_mx` {name}", "yes" if exact else "NO", t["ours"] / n * 1e9,
                      t["torchao"] / n * 1e9, t["ours"] / t["torchao"], f"{t['ours'] / floor:.1f}"))
     for pair in FORMAT_PAIRS:
-        t = median_seconds({"step": continuous_step(x, pair)}, args.repeats)["step"]
-        rows.append((f"continuous {pair}, forward+backward", "-", t / n * 1e9, None, None, f"{t / floor:.1f}"))
+        for label, quantize in (("autograd reference", quantize_mx_continuous), ("fused", quantize_mx_continuous_fused)):
+            t = median_seconds({"step": continuous_step(x, pair, quantize)}, args.repeats)["step"]
+            rows.append((f"continuous {pair}, {label}, forward+backward", "-", t / n * 1e9, None, None,
+                         f"{t / floor:.1f}"))
 
     header = (
         f"{args.size}x{args.size} float32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
