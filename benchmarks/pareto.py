@@ -229,9 +229,10 @@ class Runner:
             **b.setting_values(),
         }
         if result:
-            runs = b.out / "runs"
             name = "_".join(x for x in (method, pair, target) if x)
-            result.to_json(runs / f"{name}_steps{b.steps}_bs{b.batch_size}_seq{b.seq_len}_seed{b.seed}.json")
+            if method in ("dmx", "round_ste"):
+                name += f"_steps{b.steps}_bs{b.batch_size}_seq{b.seq_len}_lr{b.lr:g}_lambda{b.reg_lambda:g}_seed{b.seed}"
+            result.to_json(b.out / "runs" / f"{name}.json")
         return row
 
 
