@@ -293,7 +293,8 @@ def report(bench: Benchmark) -> None:
 
 
 def _protocol(bench: Benchmark, rows: list[dict]) -> str:
-    r = rows[0]
+    trained = [r for r in rows if r["method"] in ("dmx", "round_ste")]
+    r = trained[0] if trained else rows[0]  # float and uniform rows carry the settings of their invocation
     return (
         f"Model `{bench.model.name}` ({bench.dtype}); weights and input activations of every decoder linear "
         f"MX-quantized (block 32), lm_head in float. Calibration: {r['steps']} steps x batch {r['batch_size']} x "
