@@ -229,9 +229,10 @@ class Runner:
             **b.setting_values(),
         }
         if result:
-            runs = b.out / "runs"
             name = "_".join(x for x in (method, pair, target) if x)
-            result.to_json(runs / f"{name}_steps{b.steps}_bs{b.batch_size}_seq{b.seq_len}_seed{b.seed}.json")
+            if method in ("dmx", "round_ste"):
+                name += f"_steps{b.steps}_bs{b.batch_size}_seq{b.seq_len}_lr{b.lr:g}_lambda{b.reg_lambda:g}_seed{b.seed}"
+            result.to_json(b.out / "runs" / f"{name}.json")
         return row
 
 
@@ -292,7 +293,8 @@ def report(bench: Benchmark) -> None:
 
 
 def _protocol(bench: Benchmark, rows: list[dict]) -> str:
-    r = rows[0]
+    trained = [r for r in rows if r["method"] in ("dmx", "round_ste")]
+    r = trained[0] if trained else rows[0]  # float and uniform rows carry the settings of their invocation
     return (
         f"Model `{bench.model.name}` ({bench.dtype}); weights and input activations of every decoder linear "
         f"MX-quantized (block 32), lm_head in float. Calibration: {r['steps']} steps x batch {r['batch_size']} x "
