@@ -45,7 +45,7 @@ from optimum_dmx.continuous import FORMAT_PAIRS
 from optimum_dmx.evaluation import evaluate_perplexity
 
 DEFAULT_MODEL = Path(os.environ.get("DMX_BENCH_CACHE", Path.home() / ".cache/dmx-bench")) / "smollm2-135m"
-DATA = Path("/work/shared/data")
+DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # the shared/ folder beside the repository
 DEFAULT_CALIBRATION = [
     DATA / f"austen_{book}.txt" for book in ("emma", "mansfieldpark", "northangerabbey", "persuasion", "sensesensibility")
 ]

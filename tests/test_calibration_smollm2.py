@@ -13,7 +13,7 @@ from optimum_dmx.evaluation import evaluate_perplexity
 pytestmark = pytest.mark.slow
 
 MODEL = Path(os.environ.get("DMX_BENCH_MODEL", Path.home() / ".cache/dmx-bench/smollm2-135m"))
-DATA = Path(os.environ.get("DMX_BENCH_DATA", "/work/shared/data"))
+DATA = Path(os.environ.get("DMX_BENCH_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
 
 
 @pytest.fixture(scope="module")
