@@ -21,7 +21,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..formats import get_format, quantize_mx
+from ..formats import get_format
 from .regularizers import average_bits, bit_regularizer, bit_summary, tensor_sizes
 from .schedule import temperature_at
 from .settings import CalibrationSettings
@@ -166,36 +166,21 @@ def dmx_linears(
         yield layers
 
 
-class _EmulatedMXLinear(nn.Module):
-    """A linear evaluated in one fixed MX format: weight quantized once, input quantized per call."""
-
-    def __init__(self, linear: nn.Linear, fmt: str, block_size: int, quantize_activations: bool):
-        super().__init__()
-        self.fmt = get_format(fmt)
-        self.block_size = block_size
-        self.quantize_activations = quantize_activations
-        self.weight = quantize_mx(linear.weight.detach(), self.fmt, block_size)
-        self.bias = linear.bias
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.quantize_activations:
-            x = quantize_mx(x, self.fmt, self.block_size)
-        return nn.functional.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
-
-
 @contextmanager
 def emulate_format_map(
     model: nn.Module, format_map: Mapping[str, str], block_size: int = 32, quantize_activations: bool = True
 ) -> Iterator[None]:
     """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
 
-    Emulation for evaluating an assignment without packing: inside the block each named linear computes
-    with its weight and input passed through `quantize_mx`; the quantized weights are computed once on
-    entry (one extra copy of the named weights). Weights are frozen and the model is in eval mode inside
-    the block; everything is restored on exit.
+    Inside the block each named linear is an `MXLinear` built from it (the inference module: packed weight,
+    input quantized per call), so an assignment is evaluated exactly as a saved dMX model computes. Weights
+    are frozen and the model is in eval mode inside the block; the original linears are restored on exit.
     """
+    from ..modules import MXLinear  # modules.py imports this package's schedule and fused quantizer
+
     layers = {
-        name: _EmulatedMXLinear(model.get_submodule(name), fmt, block_size, quantize_activations)
+        name: MXLinear.from_linear(model.get_submodule(name), fmt, block_size=block_size,
+                                   quantize_activations=quantize_activations)
         for name, fmt in format_map.items()
     }
     with _swapped(model, layers):
