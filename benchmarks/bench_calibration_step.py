@@ -1,0 +1,105 @@
+#!/usr/bin/env python
+"""Cost of one calibration step against an unquantized training step on the same batch.
+
+For each batch size the script alternates, `--repeats` times:
+
+* the reference: a forward + backward pass of the float model with every weight trainable;
+* dMX: two runs of the real trainer (`calibrate`) that differ only in their step count, 1 and
+  `1 + --steps`; their time difference divided by `--steps` is the cost of one step, without the one-time
+  setup (wrapping the linears, computing the weights' block exponents);
+* ROUND+STE: the same with `calibrate_round_ste`.
+
+Medians over the repeats are reported with the ratio to the reference: the issue's speed bar is a dMX step
+at most 2x the unquantized forward + backward. Alternating the three measurements keeps a noisy, shared
+machine from favouring one of them.
+
+usage: python benchmarks/bench_calibration_step.py [--model DIR] [--calibration FILE ...] [--batch-sizes 2,4]
+                                                   [--seq-len 128] [--pair mxfp8-mxfp4] [--steps 2]
+                                                   [--repeats 3] [--threads 1] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+
+from optimum_dmx.calibration import CalibrationSettings, build_calibration_batches, calibrate, calibrate_round_ste
+from pareto import DEFAULT_CALIBRATION, DEFAULT_MODEL, fwd_bwd_seconds
+
+TRAINERS = {"dMX": calibrate, "ROUND+STE": calibrate_round_ste}
+
+
+def step_seconds(trainer, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> float:
+    """Marginal wall time of one step of `trainer` on `batch` (every step sees the whole batch)."""
+
+    def run(num_steps: int) -> float:
+        settings = CalibrationSettings(
+            target_bits=5.0, format_pair=pair, num_samples=len(batch), seq_len=batch.shape[1],
+            batch_size=len(batch), steps=num_steps,
+        )
+        return trainer(model, batch, settings, progress=False).seconds
+
+    return (run(1 + steps) - run(1)) / steps
+
+
+def measure(model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int, repeats: int) -> dict[str, float]:
+    """Median seconds of the reference step and of each trainer's step, measured alternately."""
+    times: dict[str, list[float]] = {"unquantized": [], **{name: [] for name in TRAINERS}}
+    for _ in range(repeats):
+        times["unquantized"].append(fwd_bwd_seconds(model, batch, repeats=1))
+        for name, trainer in TRAINERS.items():
+            times[name].append(step_seconds(trainer, model, batch, pair, steps))
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="Hugging Face model folder")
+    p.add_argument("--calibration", type=Path, nargs="+", default=DEFAULT_CALIBRATION, help="text files")
+    p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--pair", default="mxfp8-mxfp4")
+    p.add_argument("--steps", type=int, default=2, help="extra steps whose time is divided out")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(a.model)
+    batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
+    ids = build_calibration_batches(a.calibration, tokenizer, a.seq_len, max(batch_sizes), seed=0)
+
+    lines = [
+        f"Model `{a.model.name}` (float32), pair {a.pair}, {a.threads} torch thread(s), "
+        f"{platform.processor() or platform.machine()}; medians of {a.repeats} alternated repeats.",
+        "",
+        "| batch x seq | unquantized fwd+bwd ms | dMX step ms | dMX / unquantized | ROUND+STE step ms | "
+        "ROUND+STE / unquantized |",
+        "|---|---|---|---|---|---|",
+    ]
+    for batch_size in batch_sizes:
+        t = measure(model, ids[:batch_size], a.pair, a.steps, a.repeats)
+        ref = t["unquantized"]
+        lines.append(
+            f"| {batch_size} x {a.seq_len} | {ref * 1e3:.1f} | {t['dMX'] * 1e3:.1f} | {t['dMX'] / ref:.2f}x | "
+            f"{t['ROUND+STE'] * 1e3:.1f} | {t['ROUND+STE'] / ref:.2f}x |"
+        )
+        print(lines[-1], file=sys.stderr, flush=True)
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if a.output:
+        command = "python benchmarks/bench_calibration_step.py " + " ".join(sys.argv[1:])
+        a.output.write_text(f"# Calibration step cost\n\nCommand: `{command}`\n\n{text}")
+
+
+if __name__ == "__main__":
+    main()
