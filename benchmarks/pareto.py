@@ -114,7 +114,7 @@ class Benchmark:
 
 def _key(method: str, pair: str, target: str, settings: dict) -> str:
     shared = {k: settings[k] for k in ("eval_tokens", "eval_seq_len")}
-    relevant = settings if method in ("dmx", "round_ste") else shared
+    relevant = {k: settings[k] for k in SETTING_COLUMNS} if method in ("dmx", "round_ste") else shared
     if method == "kl":
         relevant = {**shared, "seq_len": settings["seq_len"], "seed": settings["seed"]}
     return "|".join([method, pair, target, *(f"{k}={relevant[k]}" for k in sorted(relevant))])
