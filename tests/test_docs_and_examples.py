@@ -47,7 +47,8 @@ def test_quantize_save_load_generate_examples(tiny_text_model_dir, tmp_path):
 def test_pareto_sweep_example(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     args = ["--model", root / "model", "--calibration", root / "calibration.txt",
-            "--eval", f"heldout={root / 'heldout.txt'}", "--out", tmp_path, "--methods", "float,uniform,dmx", "--pairs", "mxfp8-mxfp4", "--targets", "5",
+            "--eval", f"heldout={root / 'heldout.txt'}", "--out", tmp_path, "--methods", "float,uniform,dmx",
+            "--pairs", "mxfp8-mxfp4", "--targets", "5",
             "--steps", 4, "--batch-size", 2, "--seq-len", 16, "--eval-tokens", 256, "--eval-seq-len", 16]
     run_example("pareto_sweep.py", *args)
     rows = (tmp_path / "pareto.csv").read_text().splitlines()
