@@ -35,6 +35,7 @@ from torch import nn
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, get_format
+from optimum_dmx.model_card import checkpoint_bytes
 
 SHAPES = [(1, 512), (8, 128)]
 DTYPES = [torch.bfloat16, torch.float32]
@@ -95,10 +96,6 @@ def bench_linear(repeats: int) -> list[list[str]]:
 def mixed_format_map(model: nn.Module) -> dict[str, str]:
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
     return {name: "mxfp8_e4m3" if i % 4 == 0 else "mxfp4_e2m1" for i, name in enumerate(names)}
-
-
-def checkpoint_bytes(path: Path) -> int:
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
 
 
 def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[str]]:

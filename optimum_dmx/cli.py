@@ -104,10 +104,6 @@ def _looks_like_local_path(name: str) -> bool:
     return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
 
 
-def _checkpoint_bytes(folder: Path) -> int:
-    return sum(p.stat().st_size for p in folder.glob("*.safetensors"))
-
-
 def _perplexity(model, tokenizer, text: str, which: str):
     from .evaluation import evaluate_perplexity
 
@@ -169,7 +165,7 @@ def run_quantize(args) -> int:
 
     from .calibration.data import load_calibration_dataset
     from .configuration import DMXConfig
-    from .model_card import ModelCardInfo, PerplexityComparison
+    from .model_card import ModelCardInfo, PerplexityComparison, checkpoint_bytes
     from .quantizer import DMXQuantizer
 
     try:
@@ -206,7 +202,7 @@ def run_quantize(args) -> int:
     seconds = time.perf_counter() - start
     after = _perplexity(model, tokenizer, eval_text, "dMX") if eval_text else None
 
-    float_bytes = _checkpoint_bytes(Path(model_path)) if Path(model_path).is_dir() else None
+    float_bytes = checkpoint_bytes(model_path) if Path(model_path).is_dir() else None
     info = ModelCardInfo(
         base_model=args.model or "HuggingFaceTB/SmolLM2-135M-Instruct", repo_id=args.push_to_hub,
         calibration_data=data_description, calibration_seconds=seconds, float_checkpoint_bytes=float_bytes,
@@ -217,7 +213,7 @@ def run_quantize(args) -> int:
     model.to(AutoConfig.from_pretrained(model_path).dtype or torch.float32)
     quantizer.save(model, output, info, overwrite=args.overwrite)  # replaced only once complete
     tokenizer.save_pretrained(output)
-    info.checkpoint_bytes = _checkpoint_bytes(output)
+    info.checkpoint_bytes = checkpoint_bytes(output)
 
     _print_summary(model.config.quantization_config.to_dict(), info, before, after, output)
     if args.push_to_hub:
@@ -268,7 +264,7 @@ def run_eval(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from .model_card import HEATMAP_NAME, layer_grid, save_format_heatmap
+    from .model_card import HEATMAP_NAME, checkpoint_bytes, layer_grid, save_format_heatmap
 
     folder = _require_model_folder(args.model)
     config = json.loads((folder / "config.json").read_text())
@@ -280,7 +276,7 @@ def run_inspect(args) -> int:
     formats = sorted(set(format_map.values()))
     print(f"{folder}: {len(format_map)} MX linears, pair {quant.get('format_pair')}, target {quant.get('target_bits')}")
     print(f"average bits {quant.get('bits_simple')} (simple), {quant.get('bits_weighted')} (weighted); "
-          f"storage {quant.get('storage_bits')} bits per weight; checkpoint {_checkpoint_bytes(folder) / 2**20:.1f} MiB")
+          f"storage {quant.get('storage_bits')} bits per weight; checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB")
     print("\nby layer type:")
     _print_counts({p: [cells[(layer, p)] for layer in layers if (layer, p) in cells] for p in projections}, formats)
     if layers:

@@ -203,6 +203,11 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
     return Template(template).substitute(values)
 
 
+def checkpoint_bytes(folder: str | Path) -> int:
+    """Bytes of the ``*.safetensors`` files in ``folder`` (0 when there are none)."""
+    return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
+
+
 def write_model_card(save_directory: str | Path, quantization_config: Mapping[str, Any],
                      info: ModelCardInfo | None = None) -> Path:
     """Write ``README.md`` and the heatmap ``dmx_format_map.png`` into ``save_directory``.
@@ -210,8 +215,7 @@ def write_model_card(save_directory: str | Path, quantization_config: Mapping[st
     The checkpoint size on the card is measured from the ``*.safetensors`` files already in the folder.
     """
     save_directory = Path(save_directory)
-    checkpoint_bytes = sum(p.stat().st_size for p in save_directory.glob("*.safetensors"))
-    info = dataclasses.replace(info or ModelCardInfo(), checkpoint_bytes=checkpoint_bytes or None)
+    info = dataclasses.replace(info or ModelCardInfo(), checkpoint_bytes=checkpoint_bytes(save_directory) or None)
     save_format_heatmap(dict(quantization_config)["format_map"], save_directory / HEATMAP_NAME)
     path = save_directory / README_NAME
     path.write_text(render_model_card(quantization_config, info), encoding="utf-8")
