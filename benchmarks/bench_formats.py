@@ -22,7 +22,7 @@ from pathlib import Path
 import torch
 
 from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous
-from optimum_dmx.calibration.fused import quantize_mx_continuous_fused
+from optimum_dmx.continuous import quantize_mx_continuous_fused
 
 
 def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:

@@ -35,7 +35,7 @@ from torch import nn
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, get_format
-from optimum_dmx.model_card import checkpoint_bytes
+from optimum_dmx.integration.model_card import checkpoint_bytes
 
 SHAPES = [(1, 512), (8, 128)]
 DTYPES = [torch.bfloat16, torch.float32]

@@ -36,12 +36,12 @@ from optimum_dmx.calibration import (
     build_calibration_batches,
     calibrate,
     calibrate_round_ste,
-    emulate_format_map,
     kl_preselection,
     kl_sensitivities,
     uniform,
 )
 from optimum_dmx.continuous import FORMAT_PAIRS
+from optimum_dmx.nn import emulate_format_map
 from optimum_dmx.evaluation import evaluate_perplexity
 
 DEFAULT_MODEL = Path(os.environ.get("DMX_BENCH_CACHE", Path.home() / ".cache/dmx-bench")) / "smollm2-135m"

@@ -14,13 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+# This module imports the rest of the package (and with it torch and transformers, seconds to import) inside
+# the command handlers, so that `--help` and usage errors answer at once.
 
 EXIT_USAGE = 2
 # Settings of the embedded default run, sized to finish in about 10 minutes on 2 CPU cores: the paper's
@@ -99,11 +101,6 @@ def _require_model_folder(path: Path) -> Path:
     return path
 
 
-def _looks_like_local_path(name: str) -> bool:
-    """A Hub id is ``name`` or ``owner/name``; anything else (``./x``, ``/a/b``, ``a/b/c``) is a local path."""
-    return os.path.isabs(name) or name.startswith((".", "~")) or name.count("/") > 1 or os.sep != "/" and os.sep in name
-
-
 def _perplexity(model, tokenizer, text: str, which: str):
     from .evaluation import evaluate_perplexity
 
@@ -124,11 +121,12 @@ def _check_output(output: Path, overwrite: bool) -> None:
 def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
     """Model location, calibration source, a description of the data, and the evaluation text."""
     from . import defaults
+    from .calibration.data import looks_like_local_path
 
     eval_text = args.eval_text
     if args.model is None:
         model = str(defaults.default_model_dir())
-    elif _looks_like_local_path(args.model) or Path(args.model).exists():
+    elif looks_like_local_path(args.model) or Path(args.model).exists():
         model = str(_require_model_folder(Path(args.model).expanduser()))
     else:
         model = args.model  # a Hub id
@@ -136,7 +134,7 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
         paths = [Path(d) for d in args.dataset]
         if all(p.exists() for p in paths):
             source, description = paths, ", ".join(p.name for p in paths)
-        elif len(args.dataset) == 1 and not _looks_like_local_path(args.dataset[0]):
+        elif len(args.dataset) == 1 and not looks_like_local_path(args.dataset[0]):
             source = description = args.dataset[0]
         else:
             missing = [str(p) for p in paths if not p.exists()]
@@ -164,9 +162,7 @@ def run_quantize(args) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .calibration.data import load_calibration_dataset
-    from .configuration import DMXConfig
-    from .model_card import ModelCardInfo, PerplexityComparison, checkpoint_bytes
-    from .quantizer import DMXQuantizer
+    from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
 
     try:
         config = DMXConfig(target_bits=args.target_bits, format_pair=args.pair, seed=args.seed,
@@ -264,7 +260,7 @@ def run_eval(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from .model_card import HEATMAP_NAME, checkpoint_bytes, layer_grid, save_format_heatmap
+    from .integration.model_card import HEATMAP_NAME, checkpoint_bytes, layer_grid, save_format_heatmap
 
     folder = _require_model_folder(args.model)
     config = json.loads((folder / "config.json").read_text())

@@ -1,10 +1,11 @@
 """Perplexity of a causal language model on held-out text, with its protocol.
 
-Protocol: the text is tokenized once without special tokens, truncated to `max_tokens`, and cut into
-non-overlapping windows of `seq_len` tokens (a trailing partial window is dropped). Each window is scored
-on its own, predicting tokens 2..seq_len from their prefix inside the window. The perplexity is
-`exp(mean NLL)` over all predicted tokens. Numbers are only comparable under the same protocol, so the
-result carries it.
+Protocol: the text is tokenized once without special tokens and truncated to `max_tokens`; it is cut into
+non-overlapping windows of `seq_len` tokens that each start the way the model's tokenizer starts a text
+(its BOS token where it adds one, e.g. Llama 3 and Gemma; nothing for SmolLM2), followed by the next text
+tokens (a trailing partial window is dropped). Each window is scored on its own, predicting its tokens
+2..seq_len from their prefix inside the window. The perplexity is `exp(mean NLL)` over all predicted
+tokens. Numbers are only comparable under the same protocol, so the result carries it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
+
+from .text import start_tokens, text_tokens, token_windows
 
 
 @dataclass(frozen=True)
@@ -29,10 +32,13 @@ class PerplexityResult:
     """Tokens scored (`windows * (seq_len - 1)`)."""
     windows: int
     seq_len: int
+    start_tokens: tuple[int, ...] = ()
+    """Token ids each window starts with (the tokenizer's BOS, where it adds one)."""
 
     @property
     def protocol(self) -> str:
-        return f"{self.tokens} tokens, {self.windows} non-overlapping windows of {self.seq_len}"
+        start = f"each starting with token(s) {list(self.start_tokens)}" if self.start_tokens else "no start token"
+        return f"{self.tokens} tokens, {self.windows} non-overlapping windows of {self.seq_len}, {start}"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -57,7 +63,7 @@ def evaluate_perplexity(
         tokenizer: the model's tokenizer.
         text: held-out text.
         seq_len: window length in tokens.
-        max_tokens: use only the first `max_tokens` tokens of the text (all when None).
+        max_tokens: use only the first `max_tokens` text tokens (all when None).
         batch_size: windows per forward pass (does not change the result).
     """
     if not isinstance(text, str) or not text.strip():
@@ -70,14 +76,15 @@ def evaluate_perplexity(
     if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < seq_len):
         raise ValueError(f"max_tokens={max_tokens!r} must be an integer of at least seq_len={seq_len}.")
 
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    ids = text_tokens(tokenizer, text)
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    windows = len(ids) // seq_len
+    start = start_tokens(tokenizer)
+    blocks = token_windows(ids, seq_len, start)
+    windows = len(blocks)
     if windows == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}.")
     device = next(model.parameters()).device
-    blocks = torch.tensor(ids[: windows * seq_len], dtype=torch.long).view(windows, seq_len)
 
     was_training = model.training
     model.eval()
@@ -100,4 +107,5 @@ def evaluate_perplexity(
         predicted_tokens=predicted,
         windows=windows,
         seq_len=seq_len,
+        start_tokens=tuple(start),
     )

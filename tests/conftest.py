@@ -1,4 +1,6 @@
-"""Shared fixtures: tiny random float checkpoints saved as real safetensors, and a local Hub server."""
+"""Shared fixtures: one torch thread, tiny random float checkpoints saved as real safetensors, a local Hub server.
+
+Helper functions (models, tokenizers, tensors, subprocesses) are in helpers.py."""
 
 from __future__ import annotations
 
@@ -6,6 +8,19 @@ from pathlib import Path
 
 import pytest
 import torch
+
+from .helpers import tiny_llama, word_tokenizer, words
+
+
+@pytest.fixture(autouse=True, scope="session")
+def single_thread():
+    """Tiny models run much faster on one thread, especially on a shared machine; results do not depend on
+    the machine's core count (the float reduction order changes with the number of threads)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
 
 def _save_tiny(model_cls, config, path: Path) -> Path:
     torch.manual_seed(0)
@@ -54,8 +69,6 @@ def tiny_text_model_dir(tmp_path_factory) -> Path:
     What a user points the CLI and the examples at, only small: `<root>/model`, `<root>/calibration.txt`,
     `<root>/heldout.txt`.
     """
-    from .calibration_fixtures import tiny_llama, word_tokenizer, words
-
     root = tmp_path_factory.mktemp("tiny-text-model")
     tiny_llama(seed=0).to(torch.bfloat16).save_pretrained(root / "model")  # stored in bf16, like most LLMs
     word_tokenizer().save_pretrained(root / "model")

@@ -20,12 +20,15 @@ _REPO = r"(?P<repo>[^/]+/[^/]+)"
 
 
 class HubState:
-    """Repositories (`repo_id -> {path: bytes}`), their head commit, and uploaded LFS objects."""
+    """Repositories (`repo_id -> {path: bytes}`), their head commit, uploaded LFS objects, and what the client
+    asked for: each repo's visibility and every commit's revision, summary and description."""
 
     def __init__(self) -> None:
         self.repos: dict[str, dict[str, bytes]] = {}
         self.heads: dict[str, str] = {}
         self.lfs: dict[str, bytes] = {}
+        self.visibility: dict[str, str | None] = {}
+        self.commits: list[dict[str, str]] = []
         self.lock = threading.Lock()
 
     def commit(self, repo_id: str, files: dict[str, bytes], deleted: list[str], summary: str) -> str:
@@ -80,6 +83,7 @@ class _Handler(BaseHTTPRequestHandler):
                     return self._error(409, "RepoExists", f"{repo_id} already exists")
                 self.state.repos[repo_id] = {}
                 self.state.heads[repo_id] = "0" * 40
+                self.state.visibility[repo_id] = body.get("visibility")
             return self._json(200, {"url": f"{self._base()}/{repo_id}", "name": repo_id})
         if path == "/api/validate-yaml":  # README.md metadata check before a commit
             self._body()
@@ -102,8 +106,8 @@ class _Handler(BaseHTTPRequestHandler):
                     entry["actions"] = {"upload": {"href": f"{self._base()}/lfs-upload/{obj['oid']}"}}
                 objects.append(entry)
             return self._json(200, {"transfer": "basic", "objects": objects})
-        if m := re.fullmatch(rf"/api/models/{_REPO}/commit/[^/]+", path):
-            return self._commit(m["repo"])
+        if m := re.fullmatch(rf"/api/models/{_REPO}/commit/(?P<revision>[^/]+)", path):
+            return self._commit(m["repo"], m["revision"])
         return self._error(404, "NotFound", path)
 
     def do_PUT(self):
@@ -116,7 +120,7 @@ class _Handler(BaseHTTPRequestHandler):
             return self._send(200)
         return self._error(404, "NotFound", path)
 
-    def _commit(self, repo_id: str) -> None:
+    def _commit(self, repo_id: str, revision: str) -> None:
         if repo_id not in self.state.repos:
             return self._error(404, "RepoNotFound", repo_id)
         files, deleted, summary = {}, [], ""
@@ -125,6 +129,8 @@ class _Handler(BaseHTTPRequestHandler):
             key, value = item["key"], item["value"]
             if key == "header":
                 summary = value.get("summary", "")
+                self.state.commits.append({"repo_id": repo_id, "revision": revision, "summary": summary,
+                                           "description": value.get("description", "")})
             elif key == "file":
                 files[value["path"]] = base64.b64decode(value["content"])
             elif key == "lfsFile":

@@ -2,19 +2,16 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from .calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
+from .helpers import sensitive_llama_and_data, tiny_llama
 from optimum_dmx.calibration import (
     CalibrationSettings,
-    average_bits,
     calibrate_round_ste,
-    emulate_format_map,
     kl_preselection,
     kl_sensitivities,
-    linear_modules_to_quantize,
-    tensor_sizes,
     uniform,
     uniform_format_map,
 )
+from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
 from optimum_dmx.formats import quantize_mx
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from .calibration_fixtures import word_tokenizer, words
+from .helpers import word_tokenizer, words
 from optimum_dmx.calibration import build_calibration_batches
 
 TEXTS = [words(0, 50), words(50, 30), words(80, 40)]  # 120 tokens, ids 1..120 in order
@@ -128,7 +128,7 @@ def test_bad_sources_are_named(tmp_path, tokenizer):
         build_calibration_batches(tmp_path / "data.csv", tokenizer, 10, 4)
     with pytest.raises(ValueError, match="not found.*missing.txt"):
         build_calibration_batches([Path(tmp_path / "missing.txt")], tokenizer, 10, 4)
-    with pytest.raises(ValueError, match="does not exist"):
+    with pytest.raises(ValueError, match="not found.*missing.txt"):
         build_calibration_batches(Path(tmp_path / "missing.txt"), tokenizer, 10, 4)
     with pytest.raises(ValueError, match="no calibration files match"):
         build_calibration_batches(str(tmp_path / "*.parquet"), tokenizer, 10, 4)

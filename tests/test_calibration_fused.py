@@ -4,10 +4,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from optimum_dmx.calibration.fused import quantize_mx_continuous_fused, weight_block_exponent
-from optimum_dmx.continuous import FORMAT_PAIRS, quantize_mx_continuous
+from optimum_dmx.calibration import DMXLinear
+from optimum_dmx.continuous import FORMAT_PAIRS, quantize_mx_continuous, quantize_mx_continuous_fused, weight_block_exponent
 from optimum_dmx.formats import quantize_mx
-from optimum_dmx.modules import DMXLinear
 
 BETAS = [0.0, 0.2, 0.5, 0.999, 1.0, 1.37, 1.8, 2.0]
 

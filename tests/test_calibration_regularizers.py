@@ -3,8 +3,8 @@ import math
 import pytest
 import torch
 
-from optimum_dmx.calibration import average_bits, bit_regularizer, bit_summary, storage_bits, tensor_sizes
-from optimum_dmx.calibration.regularizers import simple_regularizer, target_regularizer
+from optimum_dmx.calibration.regularizers import bit_regularizer, simple_regularizer, target_regularizer
+from optimum_dmx.nn.bits import average_bits, bit_summary, storage_bits, tensor_sizes
 
 SHAPES = [(64, 64), (32, 64), (128, 64), (64, 128)]
 
@@ -43,8 +43,10 @@ def test_average_gradients():
 def test_storage_bits_include_e8m0_scales():
     assert storage_bits([4.0], [(16, 64)]) == pytest.approx(4.25)
     assert storage_bits([8.0, 4.0], [(10, 32), (10, 32)]) == pytest.approx(6.25)
-    # A row of 40 elements needs two scales: 4 + 16 / 40.
-    assert storage_bits([4.0], [(3, 40)]) == pytest.approx(4.4)
+    # A row of 40 elements is stored as two padded blocks: 64 codes of 4 bits and two scales, over 40 elements.
+    assert storage_bits([4], [(3, 40)]) == pytest.approx((64 * 4 + 16) / 40)
+    # FP6 packs four codes in three bytes; 40 -> 64 padded codes -> 48 bytes per row.
+    assert storage_bits([6], [(2, 40)]) == pytest.approx((48 * 8 + 16) / 40)
     with pytest.raises(ValueError, match="2 bit widths for 1 weights"):
         storage_bits([4.0, 8.0], [(3, 40)])
 

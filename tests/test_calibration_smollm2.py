@@ -7,7 +7,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from optimum_dmx.calibration import CalibrationSettings, build_calibration_batches, calibrate, emulate_format_map, uniform_format_map
+from optimum_dmx.calibration import CalibrationSettings, build_calibration_batches, calibrate, uniform_format_map
+from optimum_dmx.nn import emulate_format_map
 from optimum_dmx.evaluation import evaluate_perplexity
 
 pytestmark = pytest.mark.slow

@@ -5,9 +5,9 @@ import pytest
 import torch
 from torch import nn
 
-from .calibration_fixtures import sensitive_llama_and_data, single_thread, tiny_llama  # noqa: F401
-from optimum_dmx.calibration import CalibrationSettings, calibrate, linear_modules_to_quantize
-from optimum_dmx.modules import DMXLinear
+from .helpers import sensitive_llama_and_data, tiny_llama
+from optimum_dmx.calibration import CalibrationSettings, DMXLinear, calibrate
+from optimum_dmx.nn import linear_modules_to_quantize
 
 
 @pytest.fixture(scope="module")

@@ -8,7 +8,7 @@ import torch
 from optimum_dmx.continuous import FORMAT_PAIRS, float_quantize, get_format_pair, quantize_mx_continuous
 from optimum_dmx.formats import MX_FORMATS, quantize_mx
 
-from .test_formats import adversarial_blocks, assert_bitwise_equal, wide_range
+from .helpers import adversarial_blocks, assert_bitwise_equal, wide_range
 
 LN2 = math.log(2)
 ENDPOINTS = [

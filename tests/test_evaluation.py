@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from .calibration_fixtures import single_thread, tiny_llama, word_tokenizer, words  # noqa: F401
+from .helpers import tiny_llama, word_tokenizer, words
 from optimum_dmx.evaluation import evaluate_perplexity
 
 TEXT = words(0, 100) + "\n" + words(7, 60)  # 160 tokens
@@ -34,7 +34,7 @@ def test_matches_a_manual_computation_and_reports_the_protocol(setup):
     assert result.perplexity == pytest.approx(expected, rel=1e-5)
     assert (result.windows, result.tokens, result.predicted_tokens, result.seq_len) == (5, 160, predicted, 32)
     assert result.nll == pytest.approx(math.log(result.perplexity))
-    assert result.protocol == "160 tokens, 5 non-overlapping windows of 32"
+    assert result.protocol == "160 tokens, 5 non-overlapping windows of 32, no start token"
     assert "5 non-overlapping windows of 32" in str(result) and result.to_dict()["windows"] == 5
 
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from optimum_dmx import DMXConfig
 
-from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
+from .helpers import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 
 LOAD_WITHOUT_IMPORT = """
 import json, sys

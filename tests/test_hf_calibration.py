@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear
 
-from .hf_utils import INPUT_IDS, cycling_format_map
+from .helpers import INPUT_IDS, cycling_format_map
 
 CALIBRATION = {"num_samples": 8, "seq_len": 16, "batch_size": 4, "steps": 3, "seed": 3}
 

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear, quantize_mx
 from optimum_dmx.formats import get_format, packed_shapes
 
-from .hf_utils import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
+from .helpers import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 
 def quantize_and_save(float_dir: Path, out_dir: Path, dtype=torch.float32):
     format_map = cycling_format_map(float_dir)

@@ -116,10 +116,10 @@ def test_with_result_records_the_map_without_runtime_inputs():
 def test_importing_registers_dmx_idempotently():
     assert AUTO_QUANTIZATION_CONFIG_MAPPING["dmx"] is DMXConfig
     assert AUTO_QUANTIZER_MAPPING["dmx"] is optimum_dmx.DMXHfQuantizer
-    importlib.reload(optimum_dmx.hf_quantizer)
+    importlib.reload(optimum_dmx.integration.hf_quantizer)
     importlib.reload(optimum_dmx)
     # after a reload the registry holds the reloaded classes
-    assert AUTO_QUANTIZER_MAPPING["dmx"] is importlib.import_module("optimum_dmx.hf_quantizer").DMXHfQuantizer
+    assert AUTO_QUANTIZER_MAPPING["dmx"] is importlib.import_module("optimum_dmx.integration.hf_quantizer").DMXHfQuantizer
 
 
 def test_registration_refuses_to_override_another_package():
@@ -130,6 +130,6 @@ def test_registration_refuses_to_override_another_package():
     AUTO_QUANTIZER_MAPPING["dmx"] = impostor
     try:
         with pytest.raises(ValueError, match="already registered by other_package.OtherQuantizer"):
-            optimum_dmx.hf_quantizer.register()
+            optimum_dmx.integration.hf_quantizer.register()
     finally:
         AUTO_QUANTIZER_MAPPING["dmx"] = original

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from optimum_dmx import MXLinear, quantize_mx
 from optimum_dmx.formats import packed_shapes
-from optimum_dmx.modules import replace_with_mx_linear
+from optimum_dmx.nn import replace_with_mx_linear
 
 FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3"]
 

@@ -6,7 +6,7 @@ import pytest
 from huggingface_hub import ModelCard
 from PIL import Image
 
-from optimum_dmx.model_card import (
+from optimum_dmx.integration.model_card import (
     HEATMAP_NAME,
     ModelCardInfo,
     PerplexityComparison,

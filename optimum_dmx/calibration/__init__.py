@@ -1,39 +1,44 @@
-"""dMX calibration: learn a per-layer MX format assignment, plus the baselines it is compared with."""
+"""dMX calibration: learn a per-layer MX format assignment, plus the baselines it is compared with.
 
-from .baselines import calibrate_round_ste, kl_preselection, kl_sensitivities, uniform, uniform_format_map
-from .data import build_calibration_batches, load_calibration_dataset
-from .regularizers import average_bits, bit_regularizer, bit_summary, storage_bits, tensor_sizes
-from .schedule import temperature_at, temperature_sigmoid
-from .settings import CalibrationSettings
-from .trainer import (
-    CalibrationResult,
-    calibrate,
-    dmx_linears,
-    emulate_format_map,
-    linear_modules_to_quantize,
-    result_from_format_map,
-)
+The names below load on first use (PEP 562): `DMXConfig` validates its fields with `CalibrationSettings`, and
+neither that nor loading a saved dMX model should pay for importing the trainer, tqdm and `datasets`.
+"""
 
-__all__ = [
-    "CalibrationResult",
-    "CalibrationSettings",
-    "average_bits",
-    "bit_regularizer",
-    "bit_summary",
-    "build_calibration_batches",
-    "calibrate",
-    "calibrate_round_ste",
-    "dmx_linears",
-    "emulate_format_map",
-    "kl_preselection",
-    "kl_sensitivities",
-    "linear_modules_to_quantize",
-    "load_calibration_dataset",
-    "result_from_format_map",
-    "storage_bits",
-    "temperature_at",
-    "temperature_sigmoid",
-    "tensor_sizes",
-    "uniform",
-    "uniform_format_map",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CalibrationResult": "result",
+    "CalibrationSettings": "settings",
+    "DMXLinear": "dmx_linear",
+    "bit_regularizer": "regularizers",
+    "build_calibration_batches": "data",
+    "calibrate": "trainer",
+    "calibrate_round_ste": "baselines",
+    "discrete_offset": "schedule",
+    "dmx_linears": "trainer",
+    "kl_preselection": "baselines",
+    "kl_sensitivities": "baselines",
+    "load_calibration_dataset": "data",
+    "result_from_format_map": "result",
+    "temperature_at": "schedule",
+    "temperature_sigmoid": "schedule",
+    "uniform": "baselines",
+    "uniform_format_map": "baselines",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])

@@ -18,15 +18,11 @@ from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
 from ..formats import get_format
-from .regularizers import average_bits, tensor_sizes
+from ..nn.bits import average_bits, tensor_sizes
+from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
+from .result import CalibrationResult, result_from_format_map
 from .settings import CalibrationSettings
-from .trainer import (
-    CalibrationResult,
-    calibrate,
-    emulate_format_map,
-    linear_modules_to_quantize,
-    result_from_format_map,
-)
+from .trainer import calibrate
 
 
 def uniform_format_map(model: nn.Module, fmt: str, modules_to_not_convert: list[str] | None = None) -> dict[str, str]:

@@ -3,16 +3,22 @@
 Accepted sources (all go through `datasets`):
 
 * a `datasets.Dataset` (or a `DatasetDict` with a `"train"` split) with a `"text"` column;
-* a list of strings (the texts themselves, unless every string names an existing file);
+* a list of strings: the texts themselves, unless every string names an existing file;
 * a local file, a directory, a glob pattern, or a list of file paths (`pathlib.Path`, or strings naming
   existing files): `.txt`, `.json`/`.jsonl` and `.parquet` files (json and parquet need a `"text"` field);
-* any other string is a Hub dataset name, loaded with `split="train"` (only when online);
+* any other string is a Hub dataset name, loaded with `split="train"` (only when online).
+
+A string that looks like a file path but names no file is an error, never text or a Hub name
+(`looks_like_local_path`): it has no whitespace and ends with a data-file extension, or it starts with `/`,
+`./`, `../` or `~`, or it holds a path separator that a Hub id would not (a text in a list: any `/`; a single
+source: more than one, since Hub ids are `owner/name`).
 * a streaming `datasets.IterableDataset`, or a generator/iterator of strings or of records with a `"text"`
   field: read lazily, only as far as the requested blocks need.
 
 All texts are joined with newlines (for text files this restores the original line breaks), tokenized
-once without special tokens, cut into non-overlapping `seq_len` blocks, and `num_samples` blocks are
-drawn without replacement in a seeded random order.
+once without special tokens, cut into non-overlapping blocks that each start the way the tokenizer starts a
+text (its BOS token, if it adds one; see `optimum_dmx.text`), and `num_samples` blocks are drawn without
+replacement in a seeded random order.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from typing import Any, Union
 
 import torch
 
+from ..text import start_tokens, text_tokens, token_windows
+
 
 logger = logging.getLogger(__name__)
 
@@ -35,15 +43,51 @@ _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json",
 CalibrationDataset = Union[str, os.PathLike, Sequence[str], Sequence[os.PathLike], Any]
 
 
+def looks_like_local_path(source: str, *, in_list: bool = False) -> bool:
+    """Whether a string is meant as a local path rather than a Hub id (or, in a list, a calibration text)."""
+    if not source or any(c.isspace() for c in source):
+        return False
+    separators = source.count("/") + (source.count(os.sep) if os.sep != "/" else 0)
+    return (
+        Path(source).suffix.lower() in _BUILDERS
+        or source.startswith(("/", "./", "../", "~"))
+        or os.path.isabs(source)
+        or separators > (0 if in_list else 1)
+    )
+
+
+def check_calibration_source(source: Any) -> None:
+    """Raise, naming it, for a string of `source` that looks like a local path but names nothing on disk.
+
+    Called when a config is built, so a mistyped file name fails at once instead of being calibrated on as
+    a 16-character text or looked up as a Hub dataset. Glob patterns and everything else are left to loading.
+    """
+    if isinstance(source, (str, os.PathLike)):
+        candidates, in_list = [source], False
+    elif isinstance(source, (list, tuple)):
+        candidates, in_list = [s for s in source if isinstance(s, (str, os.PathLike))], True
+    else:
+        return
+    for candidate in candidates:
+        path = os.fspath(candidate)
+        meant_as_path = isinstance(candidate, os.PathLike) or looks_like_local_path(path, in_list=in_list)
+        if meant_as_path and not glob.has_magic(path) and not os.path.exists(os.path.expanduser(path)):
+            raise ValueError(
+                f"calibration data not found: {path!r} looks like a file path, but no such file or directory "
+                f"exists (relative paths are taken from {os.getcwd()!r}). Pass existing .txt/.json/.jsonl/.parquet "
+                "files or folders, a Hub dataset name, a datasets.Dataset, or a list of calibration texts."
+            )
+
+
 def _local_files(source: str | os.PathLike | Sequence[os.PathLike]) -> list[str] | None:
     """The files a local source names, or None when `source` is not a local path (then: a Hub name)."""
     if not isinstance(source, (str, os.PathLike)):
-        files = [os.fspath(p) for p in source]
+        files = [os.path.expanduser(os.fspath(p)) for p in source]
         missing = [f for f in files if not os.path.isfile(f)]
         if missing:
             raise ValueError(f"calibration files not found: {missing}.")
         return files
-    path = os.fspath(source)
+    path = os.path.expanduser(os.fspath(source))
     if os.path.isdir(path):
         files = sorted(os.path.join(path, n) for n in os.listdir(path) if Path(n).suffix.lower() in _BUILDERS)
         if not files:
@@ -83,6 +127,7 @@ def _load_local(files: list[str]):
 
 def load_calibration_dataset(source: CalibrationDataset):
     """Turn any accepted calibration source into a `datasets.Dataset`."""
+    # `datasets` (with pyarrow and pandas) takes seconds to import: only calibrating needs it.
     from datasets import Dataset, DatasetDict, config
 
     if isinstance(source, Dataset):
@@ -91,8 +136,9 @@ def load_calibration_dataset(source: CalibrationDataset):
         if "train" not in source:
             raise ValueError(f"the DatasetDict has no 'train' split; its splits are {sorted(source)}.")
         return source["train"]
+    check_calibration_source(source)
     if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
-        if all(isinstance(s, os.PathLike) or os.path.isfile(s) for s in source):
+        if all(isinstance(s, os.PathLike) or os.path.isfile(os.path.expanduser(s)) for s in source):
             return _load_local(_local_files(source))
         if all(isinstance(s, str) for s in source):
             return Dataset.from_dict({TEXT_COLUMN: list(source)})
@@ -101,7 +147,7 @@ def load_calibration_dataset(source: CalibrationDataset):
         if files is not None:
             return _load_local(files)
         if isinstance(source, os.PathLike):
-            raise ValueError(f"calibration path {os.fspath(source)!r} does not exist.")
+            raise ValueError(f"calibration path {os.fspath(source)!r} is neither a file nor a directory.")
         if config.HF_HUB_OFFLINE:
             raise ValueError(
                 f"{source!r} is not a local file, directory or glob, and the Hub is offline "
@@ -153,7 +199,8 @@ def build_calibration_batches(
 ) -> torch.LongTensor:
     """Tokenize, pack and sample calibration sequences.
 
-    Returns a `[num_samples, seq_len]` LongTensor of token ids. When the text holds fewer than
+    Returns a `[num_samples, seq_len]` LongTensor of token ids, each row starting with the tokenizer's start
+    tokens (BOS where it adds one). When the text holds fewer than
     `num_samples` blocks, all blocks are returned (with a warning) rather than repeating any.
     Deterministic for a given `seed`.
     """
@@ -175,8 +222,9 @@ def build_calibration_batches(
     text = "\n".join(texts)
     if not text.strip():
         raise ValueError("the calibration data is empty: it holds no non-whitespace text.")
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
-    num_blocks = len(ids) // seq_len
+    ids = text_tokens(tokenizer, text)
+    blocks = token_windows(ids, seq_len, start_tokens(tokenizer))
+    num_blocks = len(blocks)
     if num_blocks == 0:
         raise ValueError(
             f"the calibration text is too short: {len(ids)} tokens, but one block needs seq_len={seq_len} tokens."
@@ -186,6 +234,5 @@ def build_calibration_batches(
             "The calibration text holds %d blocks of %d tokens, fewer than num_samples=%d; using all %d.",
             num_blocks, seq_len, num_samples, num_blocks,
         )
-    blocks = torch.tensor(ids[: num_blocks * seq_len], dtype=torch.long).view(num_blocks, seq_len)
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
     return blocks[order[:num_samples]]

@@ -1,4 +1,4 @@
-"""Temperature annealing of the format offset (DESIGN section 2).
+"""Temperature annealing of the format offset, and the discretization rule it converges to.
 
 Each layer learns a raw offset `beta_hat`; the quantizer sees `beta = F(beta_hat, T)`, a sigmoid scaled to
 [0, 2] whose midpoint sits at `beta_hat = 1`. A low temperature keeps the relaxation smooth; raising it
@@ -11,10 +11,19 @@ import math
 
 import torch
 
+from ..continuous import MAX_OFFSET
+
+MIDPOINT = MAX_OFFSET / 2  # F(MIDPOINT, T) = MIDPOINT for every T: where the step lands as T grows
+
 
 def temperature_sigmoid(beta_hat: torch.Tensor, temperature: float) -> torch.Tensor:
     """`F(beta_hat, T) = 2 / (1 + exp(-T (beta_hat / 2 - 0.5)))`, with `F(1, T) = 1` for every `T`."""
-    return 2.0 * torch.sigmoid(temperature * (beta_hat / 2.0 - 0.5))
+    return MAX_OFFSET * torch.sigmoid(temperature * (beta_hat / MAX_OFFSET - 0.5))
+
+
+def discrete_offset(beta_hat: torch.Tensor) -> torch.Tensor:
+    """The discretization rule: `F(beta_hat, T)` as `T` grows, a step to 2 (the high format) at `beta_hat >= 1`."""
+    return torch.where(beta_hat >= MIDPOINT, MAX_OFFSET, 0.0)
 
 
 def temperature_at(step: int, steps: int, t_start: float, t_end: float, warmup_ratio: float) -> float:

@@ -1,6 +1,6 @@
 """Calibration settings: every knob of a dMX calibration run, validated once, at construction.
 
-The defaults are the dMX paper's (DESIGN section 2). `DMXConfig` builds one of these to validate its
+The defaults are the dMX paper's (`docs/method.md`). `DMXConfig` builds one of these to validate its
 calibration fields, so defaults and validation live here only.
 """
 
@@ -11,10 +11,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..continuous import get_format_pair
-
-
-REGULARIZERS = ("target", "simple")
-BIT_AVERAGES = ("simple", "weighted")
+from ..nn.bits import BIT_AVERAGES
+from .regularizers import REGULARIZERS
 
 
 def _require(condition: bool, message: str) -> None:

@@ -9,96 +9,27 @@ quantized modules is the caller's job.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..formats import get_format
-from .regularizers import average_bits, bit_regularizer, bit_summary, tensor_sizes
+from ..nn.bits import average_bits, tensor_sizes
+from ..nn.surgery import linear_modules_to_quantize, swapped_modules
+from .data import build_calibration_batches
+from .dmx_linear import DMXLinear
+from .regularizers import bit_regularizer
+from .result import CalibrationResult, result_from_format_map
 from .schedule import temperature_at
 from .settings import CalibrationSettings
 
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class CalibrationResult:
-    """Outcome of a calibration (or of a baseline format assignment).
-
-    Attributes:
-        format_map: full module name -> canonical MX format name.
-        bits_simple: mean element bits over the quantized layers (scales excluded).
-        bits_weighted: element bits averaged by tensor size (weight numel + in_features per layer).
-        storage_bits: stored bits per weight element, E8M0 block scales included.
-        history: one record per step: `step`, `loss`, `task_loss`, `reg_loss`, `bits` (the average the
-            regularizer uses), `bits_simple`, `bits_weighted`, `temperature`.
-        beta_hat: final raw offset per module (empty for methods without offsets).
-        method: which procedure produced the assignment (`"dmx"`, `"round_ste"`, `"kl"`, `"uniform"`).
-        seconds: wall time of the procedure.
-    """
-
-    format_map: dict[str, str]
-    bits_simple: float
-    bits_weighted: float
-    storage_bits: float
-    history: list[dict] = field(default_factory=list)
-    beta_hat: dict[str, float] = field(default_factory=dict)
-    method: str = "dmx"
-    seconds: float = 0.0
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    def to_json(self, path: str | os.PathLike) -> None:
-        """Write the result, history included, as indented JSON."""
-        with open(path, "w", encoding="utf-8") as f:
-            json.dump(self.to_dict(), f, indent=2)
-
-
-def _matches(name: str, pattern: str) -> bool:
-    """A pattern names the module itself, a suffix or a prefix of its dotted name at a module boundary."""
-    return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
-
-
-def linear_modules_to_quantize(model: nn.Module, modules_to_not_convert: Sequence[str] | None) -> dict[str, nn.Linear]:
-    """The `nn.Linear` modules of `model` that dMX quantizes, by full name, in model order.
-
-    A module is skipped when a pattern of `modules_to_not_convert` equals its full name, is a suffix of it
-    at a module boundary (`"lm_head"`, `"mlp.down_proj"`), or a prefix at a module boundary
-    (`"model.layers.0"` skips that layer's linears but not those of `model.layers.0x`).
-    """
-    patterns = list(modules_to_not_convert or [])
-    return {
-        name: module
-        for name, module in model.named_modules()
-        if isinstance(module, nn.Linear) and not any(_matches(name, p) for p in patterns)
-    }
-
-
-def result_from_format_map(
-    format_map: Mapping[str, str],
-    linears: Mapping[str, nn.Linear],
-    settings: CalibrationSettings,
-    **fields,
-) -> CalibrationResult:
-    """A `CalibrationResult` for `format_map` over `linears`, with its bit accounting filled in."""
-    names = list(format_map)
-    summary = bit_summary(
-        [get_format(format_map[n]).bits for n in names],
-        [tuple(linears[n].weight.shape) for n in names],
-        settings.quantize_activations,
-        settings.block_size,
-    )
-    return CalibrationResult(format_map=dict(format_map), **summary, **fields)
 
 
 def _batches(num_samples: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
@@ -113,38 +44,13 @@ def _batches(num_samples: int, batch_size: int, steps: int, seed: int) -> Iterat
 
 
 @contextmanager
-def _swapped(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[None]:
-    """Temporarily install `replacements` (full name -> module) with every model weight frozen and the model
-    in eval mode (no dropout: calibration is deterministic). On exit, also on error, the original modules,
-    the `requires_grad` flags and the train/eval mode come back."""
-    originals = {name: model.get_submodule(name) for name in replacements}
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    was_training = model.training
-    try:
-        for p, _ in flags:
-            p.requires_grad_(False)
-        model.eval()
-        for name, module in replacements.items():
-            model.set_submodule(name, module)
-        yield
-    finally:
-        for name, module in originals.items():
-            model.set_submodule(name, module)
-        for p, flag in flags:
-            p.requires_grad_(flag)
-        model.train(was_training)
-
-
-@contextmanager
 def dmx_linears(
     model: nn.Module, settings: CalibrationSettings, straight_through: bool = False
 ) -> Iterator[dict[str, nn.Module]]:
     """Temporarily replace the targeted linears of `model` by `DMXLinear` (offsets at 0), weights frozen.
 
-    Yields the new modules by name; see `_swapped` for what is restored on exit.
+    Yields the new modules by name; see `swapped_modules` for what is restored on exit.
     """
-    from ..modules import DMXLinear  # modules.py imports this package's schedule and fused quantizer
-
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     if not targets:
         raise ValueError(
@@ -162,29 +68,8 @@ def dmx_linears(
         )
         for name, linear in targets.items()
     }
-    with _swapped(model, layers):
+    with swapped_modules(model, layers):
         yield layers
-
-
-@contextmanager
-def emulate_format_map(
-    model: nn.Module, format_map: Mapping[str, str], block_size: int = 32, quantize_activations: bool = True
-) -> Iterator[None]:
-    """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
-
-    Inside the block each named linear is an `MXLinear` built from it (the inference module: packed weight,
-    input quantized per call), so an assignment is evaluated exactly as a saved dMX model computes. Weights
-    are frozen and the model is in eval mode inside the block; the original linears are restored on exit.
-    """
-    from ..modules import MXLinear  # modules.py imports this package's schedule and fused quantizer
-
-    layers = {
-        name: MXLinear.from_linear(model.get_submodule(name), fmt, block_size=block_size,
-                                   quantize_activations=quantize_activations)
-        for name, fmt in format_map.items()
-    }
-    with _swapped(model, layers):
-        yield
 
 
 def calibrate(
@@ -270,3 +155,14 @@ def calibrate(
         len(format_map), result.bits_simple, result.bits_weighted, result.storage_bits,
     )
     return result
+
+
+def calibrate_on_text(
+    model: nn.Module, dataset: Any, tokenizer: Any, settings: CalibrationSettings, progress: bool = True
+) -> CalibrationResult:
+    """`calibrate` on `settings.num_samples` blocks of `settings.seq_len` tokens drawn from `dataset`.
+
+    `dataset` is any source `build_calibration_batches` accepts (Hub name, files, `datasets.Dataset`, texts).
+    """
+    input_ids = build_calibration_batches(dataset, tokenizer, settings.seq_len, settings.num_samples, settings.seed)
+    return calibrate(model, input_ids, settings, progress)

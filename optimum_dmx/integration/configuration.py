@@ -22,8 +22,9 @@ from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
-from .calibration.settings import CalibrationSettings
-from .formats import MX_FORMATS, get_format
+from ..calibration.data import check_calibration_source
+from ..calibration.settings import CalibrationSettings
+from ..formats import MX_FORMATS, get_format
 
 QUANT_METHOD = "dmx"
 
@@ -45,10 +46,12 @@ class DMXConfig(QuantizationConfigMixin):
             `datasets.Dataset` (streaming or not), a generator or a list of strings. Never serialized.
         tokenizer: tokenizer used to build the calibration batches. Never serialized.
         num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, t_start, t_end,
-        t_warmup_ratio, seed: calibration settings (DESIGN section 2); `None` takes the paper's default.
+        t_warmup_ratio, seed: calibration settings (`docs/method.md`); `None` takes the paper's default.
         block_size: MX block size (32 in the OCP spec).
         quantize_activations: quantize each quantized linear's input activations to its format.
-        modules_to_not_convert: module names (or suffixes) kept in full precision. Defaults to `["lm_head"]`.
+        modules_to_not_convert: module-name patterns kept in full precision (transformers' matching rule), in
+            addition to transformers' default skips (the output embeddings, tied weights and the model's
+            `keep_in_fp32` modules). Defaults to `["lm_head"]`.
         format_map: full module name -> MX format name. Given without a dataset, it is applied as is
             (no calibration); after calibration it holds the learned assignment.
         bits_simple, bits_weighted, storage_bits: achieved bit-widths, written with the format map.
@@ -104,6 +107,7 @@ class DMXConfig(QuantizationConfigMixin):
         settings = CalibrationSettings(**{k: v for k, v in given.items() if v is not None})
         for field in dataclasses.fields(settings):
             setattr(self, field.name, copy.copy(getattr(settings, field.name)))
+        check_calibration_source(dataset)
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.format_map = _validate_format_map(format_map)
@@ -117,9 +121,34 @@ class DMXConfig(QuantizationConfigMixin):
         """True when quantizing with this config means learning a format map (none was given)."""
         return self.format_map is None
 
-    def calibration_settings(self) -> CalibrationSettings:
-        """The `CalibrationSettings` these fields describe."""
-        return CalibrationSettings(**{name: copy.copy(getattr(self, name)) for name in _SETTINGS_FIELDS})
+    def calibration_settings(self, **overrides: Any) -> CalibrationSettings:
+        """The `CalibrationSettings` these fields describe, with `overrides` (e.g. the resolved skip list)."""
+        values = {name: copy.copy(getattr(self, name)) for name in _SETTINGS_FIELDS}
+        return CalibrationSettings(**{**values, **overrides})
+
+    def check_calibration_inputs(self) -> None:
+        """Raise unless this config can be carried out: a format map, or a dataset and a tokenizer to calibrate."""
+        if not self.needs_calibration:
+            return
+        missing = [name for name in _RUNTIME_FIELDS if getattr(self, name) is None]
+        if missing:
+            raise ValueError(
+                f"DMXConfig has no format_map, so the model must be calibrated, but no {' and no '.join(missing)} "
+                "was given: pass DMXConfig(dataset=..., tokenizer=...), or a format_map to apply without calibrating"
+            )
+
+    def with_runtime_inputs(self, **inputs: Any) -> DMXConfig:
+        """A copy with the runtime inputs (`dataset`, `tokenizer`) given here replaced; `None` keeps the current one."""
+        unknown = set(inputs) - set(_RUNTIME_FIELDS)
+        if unknown:
+            raise TypeError(f"with_runtime_inputs takes {', '.join(_RUNTIME_FIELDS)}; got {sorted(unknown)}")
+        new = copy.deepcopy(self)
+        for name, value in inputs.items():
+            if value is not None:
+                if name == "dataset":
+                    check_calibration_source(value)
+                setattr(new, name, value)
+        return new
 
     def with_result(
         self,
@@ -128,11 +157,17 @@ class DMXConfig(QuantizationConfigMixin):
         bits_simple: float | None = None,
         bits_weighted: float | None = None,
         storage_bits: float | None = None,
+        **settings: Any,
     ) -> DMXConfig:
-        """A config recording an applied `format_map` and its achieved bits, without dataset or tokenizer."""
+        """A config recording an applied `format_map`, its achieved bits and any `settings` that were resolved
+        while applying it (e.g. the full skip list), without dataset or tokenizer."""
         values = {k: v for k, v in self.to_dict().items() if k != "quant_method"}
         values.update(
-            format_map=dict(format_map), bits_simple=bits_simple, bits_weighted=bits_weighted, storage_bits=storage_bits
+            settings,
+            format_map=dict(format_map),
+            bits_simple=bits_simple,
+            bits_weighted=bits_weighted,
+            storage_bits=storage_bits,
         )
         return DMXConfig(**values)
 

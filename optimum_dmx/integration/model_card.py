@@ -8,6 +8,7 @@ lives in ``model_cards/dmx_model_card.md`` (installed as the package data ``opti
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
@@ -17,8 +18,8 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
-from .continuous import get_format_pair
-from .formats import MX_FORMATS
+from ..continuous import get_format_pair
+from ..formats import MX_FORMATS
 
 README_NAME = "README.md"
 HEATMAP_NAME = "dmx_format_map.png"
@@ -222,42 +223,89 @@ def write_model_card(save_directory: str | Path, quantization_config: Mapping[st
     return path
 
 
-def attach_model_card(model, info: ModelCardInfo | None = None) -> None:
-    """Make ``model.save_pretrained`` and ``model.push_to_hub`` write the dMX model card.
+class _WritesDMXModelCard:
+    """Mixin of the class `attach_model_card` gives a dMX model: saving and pushing also write the dMX card."""
 
-    transformers has no hook for a quantization method's model card (``push_to_hub`` writes a generic one),
-    so a dMX model gets two instance methods: ``save_pretrained`` saves as usual, then writes ``README.md``
-    and the heatmap; ``push_to_hub`` uploads that folder. ``info`` (replaceable later through
-    ``model.dmx_card_info``) defaults to the model's source as base model.
-    """
-    model.dmx_card_info = info or ModelCardInfo(base_model=getattr(model.config, "_name_or_path", None) or None)
-    save_without_card = type(model).save_pretrained
-
-    def save_pretrained(save_directory, *args, is_main_process: bool = True, **kwargs):
-        result = save_without_card(model, save_directory, *args, is_main_process=is_main_process, **kwargs)
-        if is_main_process and not kwargs.get("push_to_hub"):
-            write_model_card(save_directory, model.config.quantization_config.to_dict(), model.dmx_card_info)
+    def save_pretrained(self, save_directory: str | Path, *args: Any, **kwargs: Any) -> Any:
+        """transformers' `save_pretrained`, then (on the main process) the dMX model card and heatmap."""
+        result = super().save_pretrained(save_directory, *args, **kwargs)
+        call = inspect.signature(super().save_pretrained).bind(save_directory, *args, **kwargs)
+        call.apply_defaults()
+        config = getattr(self.config, "quantization_config", None)
+        if call.arguments["is_main_process"] and not call.arguments["push_to_hub"] and config is not None:
+            write_model_card(save_directory, config.to_dict(), self.dmx_card_info)
         return result
 
-    def push_to_hub(repo_id: str, commit_message: str | None = None, private: bool | None = None,
-                    token: str | bool | None = None, revision: str | None = None, create_pr: bool = False,
-                    max_shard_size: int | str | None = "50GB", tags: list[str] | None = None, **_: Any):
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        commit_message: str | None = None,
+        commit_description: str | None = None,
+        private: bool | None = None,
+        token: bool | str | None = None,
+        revision: str | None = None,
+        create_pr: bool = False,
+        max_shard_size: int | str | None = "50GB",
+        tags: list[str] | None = None,
+    ) -> Any:
+        """transformers' `push_to_hub` (same arguments), uploading the dMX model card instead of a generic one."""
         import tempfile
 
         from huggingface_hub import HfApi
 
         api = HfApi(token=token if isinstance(token, str) else None)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
-        with tempfile.TemporaryDirectory() as folder:
-            card = model.dmx_card_info
-            model.dmx_card_info = dataclasses.replace(card, repo_id=card.repo_id or repo_id,
-                                                      tags=[*card.tags, *(tags or [])])
-            try:
-                save_pretrained(folder, max_shard_size=max_shard_size)
-            finally:
-                model.dmx_card_info = card
-            return api.upload_folder(repo_id=repo_id, folder_path=folder, revision=revision, create_pr=create_pr,
-                                     commit_message=commit_message or "Upload dMX-quantized model")
+        extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
+        card = self.dmx_card_info
+        self.dmx_card_info = dataclasses.replace(
+            card, repo_id=card.repo_id or repo_id, tags=[*card.tags, *(self.model_tags or []), *extra_tags]
+        )
+        try:
+            with tempfile.TemporaryDirectory() as folder:
+                self.save_pretrained(folder, max_shard_size=max_shard_size)
+                return api.upload_folder(
+                    repo_id=repo_id,
+                    folder_path=folder,
+                    commit_message=commit_message or "Upload dMX-quantized model",
+                    commit_description=commit_description,
+                    revision=revision,
+                    create_pr=create_pr,
+                )
+        finally:
+            self.dmx_card_info = card
 
-    model.save_pretrained = save_pretrained
-    model.push_to_hub = push_to_hub
+    def __reduce_ex__(self, protocol: int) -> Any:
+        raise TypeError(
+            "a dMX model is saved with save_pretrained (packed safetensors + config.json), not pickled; "
+            "its class carries the model-card hooks and exists only in this process"
+        )
+
+
+_CARD_CLASSES: dict[type, type] = {}
+
+
+def attach_model_card(model: Any, info: ModelCardInfo | None = None) -> None:
+    """Make ``model.save_pretrained`` and ``model.push_to_hub`` write the dMX model card.
+
+    transformers has no hook through which a quantization method writes its model card: ``save_pretrained``
+    writes none and ``push_to_hub`` uploads a generic one. So, as ``torch.nn.utils.parametrize`` does for
+    parametrized modules, the model's class is swapped for a subclass (cached per class, with the same name,
+    so ``config.architectures`` is unchanged) whose two methods call transformers' and add the card; no
+    instance attribute refers back to the model, so there is no reference cycle. ``info`` (replaceable later
+    through ``model.dmx_card_info``) defaults to the model's source as base model.
+    """
+    base = type(model)
+    if not issubclass(base, _WritesDMXModelCard):
+        if base not in _CARD_CLASSES:
+            namespace = {"__module__": base.__module__, "__qualname__": base.__qualname__, "__doc__": base.__doc__}
+            _CARD_CLASSES[base] = type(base.__name__, (_WritesDMXModelCard, base), namespace)
+        model.__class__ = _CARD_CLASSES[base]
+    model.dmx_card_info = info or ModelCardInfo(base_model=getattr(model.config, "_name_or_path", None) or None)
+
+
+def detach_model_card(model: Any) -> None:
+    """Undo `attach_model_card`: the model gets its transformers class back."""
+    if isinstance(model, _WritesDMXModelCard):
+        model.__class__ = next(c for c in type(model).__mro__ if not issubclass(c, _WritesDMXModelCard))
+        del model.dmx_card_info

@@ -7,13 +7,16 @@
   skeleton from the saved `format_map`, the checkpoint's packed tensors are checked against them, and
   the loader fills them. Nothing is recalibrated.
 
-Importing this module registers quant_method `"dmx"` with transformers (idempotently).
+`DMXQuantizer.quantize_model` runs the same hooks on an already-loaded model. Importing this module registers
+quant_method `"dmx"` with transformers (idempotently).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+import torch
+from safetensors import safe_open
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -22,8 +25,9 @@ from transformers.quantizers.auto import (
 )
 from transformers.quantizers.base import HfQuantizer
 
+from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, replace_with_mx_linear
 from .configuration import QUANT_METHOD, DMXConfig
-from .model_card import attach_model_card
+from .model_card import attach_model_card, detach_model_card
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -44,37 +48,57 @@ class DMXHfQuantizer(HfQuantizer):
             if config.format_map is None:
                 raise ValueError("this dMX checkpoint's quantization_config has no format_map: it cannot be rebuilt")
         else:
-            from .quantizer import check_calibration_inputs
-
-            check_calibration_inputs(config, config.tokenizer)
+            config.check_calibration_inputs()
 
     def _process_model_before_weight_loading(
         self, model: PreTrainedModel, checkpoint_files: list[str] | None = None, **kwargs: Any
     ) -> PreTrainedModel:
         if self.pre_quantized:
-            from .modules import replace_with_mx_linear
-
             config = self.quantization_config
             replace_with_mx_linear(
-                model,
-                config.format_map,
-                block_size=config.block_size,
-                quantize_activations=config.quantize_activations,
+                model, config.format_map, block_size=config.block_size, quantize_activations=config.quantize_activations
             )
             _check_packed_tensors(model, checkpoint_files or [])
         return model
 
     def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
         if not self.pre_quantized:
-            from .quantizer import apply_dmx
-
             # `postprocess_model` has just set the user's config on the model: replace it with the record of
             # what was applied (no dataset, no tokenizer), as config.json must hold.
-            self.quantization_config = apply_dmx(model, self.quantization_config)
+            self.quantization_config = self._quantize(model)
             model.config.quantization_config = self.quantization_config
         model.add_model_tags(list(MODEL_TAGS))
         attach_model_card(model)  # save_pretrained and push_to_hub write the dMX model card
         return model
+
+    def _quantize(self, model: PreTrainedModel) -> DMXConfig:
+        """Calibrate (or take the explicit map), install the `MXLinear`s, return the config that records it."""
+        config = self.quantization_config
+        _check_not_quantized(model)
+        skip = self.get_modules_to_not_convert(
+            model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
+        )
+        skip = sorted(set(skip))
+        if config.needs_calibration:
+            # Imported here, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
+            # loading a saved dMX checkpoint (the other use of this module) never needs.
+            from ..calibration.trainer import calibrate_on_text
+
+            settings = config.calibration_settings(modules_to_not_convert=skip)
+            format_map = calibrate_on_text(model, config.dataset, config.tokenizer, settings).format_map
+        else:
+            format_map = config.format_map
+        replace_with_mx_linear(
+            model, format_map, block_size=config.block_size, quantize_activations=config.quantize_activations
+        )
+        shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
+        bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
+        return config.with_result(format_map, modules_to_not_convert=skip, **bits)
+
+    def _dequantize(self, model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
+        """`model.dequantize()`: every `MXLinear` back to an `nn.Linear` holding its MX-valued weight."""
+        detach_model_card(model)
+        return dequantize_mx_linears(model, dtype)
 
     def is_serializable(self, safe_serialization: bool | None = None) -> bool:
         return True
@@ -84,6 +108,15 @@ class DMXHfQuantizer(HfQuantizer):
         return False
 
 
+def _check_not_quantized(model: PreTrainedModel) -> None:
+    for name, module in model.named_modules():
+        if isinstance(module, MXLinear):
+            raise ValueError(
+                f"the model is already dMX-quantized (module {name!r} is an MXLinear in {module.fmt.name}); "
+                "quantize the float model instead"
+            )
+
+
 def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -> None:
     """Raise, naming the module, unless the checkpoint holds every MXLinear's tensors in the expected shapes.
 
@@ -91,10 +124,6 @@ def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -
     a checkpoint that does not match its own format map is refused here, before anything is loaded.
     Only the safetensors headers are read.
     """
-    from safetensors import safe_open
-
-    from .modules import MXLinear
-
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in checkpoint_files:
         if not str(path).endswith(".safetensors"):

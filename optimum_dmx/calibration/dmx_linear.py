@@ -1,0 +1,88 @@
+"""`DMXLinear`: the calibration-time module of dMX, a frozen linear quantized at a learnable format offset."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..continuous import FormatPair, get_format_pair, quantize_mx_continuous_fused, weight_block_exponent
+from ..formats import MXFormat
+from .schedule import discrete_offset, temperature_sigmoid
+
+
+class DMXLinear(nn.Module):
+    """A frozen linear layer whose weight and input are quantized at a learnable format offset.
+
+    The module shares (does not copy) the wrapped linear's `weight` and `bias`. Its only trainable state is
+    `beta_hat` (a scalar, initialised to 0: the pair's low format). The forward pass maps it to
+    `beta = F(beta_hat, temperature)` in [0, 2] and quantizes, along `in_features` in blocks of
+    `block_size`, the weight and (dynamically, when `quantize_activations`) the input activation with the
+    pair's continuous quantizer at `beta`. The computation runs in float32 and returns the input's dtype, so
+    fp32 and bf16 models both work.
+
+    `temperature` is a plain attribute that the calibration loop updates every step. With
+    `straight_through`, the forward pass uses the discrete choice (`discrete_offset(beta_hat)`)
+    while gradients flow as if it were `F(beta_hat, temperature)` (the ROUND+STE baseline).
+    """
+
+    def __init__(
+        self,
+        linear: nn.Linear,
+        format_pair: str | FormatPair = "mxfp8-mxfp4",
+        *,
+        block_size: int = 32,
+        quantize_activations: bool = True,
+        temperature: float = 8.0,
+        straight_through: bool = False,
+    ):
+        super().__init__()
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"DMXLinear wraps an nn.Linear, got {type(linear).__name__}.")
+        self.in_features = linear.in_features
+        self.out_features = linear.out_features
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.pair = get_format_pair(format_pair)
+        self.block_size = block_size
+        self.quantize_activations = quantize_activations
+        self.temperature = float(temperature)
+        self.straight_through = straight_through
+        self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
+        # The weight is frozen: its per-block exponents are constant, so compute them once.
+        floor_log2, finite = weight_block_exponent(linear.weight, block_size)
+        self.register_buffer("_weight_floor_log2", floor_log2, persistent=False)
+        self.register_buffer("_weight_finite", finite, persistent=False)
+
+    def beta(self) -> torch.Tensor:
+        """The offset the quantizer uses now (differentiable with respect to `beta_hat`)."""
+        relaxed = temperature_sigmoid(self.beta_hat, self.temperature)
+        if not self.straight_through:
+            return relaxed
+        return discrete_offset(self.beta_hat) + (relaxed - relaxed.detach())
+
+    def element_bits(self) -> torch.Tensor:
+        """Element bits at the current offset (`4 + 2 beta` or `4 + beta`), differentiable."""
+        return self.pair.element_bits(self.beta())
+
+    @property
+    def discrete_format(self) -> MXFormat:
+        """The format this layer gets when discretized by its own offset (`discrete_offset`)."""
+        return self.pair.high if discrete_offset(self.beta_hat).item() > 0 else self.pair.low
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        beta = self.beta()
+        weight = quantize_mx_continuous_fused(
+            self.weight, beta, self.pair, self.block_size, (self._weight_floor_log2, self._weight_finite)
+        )
+        if self.quantize_activations:
+            x = quantize_mx_continuous_fused(x, beta, self.pair, self.block_size)
+        return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"format_pair={self.pair.name}, block_size={self.block_size}, "
+            f"quantize_activations={self.quantize_activations}, temperature={self.temperature:g}, "
+            f"straight_through={self.straight_through}"
+        )

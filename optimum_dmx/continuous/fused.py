@@ -1,0 +1,121 @@
+"""Fused continuous MX quantizer: the forward values of :func:`~.reference.quantize_mx_continuous`, bit for
+bit, with closed-form gradients instead of an autograd graph.
+
+The reference builds a graph of about twenty element-wise nodes, each keeping its inputs for the backward
+pass. Calibration needs two gradients, and both have closed forms (``docs/method.md``):
+
+* with respect to ``beta`` (a scalar), the per-element derivative ``dy/dbeta`` is computed during the
+  forward pass and reduced against the incoming gradient in the backward pass (one dot product);
+* with respect to ``x`` (needed for activations, so that gradients reach earlier layers), the
+  straight-through derivative is ``y/x`` in the normal range, 1 in the subnormal range and 0 where the
+  value saturates.
+
+Weights are frozen during calibration, so their block exponents can be computed once and passed back in
+(``block_exponent``), and no input gradient is computed for them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ..formats.blocks import block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent, to_blocks
+from ..formats.blocks import validate_input
+from ..formats.spec import grid_exponent, validate_block_size
+from .pairs import FormatPair, get_format_pair
+
+__all__ = ["quantize_mx_continuous_fused", "weight_block_exponent"]
+
+_LN2 = math.log(2.0)
+
+
+def _format_parameters(pair: FormatPair, beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The pair's ``(e, m, e_min, qmax, scale offset)`` at ``beta`` (detached, computed exactly as the
+    reference does) and the derivatives of ``e``, ``m`` and ``qmax`` with respect to ``beta``."""
+    with torch.enable_grad():
+        b = beta.detach().to(torch.float32).requires_grad_(True)
+        e, m, qmax = pair.exponent_bits(b), pair.mantissa_bits(b), pair.max_normal(b)
+        derivatives = [torch.autograd.grad(p, b, retain_graph=True)[0] for p in (e, m, qmax)]
+        values = (e, m, pair.step_exponent_min(b), qmax, pair.scale_offset(b))
+    return (*(v.detach() for v in values), *derivatives)
+
+
+def _quantize(x, beta, pair, block_size, block_exponent, want_x_grad, want_beta_grad):
+    """Forward values ``y`` and, when asked for, the per-element derivatives ``dy/dx`` and ``dy/dbeta``."""
+    e, m, e_min, qmax, scale_offset, de, dm, dqmax = _format_parameters(pair, beta)
+
+    blocks = to_blocks(x, block_size)
+    exponents = block_exponent if block_exponent is not None else block_max_exponent(blocks)
+    scale = block_scale(shared_exponent(*exponents, scale_offset))
+    v = blocks / scale
+
+    normal_exponent = floor_log2(v).float()
+    eta = grid_exponent(normal_exponent, m, e_min)
+    subnormal = normal_exponent - m < e_min
+    step = eta.exp2_()
+    q = (v / step).round_().mul_(step)
+    # Saturation exactly as the reference: strictly above qmax, or rounded onto qmax from above.
+    magnitude = q.abs()
+    clipped = (magnitude > qmax) | ((magnitude == qmax) & (v.abs() > qmax))
+    y = torch.where(clipped, torch.copysign(qmax, v), q)
+
+    d_x = d_beta = None
+    if want_beta_grad:
+        # dQ/dbeta: ln2 (v - Q) (dm/dbeta + [subnormal] 2^(e-1) ln2 de/dbeta), or +-dqmax/dbeta when saturated.
+        per_element = torch.where(subnormal, (dm + de * scale_offset * _LN2) * _LN2, dm * _LN2)
+        d_beta = (v - q).mul_(per_element)
+        d_beta = from_blocks(torch.where(clipped, torch.copysign(dqmax, v), d_beta).mul_(scale), x.shape)
+    if want_x_grad:
+        d_x = from_blocks(torch.where(subnormal, 1.0, q / v).masked_fill_(clipped, 0.0), x.shape)
+    return from_blocks(y.mul_(scale), x.shape).to(x.dtype), d_x, d_beta
+
+
+class _FusedContinuousMX(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, beta, pair, block_size, block_exponent):
+        want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
+        y, d_x, d_beta = _quantize(x, beta, pair, block_size, block_exponent, want_x_grad, want_beta_grad)
+        empty = torch.empty(0)
+        ctx.save_for_backward(d_x if want_x_grad else empty, d_beta if want_beta_grad else empty)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        d_x, d_beta = ctx.saved_tensors
+        want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
+        grad = grad_y.float()
+        grad_beta = torch.dot(grad.reshape(-1), d_beta.reshape(-1)) if want_beta_grad else None
+        grad_x = (grad * d_x).to(grad_y.dtype) if want_x_grad else None
+        return grad_x, grad_beta, None, None, None
+
+
+def weight_block_exponent(weight: torch.Tensor, block_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-block ``floor(log2 max|block|)`` and finiteness of a frozen tensor, to pass as ``block_exponent``."""
+    return block_max_exponent(to_blocks(weight.detach(), block_size))
+
+
+def quantize_mx_continuous_fused(
+    x: torch.Tensor,
+    beta: torch.Tensor,
+    pair: str | FormatPair,
+    block_size: int = 32,
+    block_exponent: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Same values as ``quantize_mx_continuous(x, beta, pair, block_size)``, with fused closed-form gradients.
+
+    Args:
+        x: tensor to quantize along its last dimension (float32, bfloat16 or float16).
+        beta: scalar format offset in [0, 2] (a 0-dim tensor, usually requiring grad).
+        pair: format pair name or ``FormatPair``.
+        block_size: elements per shared scale.
+        block_exponent: precomputed ``weight_block_exponent(x, block_size)`` for a frozen ``x``.
+    """
+    pair = get_format_pair(pair)
+    block_size = validate_block_size(block_size)
+    validate_input(x)
+    if not isinstance(beta, torch.Tensor) or beta.dim() != 0:
+        raise ValueError(f"beta must be a 0-dim tensor, got {beta!r}.")
+    if torch.is_grad_enabled() and (x.requires_grad or beta.requires_grad):
+        return _FusedContinuousMX.apply(x, beta, pair, block_size, block_exponent)
+    return _quantize(x, beta, pair, block_size, block_exponent, False, False)[0]

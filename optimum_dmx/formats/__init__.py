@@ -1,0 +1,29 @@
+"""OCP Microscaling (MX) v1.0 float formats: the format equations, exact quantize-dequantize, E8M0 block
+scales and bit packing.
+
+* ``spec``: the equations of an element format (bias, largest exponent, grid step, largest normal, stored
+  bits) and the table ``MX_FORMATS``;
+* ``blocks``: blocks along the last dimension and their shared E8M0 scales;
+* ``cast``: ``quantize_mx``, bit-exact with the specification;
+* ``packing``: ``pack_mx`` / ``unpack_mx``, the uint8 storage form.
+
+This package knows nothing about models or transformers.
+"""
+
+from .cast import quantize_mx
+from .packing import MXPackedTensor, pack_mx, packed_shapes, unpack_mx
+from .spec import E8M0_BIAS, E8M0_NAN, FORMAT_ALIASES, MX_FORMATS, MXFormat, get_format
+
+__all__ = [
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "FORMAT_ALIASES",
+    "MX_FORMATS",
+    "MXFormat",
+    "MXPackedTensor",
+    "get_format",
+    "pack_mx",
+    "packed_shapes",
+    "quantize_mx",
+    "unpack_mx",
+]

@@ -1,0 +1,80 @@
+"""MX blocks and their E8M0 shared scales.
+
+A block of ``block_size`` consecutive elements along the last dimension shares one power-of-two scale
+``X = 2^k`` with ``k = floor(log2(max|block|)) - emax``, clamped to [-127, 127] and stored as the E8M0 byte
+``k + 127``; a block holding a NaN or an Inf gets the NaN scale. Exponents are read from the float32 bit
+pattern, so they are exact (and fast).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .spec import E8M0_BIAS, E8M0_NAN, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_RANGE, Number
+
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+NAN_SCALE_EXPONENT = E8M0_NAN - E8M0_BIAS  # 128: the unbiased exponent that encodes a NaN block
+
+
+def validate_input(x: torch.Tensor) -> None:
+    """Raise a clear error unless ``x`` is a floating-point tensor that can be cut into blocks."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"Expected a torch.Tensor, got {type(x).__name__}.")
+    if x.dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"MX quantization takes a floating-point tensor ({allowed}), got dtype {x.dtype}.")
+    if x.dim() == 0:
+        raise ValueError("MX quantization needs at least one dimension to form blocks; got a 0-dim tensor.")
+
+
+def to_blocks(x: torch.Tensor, block_size: int) -> torch.Tensor:
+    """float32 view of ``x`` as ``[*leading, n_blocks, block_size]``, zero-padding the last block."""
+    x = x.float()
+    pad = -x.shape[-1] % block_size
+    if pad:
+        x = torch.nn.functional.pad(x, (0, pad))
+    return x.reshape(*x.shape[:-1], -1, block_size)
+
+
+def from_blocks(blocks: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Undo ``to_blocks``: ``[*leading, n_blocks, block_size]`` -> ``shape`` (the padding dropped)."""
+    flat = blocks.reshape(*shape[:-1], -1)
+    return flat if flat.shape[-1] == shape[-1] else flat[..., : shape[-1]]
+
+
+def floor_log2(x: torch.Tensor) -> torch.Tensor:
+    """``floor(log2|x|)`` of a float32 tensor (int32), read from its exponent field.
+
+    Exact for normal numbers; zeros and float32 subnormals read as -127 (below every MX grid, so they round
+    like the smallest step).
+    """
+    return ((x.view(torch.int32) >> FP32_MANTISSA_BITS) & 0xFF) - FP32_EXPONENT_BIAS
+
+
+def pow2(exponent: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2^exponent`` for int32 exponents in [-126, 127], built from the bit pattern."""
+    return ((exponent + FP32_EXPONENT_BIAS) << FP32_MANTISSA_BITS).view(torch.float32)
+
+
+def block_max_exponent(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``floor(log2(max|block|))`` per block (int32, ``[..., n_blocks, 1]``) and a mask of finite blocks."""
+    low, high = torch.aminmax(blocks, dim=-1, keepdim=True)
+    amax = torch.maximum(high, -low)
+    return floor_log2(amax), torch.isfinite(amax)
+
+
+def shared_exponent(block_exponent: torch.Tensor, finite: torch.Tensor, emax: Number) -> torch.Tensor:
+    """The block scale's exponent ``k = clamp(floor(log2 max|block|) - emax, -127, 127)``; 128 for NaN blocks.
+
+    ``emax`` may be real-valued (the continuous quantizer); then so is ``k``.
+    """
+    k = (block_exponent - emax).clamp(*SCALE_EXPONENT_RANGE)
+    return k.masked_fill(~finite, NAN_SCALE_EXPONENT)
+
+
+def block_scale(k: torch.Tensor, shift: int = 0) -> torch.Tensor:
+    """``2^(k + shift)`` as float32 (``ldexp``, since ``2^-127`` is a float32 subnormal); NaN for NaN blocks."""
+    scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.clamp(max=SCALE_EXPONENT_RANGE[1]) + shift)
+    return scale.masked_fill_(k > SCALE_EXPONENT_RANGE[1], math.nan)

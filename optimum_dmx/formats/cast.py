@@ -1,0 +1,77 @@
+"""Exact MX quantize-dequantize (OCP Microscaling v1.0).
+
+Each element ``x / X`` of a block is rounded to the element format (round-half-to-even, IEEE-style
+subnormals) and saturated to the format's largest normal. An all-zero block stays zero; a block that holds a
+NaN or an Inf becomes all NaN. A last dimension that is not a multiple of the block size is zero-padded
+inside the last block. Every step is exact, so the result is bit-identical to a reference implementation of
+the specification.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .blocks import block_max_exponent, block_scale, floor_log2, from_blocks, pow2, shared_exponent, to_blocks
+from .blocks import validate_input
+from .spec import MXFormat, get_format, grid_exponent, validate_block_size
+
+
+def float8_carrier(fmt: MXFormat) -> tuple[torch.dtype, int] | None:
+    """A native float8 dtype that rounds exactly like ``fmt`` once values are scaled by ``2^-shift``.
+
+    A float8 type with the same mantissa width rounds identically (half to even, subnormals included) when
+    its smallest normal is aligned with ``fmt``'s, which a power-of-two shift does: E4M3 carries MXFP8 E4M3
+    (shift 0) and MXFP6 E2M3 (shift 6), E5M2 carries MXFP6 E3M2 (shift 12). E2M1 has no float8 carrier.
+    """
+    for dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        info = torch.finfo(dtype)
+        if round(-math.log2(info.eps)) == fmt.mbits:
+            shift = fmt.emin - round(math.log2(info.smallest_normal))
+            if fmt.max_normal * 2.0**-shift <= info.max:
+                return dtype, shift
+    return None
+
+
+def round_elements(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
+    """Round block-scaled float32 elements to ``fmt`` in place: RNE on the element grid, then saturate."""
+    step = pow2(grid_exponent(floor_log2(v), fmt.mbits, fmt.step_exponent_min))
+    return v.div_(step).round_().mul_(step).clamp_(-fmt.max_normal, fmt.max_normal)
+
+
+def quantize_blocks(blocks: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """Round blocks to ``fmt``: elements in units of ``2^shift``, shared exponents ``k``, and ``shift``.
+
+    The value of an element is ``elements * 2^(k + shift)``. With a float8 carrier (``shift`` may be non-zero)
+    the rounding is one native cast; otherwise it is done on the float32 bit pattern (``shift`` 0).
+    """
+    k = shared_exponent(*block_max_exponent(blocks), fmt.emax)
+    carrier = float8_carrier(fmt)
+    # The carrier's output scale 2^(k + shift) must stay a finite float32: true unless amax >= ~2^120.
+    if carrier is not None and int(k.masked_fill(k > 127, -127).max()) + carrier[1] <= 127:
+        dtype, shift = carrier
+        bound = fmt.max_normal * 2.0**-shift
+        scaled = blocks * block_scale(-k.clamp(max=127), -shift)
+        rounded = scaled.clamp_(-bound, bound).to(dtype)
+        return scaled.copy_(rounded), k, shift  # reuse the float32 buffer: cheaper than a new allocation
+    # 1 / 2^k for k in [-127, 125] is a normal float32; NaN blocks are fixed by their NaN scale later.
+    return round_elements(blocks * pow2(-k.clamp(max=125)), fmt), k, 0
+
+
+def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> torch.Tensor:
+    """Quantize-dequantize ``x`` to an MX format along its last dimension.
+
+    Args:
+        x: float32, bfloat16 or float16 tensor of any shape; blocks run along the last dimension.
+        fmt: an ``MXFormat`` or one of the names in ``MX_FORMATS`` (aliases ``mxfp8``, ``mxfp6``, ``mxfp4``).
+        block_size: elements per shared scale (32 in the OCP specification).
+
+    Returns:
+        A tensor of the same shape and dtype holding the MX-representable values.
+    """
+    fmt = get_format(fmt)
+    block_size = validate_block_size(block_size)
+    validate_input(x)
+    elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt)
+    return from_blocks(elements.mul_(block_scale(k, shift)), x.shape).to(x.dtype)

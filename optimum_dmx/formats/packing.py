@@ -1,0 +1,132 @@
+"""MX storage form: uint8 element codes and uint8 E8M0 scales (the layout compressed-tensors also uses).
+
+FP8 stores one code per byte; FP6 four codes in three bytes (``c0 | c1 << 6 | c2 << 12 | c3 << 18``,
+little-endian); FP4 two codes per byte, the even-indexed element in the low nibble. Scales are the block
+exponents biased by 127 (0xFF = NaN), one per block along the last dimension.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from .blocks import block_scale, to_blocks, validate_input
+from .cast import quantize_blocks
+from .spec import E8M0_BIAS, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, MXFormat, get_format, packed_row_lengths
+from .spec import validate_block_size
+
+
+@dataclass
+class MXPackedTensor:
+    """An MX-quantized tensor in storage form.
+
+    Attributes:
+        codes: uint8 element codes, ``[*leading, packed_len]``: FP8 one code per byte; FP6 four codes in three
+            bytes; FP4 two codes per byte, the even-indexed element in the low nibble.
+        scales: uint8 E8M0 shared exponents (biased by 127, 0xFF = NaN), ``[*leading, n_blocks]``.
+        fmt: the element format.
+        shape: the original, unpadded shape.
+        block_size: elements per shared scale.
+    """
+
+    codes: torch.Tensor
+    scales: torch.Tensor
+    fmt: MXFormat
+    shape: torch.Size
+    block_size: int = 32
+
+
+def packed_shapes(
+    shape: Sequence[int], fmt: str | MXFormat, block_size: int = 32
+) -> tuple[torch.Size, torch.Size]:
+    """Shapes of ``(codes, scales)`` that ``pack_mx`` produces for a tensor of ``shape``."""
+    fmt = get_format(fmt)
+    *leading, last = shape
+    code_bytes, n_blocks = packed_row_lengths(last, fmt.bits, validate_block_size(block_size))
+    return torch.Size([*leading, code_bytes]), torch.Size([*leading, n_blocks])
+
+
+def element_codes(elements: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
+    """Sign-magnitude codes ``S|E|M`` (int32) of element values that lie on the ``fmt`` grid."""
+    magnitude = elements.abs()
+    bits = magnitude.view(torch.int32)
+    # A normal value's float32 pattern shifted right keeps (biased exponent, top mantissa bits);
+    # re-biasing the exponent from float32's to fmt.bias gives the element code.
+    normal = (bits >> (FP32_MANTISSA_BITS - fmt.mbits)) - ((FP32_EXPONENT_BIAS - fmt.bias) << fmt.mbits)
+    subnormal = (magnitude / fmt.min_subnormal).to(torch.int32)
+    codes = torch.where(magnitude >= fmt.min_normal, normal, subnormal)
+    sign = torch.signbit(elements).to(torch.int32) << (fmt.ebits + fmt.mbits)
+    return codes | sign
+
+
+def code_values(fmt: MXFormat) -> torch.Tensor:
+    """float32 value of every code of ``fmt`` (a lookup table of 2^bits entries)."""
+    codes = torch.arange(2**fmt.bits, dtype=torch.int32)
+    mantissa = (codes & (2**fmt.mbits - 1)).float()
+    exponent = (codes >> fmt.mbits) & (2**fmt.ebits - 1)
+    normal = (1 + mantissa / 2**fmt.mbits) * torch.exp2((exponent - fmt.bias).float())
+    values = torch.where(exponent > 0, normal, mantissa * fmt.min_subnormal)
+    sign = (codes >> (fmt.ebits + fmt.mbits)) & 1
+    return torch.where(sign.bool(), -values, values)
+
+
+def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack int codes ``[..., n]`` (n a multiple of the group size) into uint8 bytes."""
+    if bits == 8:
+        return codes.to(torch.uint8)
+    if bits == 4:
+        pairs = codes.reshape(*codes.shape[:-1], -1, 2)
+        return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
+    quads = codes.reshape(*codes.shape[:-1], -1, 4)
+    word = quads[..., 0] | (quads[..., 1] << 6) | (quads[..., 2] << 12) | (quads[..., 3] << 18)
+    packed = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
+    return packed.reshape(*codes.shape[:-1], -1).to(torch.uint8)
+
+
+def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
+    """Inverse of ``pack_codes``: uint8 bytes -> int64 codes ``[..., n]``."""
+    data = packed.long()
+    if bits == 8:
+        return data
+    if bits == 4:
+        return torch.stack([data & 0xF, data >> 4], dim=-1).reshape(*data.shape[:-1], -1)
+    triples = data.reshape(*data.shape[:-1], -1, 3)
+    word = triples[..., 0] | (triples[..., 1] << 8) | (triples[..., 2] << 16)
+    codes = torch.stack([(word >> shift) & 0x3F for shift in (0, 6, 12, 18)], dim=-1)
+    return codes.reshape(*data.shape[:-1], -1)
+
+
+def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> MXPackedTensor:
+    """Quantize ``x`` to an MX format along its last dimension and return its storage form.
+
+    ``unpack_mx(pack_mx(x, fmt))`` equals ``quantize_mx(x, fmt)`` bit for bit (in float32).
+    """
+    fmt = get_format(fmt)
+    block_size = validate_block_size(block_size)
+    validate_input(x)
+    elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt)
+    codes = element_codes(elements * 2.0**shift, fmt).masked_fill_(k > 127, 0)
+    codes = codes.reshape(*x.shape[:-1], -1)
+    codes_shape, _ = packed_shapes(x.shape, fmt, block_size)
+    codes = torch.nn.functional.pad(codes, (0, codes_shape[-1] * 8 // fmt.bits - codes.shape[-1]))
+    scales = (k.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
+    return MXPackedTensor(pack_codes(codes, fmt.bits), scales, fmt, x.shape, block_size)
+
+
+def unpack_mx(packed: MXPackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """Dequantize an ``MXPackedTensor`` to ``dtype`` with its original shape."""
+    fmt, block_size = packed.fmt, packed.block_size
+    codes_shape, scales_shape = packed_shapes(packed.shape, fmt, block_size)
+    if packed.codes.shape != codes_shape or packed.scales.shape != scales_shape:
+        raise ValueError(
+            f"Packed {fmt.name} tensor of shape {tuple(packed.shape)} needs codes {tuple(codes_shape)} and "
+            f"scales {tuple(scales_shape)}, got {tuple(packed.codes.shape)} and {tuple(packed.scales.shape)}."
+        )
+    codes = unpack_codes(packed.codes, fmt.bits)[..., : scales_shape[-1] * block_size]
+    elements = code_values(fmt).to(packed.codes.device)[codes]
+    elements = elements.reshape(*scales_shape, block_size)
+    k = packed.scales.to(torch.int32).unsqueeze(-1) - E8M0_BIAS
+    values = elements.mul_(block_scale(k)).reshape(*scales_shape[:-1], -1)
+    return values[..., : packed.shape[-1]].to(dtype)

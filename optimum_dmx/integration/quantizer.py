@@ -1,0 +1,112 @@
+"""`DMXQuantizer`: dMX quantization of an already-loaded model (optimum's `OptimumQuantizer`), and saving.
+
+`quantize_model` runs the very hooks `from_pretrained(..., quantization_config=DMXConfig(...))` runs
+(`DMXHfQuantizer.preprocess_model` and `postprocess_model`), so both paths quantize and record the result the
+same way.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from optimum.quantization_base import OptimumQuantizer
+
+from .configuration import DMXConfig
+from .hf_quantizer import DMXHfQuantizer
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from .model_card import ModelCardInfo
+
+
+class DMXQuantizer(OptimumQuantizer):
+    """dMX quantization without `from_pretrained`.
+
+    Example:
+        >>> quantizer = DMXQuantizer(DMXConfig(target_bits=5.0, dataset="wikitext"))
+        >>> model = quantizer.quantize_model(model, tokenizer)
+        >>> quantizer.save(model, "smollm2-dmx")
+    """
+
+    def __init__(self, config: DMXConfig):
+        self.config = config
+
+    def quantize_model(self, model: PreTrainedModel, tokenizer: Any = None) -> PreTrainedModel:
+        """Quantize `model` in place, exactly as `from_pretrained` with this config would.
+
+        Without a `format_map` in the config the model is calibrated on `config.dataset`, tokenized by
+        `tokenizer` (default `config.tokenizer`). Everything is checked before any weight is touched; afterwards
+        `model.config.quantization_config` records the applied map and its bits (no dataset, no tokenizer).
+        """
+        hf_quantizer = DMXHfQuantizer(self.config.with_runtime_inputs(tokenizer=tokenizer), pre_quantized=False)
+        hf_quantizer.validate_environment(device_map=getattr(model, "hf_device_map", None))
+        hf_quantizer.preprocess_model(model)
+        model.hf_quantizer = hf_quantizer  # what from_pretrained sets before post-processing
+        hf_quantizer.postprocess_model(model)
+        return model
+
+    def save(
+        self,
+        model: PreTrainedModel,
+        save_dir: str | os.PathLike,
+        card_info: ModelCardInfo | None = None,
+        *,
+        overwrite: bool = False,
+        **kwargs: Any,
+    ) -> None:
+        """`model.save_pretrained(save_dir, **kwargs)`, with the dMX model card, atomically.
+
+        `card_info` adds to the card what only the caller knows (base model, data, measurements). The
+        checkpoint and its `README.md` are written to a temporary sibling directory that replaces `save_dir`
+        only once complete, so an interrupted save never leaves a partial checkpoint there. A `save_dir` that
+        exists and is not empty is replaced only with `overwrite=True`.
+        """
+        save_dir = Path(save_dir)
+        if save_dir.exists() and not overwrite and (not save_dir.is_dir() or any(save_dir.iterdir())):
+            raise FileExistsError(f"{str(save_dir)!r} exists and is not empty; pass overwrite=True to replace it")
+        if card_info is not None:
+            model.dmx_card_info = card_info
+        save_dir.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.", suffix=".partial", dir=save_dir.parent))
+        try:
+            model.save_pretrained(staging, **kwargs)
+            if save_dir.exists():
+                old = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.", suffix=".old", dir=save_dir.parent))
+                os.replace(save_dir, old / save_dir.name)
+                os.replace(staging, save_dir)
+                shutil.rmtree(old)
+            else:
+                os.replace(staging, save_dir)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+
+    def push_to_hub(
+        self, model: PreTrainedModel, repo_id: str, card_info: ModelCardInfo | None = None, **kwargs: Any
+    ) -> Any:
+        """`model.push_to_hub(repo_id, **kwargs)`: uploads the checkpoint with its dMX model card."""
+        if card_info is not None:
+            model.dmx_card_info = card_info
+        return model.push_to_hub(repo_id, **kwargs)
+
+    def quantize(
+        self,
+        save_dir: str | os.PathLike,
+        file_prefix: str | None = None,
+        *,
+        model: PreTrainedModel,
+        tokenizer: Any = None,
+    ) -> PreTrainedModel:
+        """`quantize_model` then `save` (the `OptimumQuantizer` entry point).
+
+        `file_prefix` is not supported: file names follow transformers' safetensors naming.
+        """
+        if file_prefix is not None:
+            raise ValueError(f"file_prefix={file_prefix!r} is not supported; checkpoint files use transformers' names")
+        self.quantize_model(model, tokenizer)
+        self.save(model, save_dir)
+        return model

@@ -1,0 +1,132 @@
+"""Model surgery: which linears dMX quantizes, and swapping them for MX modules (for good or for a while)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+
+from .mx_linear import MXLinear
+
+__all__ = ["linear_modules_to_quantize", "swapped_modules", "emulate_format_map", "replace_with_mx_linear",
+           "dequantize_mx_linears"]
+
+
+def is_skipped(name: str, pattern: str) -> bool:
+    """A pattern names the module itself, or a suffix or a prefix of its dotted name at a module boundary.
+
+    Stricter than transformers' `should_convert_module`, whose suffix rule also matches inside a name
+    (`"up_proj"` would skip `gate_up_proj`); the set of modules skipped by default still comes from
+    transformers (`DMXHfQuantizer`).
+    """
+    return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
+
+
+def linear_modules_to_quantize(model: nn.Module, modules_to_not_convert: Sequence[str] | None) -> dict[str, nn.Linear]:
+    """The `nn.Linear` modules of `model` that dMX quantizes, by full name, in model order.
+
+    A module is skipped when a pattern of `modules_to_not_convert` equals its full name, is a suffix of it
+    at a module boundary (`"lm_head"`, `"mlp.down_proj"`), or a prefix at a module boundary
+    (`"model.layers.0"` skips that layer's linears but not those of `model.layers.01`).
+    """
+    patterns = list(modules_to_not_convert or [])
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, nn.Linear) and not any(is_skipped(name, p) for p in patterns)
+    }
+
+
+@contextmanager
+def swapped_modules(model: nn.Module, replacements: Mapping[str, nn.Module]) -> Iterator[None]:
+    """Temporarily install `replacements` (full name -> module) with every model weight frozen and the model
+    in eval mode (no dropout). On exit, also on error, the original modules, the `requires_grad` flags and
+    the train/eval mode come back."""
+    originals = {name: model.get_submodule(name) for name in replacements}
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    was_training = model.training
+    try:
+        for p, _ in flags:
+            p.requires_grad_(False)
+        model.eval()
+        for name, module in replacements.items():
+            model.set_submodule(name, module)
+        yield
+    finally:
+        for name, module in originals.items():
+            model.set_submodule(name, module)
+        for p, flag in flags:
+            p.requires_grad_(flag)
+        model.train(was_training)
+
+
+@contextmanager
+def emulate_format_map(
+    model: nn.Module, format_map: Mapping[str, str], block_size: int = 32, quantize_activations: bool = True
+) -> Iterator[None]:
+    """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
+
+    Inside the block each named linear is an `MXLinear` built from it (the inference module: packed weight,
+    input quantized per call), so an assignment is evaluated exactly as a saved dMX model computes. Weights
+    are frozen and the model is in eval mode inside the block; the original linears are restored on exit.
+    """
+    layers = {
+        name: MXLinear.from_linear(model.get_submodule(name), fmt, block_size=block_size,
+                                   quantize_activations=quantize_activations)
+        for name, fmt in format_map.items()
+    }
+    with swapped_modules(model, layers):
+        yield
+
+
+def replace_with_mx_linear(
+    model: nn.Module,
+    format_map: Mapping[str, str],
+    *,
+    block_size: int = 32,
+    quantize_activations: bool = True,
+) -> nn.Module:
+    """Replace, in place, every `nn.Linear` named in `format_map` by an `MXLinear` in its format.
+
+    Weights are packed from the float linears; on a meta-device skeleton the new modules are empty and
+    wait for a packed checkpoint. Raises `ValueError` naming the module when `format_map` names a module
+    the model lacks, a module that is not an `nn.Linear`, or one that is already an `MXLinear` (the model
+    was already quantized: quantizing twice would compound the error).
+    """
+    for name, fmt in format_map.items():
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            raise ValueError(f"format_map names module {name!r}, which {type(model).__name__} does not have") from None
+        if isinstance(module, MXLinear):
+            raise ValueError(
+                f"module {name!r} is already an MXLinear ({module.fmt.name}): the model is already dMX-quantized"
+            )
+        if not isinstance(module, nn.Linear):
+            kind = type(module).__name__
+            raise ValueError(f"format_map names module {name!r}, a {kind}; only nn.Linear can be quantized")
+        new = MXLinear.from_linear(module, fmt, block_size=block_size, quantize_activations=quantize_activations)
+        model.set_submodule(name, new)
+    return model
+
+
+def dequantize_mx_linears(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
+    """Replace, in place, every `MXLinear` by an `nn.Linear` holding its dequantized (MX-valued) weight.
+
+    The float model computes what the MX weights hold, without activation quantization. `dtype` defaults
+    to each module's bias dtype (float32 when it has none).
+    """
+    for name, module in list(model.named_modules()):
+        if not isinstance(module, MXLinear):
+            continue
+        target = dtype or (module.bias.dtype if module.bias is not None else torch.float32)
+        linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
+                           device=module.weight_packed.device, dtype=target)
+        with torch.no_grad():
+            linear.weight.copy_(module.dequantized_weight(target))
+            if module.bias is not None:
+                linear.bias.copy_(module.bias)
+        model.set_submodule(name, linear)
+    return model

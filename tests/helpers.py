@@ -1,0 +1,150 @@
+"""Test helpers, in one place: tiny real models and tokenizers built in-process, tensors on the edges the MX
+specification defines, and running code in a fresh interpreter. Fixtures live in conftest.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers, processors
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from optimum_dmx.formats import packing
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+# --- tiny models, tokenizers and texts ------------------------------------------------------------------
+
+
+def tiny_llama(seed: int = 0, initializer_range: float = 0.02, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
+    """A randomly initialised 2-layer Llama with 14 decoder linears (hidden 64, vocab 128)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+        initializer_range=initializer_range,
+    )
+    return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def sensitive_llama_and_data(num_samples: int = 16, seq_len: int = 32):
+    """A tiny Llama with large weights and its own greedy continuations as data.
+
+    The float model predicts this data well and quantization hurts it, so the task loss prefers more bits.
+    """
+    model = tiny_llama(seed=0, initializer_range=0.2)
+    start = torch.randint(0, model.config.vocab_size, (num_samples, 1), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        ids = model.generate(
+            start, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1, do_sample=False, pad_token_id=0
+        )
+    return model, ids
+
+
+def word_tokenizer(num_words: int = 120, bos: bool = False) -> PreTrainedTokenizerFast:
+    """A whitespace word tokenizer over the words `w0 .. w{num_words-1}`: one token per word.
+
+    With `bos`, it starts every text with `<s>` (id `num_words + 1`), as Llama 3 and Gemma tokenizers do.
+    """
+    vocab = {"[UNK]": 0, **{f"w{i}": i + 1 for i in range(num_words)}}
+    if bos:
+        vocab["<s>"] = num_words + 1
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    if bos:
+        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", num_words + 1)])
+        return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<s>")
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
+
+
+def words(start: int, count: int, num_words: int = 120) -> str:
+    """`count` consecutive words of the `word_tokenizer` vocabulary, cycling, as one line."""
+    return " ".join(f"w{(start + i) % num_words}" for i in range(count))
+
+
+# --- Hugging Face checkpoints and fresh interpreters ------------------------------------------------------
+
+
+def linear_names(model: torch.nn.Module, skip: tuple[str, ...] = ("lm_head",)) -> list[str]:
+    return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in skip]
+
+
+def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """Run `code` in a fresh interpreter (the repository importable); raise with its output if it fails."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRANSFORMERS_VERBOSITY": "warning", **(env or {})}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
+    if proc.returncode != 0:
+        raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
+    return proc
+
+
+def last_json_line(proc: subprocess.CompletedProcess):
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3", "mxfp6_e3m2"]
+INPUT_IDS = torch.tensor([[1, 5, 9, 17, 33, 65, 127, 0, 3, 42, 7, 11]])
+
+
+def cycling_format_map(float_dir: Path) -> dict[str, str]:
+    """Every quantizable linear, in formats cycling through all four."""
+    config = AutoConfig.from_pretrained(float_dir)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    return {name: FORMATS[i % len(FORMATS)] for i, name in enumerate(linear_names(model))}
+
+
+# --- tensors for the format tests --------------------------------------------------------------------------
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
+    """Equal bit patterns: distinguishes -0.0 from 0.0 and compares NaNs as equal only if both are NaN."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+    int_dtype = {4: torch.int32, 2: torch.int16}[actual.element_size()]
+    both_nan = torch.isnan(actual) & torch.isnan(expected)
+    mismatch = (actual.view(int_dtype) != expected.view(int_dtype)) & ~both_nan
+    assert not mismatch.any(), (
+        f"{int(mismatch.sum())} mismatches, first at {mismatch.nonzero()[0].tolist()}: "
+        f"{actual[mismatch][:4].tolist()} vs {expected[mismatch][:4].tolist()}"
+    )
+
+
+def wide_range(shape, seed: int, dtype=torch.float32, decades: float = 8.0) -> torch.Tensor:
+    """Gaussian values times a per-block log-uniform magnitude spanning about 10^+-decades."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g)
+    magnitude = torch.exp((torch.rand(*shape[:-1], shape[-1] // 32, 1, generator=g) * 2 - 1) * decades * math.log(10))
+    return (x.reshape(*shape[:-1], -1, 32) * magnitude).reshape(shape).to(dtype)
+
+
+def adversarial_blocks(fmt) -> torch.Tensor:
+    """Rows of 32 values that sit on the edges the specification defines."""
+    mn, step = fmt.max_normal, 2.0 ** (fmt.emax - fmt.mbits)  # step of the top binade (scale 1)
+    top = 2.0**fmt.emax
+    grid = packing.code_values(fmt)[1 : 2 ** (fmt.bits - 1) - (fmt.name == "mxfp8_e4m3")]
+    ties = (grid[:-1] + grid[1:]) / 2  # exact midpoints between neighbouring grid values
+    rows = [
+        # block max exactly 2^emax (scale 1): ties between all neighbouring grid values, both signs
+        torch.cat([ties, -ties, torch.tensor([top])]),
+        # at, just below and just past max normal (these saturate), and past the top binade
+        torch.tensor([mn, mn - step / 4, mn + step / 4, mn + step / 2, (mn + top * 2) / 2, top * 1.999, -mn, -top * 1.999]),
+        # subnormal-range elements next to a block max of 2^emax
+        torch.tensor([top, *(fmt.min_subnormal * torch.tensor([0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 3.5])).tolist()]),
+        # one block spanning 2^-120 .. 2^100
+        torch.tensor([2.0**100, -(2.0**-120), 2.0**-60, 1.0, -(2.0**99) * 1.5, 2.0**-126, 3.0 * 2.0**97]),
+        # the top of the float32 range
+        torch.tensor([3.3e38, -3.0e38, 1.0e38, 2.0**127]),  # finite in bfloat16 too
+        torch.zeros(32),
+        -torch.zeros(32),
+    ]
+    return torch.stack([torch.nn.functional.pad(r, (0, 32 * math.ceil(len(r) / 32) - len(r)))[:32] for r in rows])
