@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from optimum_dmx.calibration import CalibrationSettings, build_calibration_batches, calibrate, calibrate_round_ste
-from pareto import DEFAULT_CALIBRATION, DEFAULT_MODEL, fwd_bwd_seconds
+
+from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
 
 TRAINERS = {"dMX": calibrate, "ROUND+STE": calibrate_round_ste}
 
@@ -59,8 +60,8 @@ def measure(model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int, 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="Hugging Face model folder")
-    p.add_argument("--calibration", type=Path, nargs="+", default=DEFAULT_CALIBRATION, help="text files")
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
+    p.add_argument("--calibration", type=Path, nargs="+", help="text files (default: the Austen novels)")
     p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--pair", default="mxfp8-mxfp4")
@@ -73,6 +74,8 @@ def main() -> None:
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    a.model = a.model or benchmark_model()
+    a.calibration = a.calibration or benchmark_texts().calibration
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(a.model)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]

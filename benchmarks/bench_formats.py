@@ -14,8 +14,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import statistics
-import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,6 +21,8 @@ import torch
 
 from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous
 from optimum_dmx.continuous import quantize_mx_continuous_fused
+
+from common import median_seconds
 
 
 def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
@@ -41,19 +41,6 @@ def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
         return to_dtype(data, scale, elem_dtypes[name], 32, x.dtype)
 
     return quantize
-
-
-def median_seconds(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median wall time of each function, measured in interleaved rounds after one warm-up call each."""
-    for fn in fns.values():
-        fn()
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for _ in range(repeats):
-        for name, fn in fns.items():
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(t) for name, t in times.items()}
 
 
 def continuous_step(x: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous) -> Callable[[], None]:
@@ -82,17 +69,17 @@ def main() -> None:
     n = x.numel()
     reference = torchao_reference()
     rows = []
-    floor = median_seconds({"clone": x.clone}, args.repeats)["clone"]
+    (floor,) = median_seconds([x.clone], args.repeats)
     rows.append(("memory copy (`clone`)", "-", floor / n * 1e9, None, None, "-"))
     for name in MX_FORMATS:
         ours, theirs = quantize_mx(x, name), reference(x, name)
         exact = torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
-        t = median_seconds({"ours": lambda: quantize_mx(x, name), "torchao": lambda: reference(x, name)}, args.repeats)
-        rows.append((f"`quantize_mx` {name}", "yes" if exact else "NO", t["ours"] / n * 1e9,
-                     t["torchao"] / n * 1e9, t["ours"] / t["torchao"], f"{t['ours'] / floor:.1f}"))
+        ours_s, theirs_s = median_seconds([lambda: quantize_mx(x, name), lambda: reference(x, name)], args.repeats)
+        rows.append((f"`quantize_mx` {name}", "yes" if exact else "NO", ours_s / n * 1e9,
+                     theirs_s / n * 1e9, ours_s / theirs_s, f"{ours_s / floor:.1f}"))
     for pair in FORMAT_PAIRS:
         for label, quantize in (("autograd reference", quantize_mx_continuous), ("fused", quantize_mx_continuous_fused)):
-            t = median_seconds({"step": continuous_step(x, pair, quantize)}, args.repeats)["step"]
+            (t,) = median_seconds([continuous_step(x, pair, quantize)], args.repeats)
             rows.append((f"continuous {pair}, {label}, forward+backward", "-", t / n * 1e9, None, None,
                          f"{t / floor:.1f}"))
 

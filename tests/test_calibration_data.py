@@ -172,3 +172,42 @@ def test_stream_errors_name_what_is_wrong(tokenizer):
         build_calibration_batches(iter([1, 2]), tokenizer, 2, 1, 0)
     with pytest.raises(ValueError, match="empty"):
         build_calibration_batches(iter([]), tokenizer, 2, 1, 0)
+
+
+def test_blocks_start_like_the_tokenizer_starts_a_text():
+    """A tokenizer that adds BOS (Llama 3, Gemma) gets BOS-led blocks; one that adds nothing (SmolLM2) does not."""
+    with_bos = word_tokenizer(bos=True)
+    bos = with_bos.bos_token_id
+    assert with_bos("w1 w2")["input_ids"] == [bos, 2, 3]  # the tokenizer really adds it
+    batches = build_calibration_batches(TEXTS, with_bos, seq_len=10, num_samples=20, seed=0)
+    assert batches.shape == (13, 10)  # 120 text tokens in blocks of 9 after the BOS
+    assert bool((batches[:, 0] == bos).all())
+    body = batches[:, 1:]
+    assert bool((body[:, 1:] - body[:, :-1] == 1).all())  # then consecutive text tokens
+    assert sorted(body[:, 0].tolist()) == list(range(1, 118, 9))
+    plain = build_calibration_batches(TEXTS, word_tokenizer(), seq_len=10, num_samples=20, seed=0)
+    assert plain.shape == (12, 10) and bos not in plain
+
+
+@pytest.mark.parametrize(
+    "dataset", ["calibration.txt", ["calibration.txt"], "data/austen/emma.txt", ["shakespeare/tempest"], "./notes"]
+)
+def test_a_missing_file_is_named_not_taken_as_text_or_a_hub_name(tmp_path, monkeypatch, dataset):
+    from optimum_dmx import DMXConfig
+
+    monkeypatch.chdir(tmp_path)
+    missing = dataset[0] if isinstance(dataset, list) else dataset
+    with pytest.raises(ValueError, match=f"calibration data not found: '{missing}' looks like a file path"):
+        DMXConfig(dataset=dataset)
+    with pytest.raises(ValueError, match=f"not found: '{missing}'"):
+        build_calibration_batches(dataset, word_tokenizer(), seq_len=10, num_samples=2)
+
+
+def test_texts_hub_names_and_existing_files_are_accepted(tmp_path, monkeypatch):
+    from optimum_dmx import DMXConfig
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "calibration.txt").write_text(words(0, 40))
+    for dataset in (["w1 w2 w3", "w4/w5 w6"], "wikitext", "Salesforce/wikitext", "calibration.txt", ["calibration.txt"]):
+        assert DMXConfig(dataset=dataset).dataset == dataset
+    assert build_calibration_batches(["calibration.txt"], word_tokenizer(), 10, 2).shape == (2, 10)

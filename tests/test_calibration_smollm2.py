@@ -1,8 +1,7 @@
-"""End-to-end checks on the real SmolLM2-135M benchmark model (slow; needs the model built by
-`shared/bench/build_smollm2.py`, found through $DMX_BENCH_MODEL or the builder's default cache)."""
+"""End-to-end checks on the real SmolLM2-135M benchmark model and texts (slow; both are fetched and cached by
+`benchmarks/common.py` on first use)."""
 
-import os
-from pathlib import Path
+import importlib.util
 
 import pytest
 import torch
@@ -11,29 +10,41 @@ from optimum_dmx.calibration import CalibrationSettings, build_calibration_batch
 from optimum_dmx.nn import emulate_format_map
 from optimum_dmx.evaluation import evaluate_perplexity
 
-pytestmark = pytest.mark.slow
+from .helpers import REPO_ROOT
 
-MODEL = Path(os.environ.get("DMX_BENCH_MODEL", Path.home() / ".cache/dmx-bench/smollm2-135m"))
-DATA = Path(os.environ.get("DMX_BENCH_DATA", Path(__file__).resolve().parents[2] / "shared" / "data"))
+pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    if not (MODEL / "config.json").exists() or not DATA.is_dir():
-        pytest.skip(f"benchmark model ({MODEL}) or texts ({DATA}) not available")
+def bench():
+    """The benchmarks' asset module (model and texts), loaded from its file."""
+    spec = importlib.util.spec_from_file_location("benchmark_common", REPO_ROOT / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def smollm2(bench):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    model = AutoModelForCausalLM.from_pretrained(MODEL, dtype=torch.float32).eval()
-    return model, AutoTokenizer.from_pretrained(MODEL)
+    folder = bench.benchmark_model()
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return model, AutoTokenizer.from_pretrained(folder)
 
 
-def held_out(name: str) -> str:
-    text = (DATA / name).read_text()
+@pytest.fixture(scope="module")
+def texts(bench):
+    return bench.benchmark_texts()
+
+
+def held_out(texts, name: str) -> str:
+    text = texts.evaluation[name].read_text()
     return text[len(text) // 10 :]
 
 
 @pytest.mark.parametrize("fmt, reference, rel", [(None, 27.05, 1e-3), ("mxfp8_e4m3", 28.65, 1e-2), ("mxfp4_e2m1", 101.35, 1e-2)])
-def test_reproduces_the_reference_perplexities(smollm2, fmt, reference, rel):
+def test_reproduces_the_reference_perplexities(smollm2, texts, fmt, reference, rel):
     """The data README's numbers: 4,096 tokens of Pride and Prejudice from 10% in, 512-token windows.
 
     Float matches to the printed digits; with `quantize_mx` emulation all-MXFP4 gives 102.13 (0.8% above
@@ -42,15 +53,13 @@ def test_reproduces_the_reference_perplexities(smollm2, fmt, reference, rel):
     model, tokenizer = smollm2
     format_map = uniform_format_map(model, fmt, ["lm_head"]) if fmt else {}
     with emulate_format_map(model, format_map):
-        result = evaluate_perplexity(model, tokenizer, held_out("austen_prideprejudice.txt"), 512, 4096, 4)
+        result = evaluate_perplexity(model, tokenizer, held_out(texts, "pride_prejudice"), 512, 4096, 4)
     assert result.perplexity == pytest.approx(reference, rel=rel)
 
 
-def test_short_calibration_on_austen_raises_offsets_below_the_target(smollm2):
+def test_short_calibration_on_austen_raises_offsets_below_the_target(smollm2, texts):
     model, tokenizer = smollm2
-    files = sorted(DATA.glob("austen_*.txt"))
-    files = [f for f in files if "prideprejudice" not in f.name]
-    ids = build_calibration_batches(files, tokenizer, seq_len=128, num_samples=16, seed=0)
+    ids = build_calibration_batches(texts.calibration, tokenizer, seq_len=128, num_samples=16, seed=0)
     settings = CalibrationSettings(
         target_bits=5.0, num_samples=16, seq_len=128, batch_size=2, steps=6, t_warmup_ratio=1.0
     )

@@ -82,7 +82,7 @@ def test_intermediate_beta_lies_between_neighbouring_grids():
     assert errors == sorted(errors, reverse=True)
 
 
-# --- closed-form gradients (DESIGN section 2) ---------------------------------------------------------
+# --- closed-form gradients (docs/method.md) --------------------------------------------------------------
 
 
 def dense_grid() -> torch.Tensor:

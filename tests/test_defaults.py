@@ -16,8 +16,8 @@ def test_build_once_publishes_atomically_and_only_once(tmp_path):
         (out / "data.txt").write_text("ok")
 
     target = tmp_path / "asset"
-    assert defaults._build_once(target, build) == target
-    assert defaults._build_once(target, build) == target
+    assert defaults.build_once(target, build) == target
+    assert defaults.build_once(target, build) == target
     assert len(calls) == 1 and (target / "data.txt").read_text() == "ok"
 
 
@@ -29,9 +29,9 @@ def test_failed_build_leaves_no_cache_entry(tmp_path):
 
     target = tmp_path / "asset"
     with pytest.raises(RuntimeError, match="interrupted"):
-        defaults._build_once(target, build)
+        defaults.build_once(target, build)
     assert not target.exists()
-    assert defaults._build_once(target, lambda out, work: out.mkdir()) == target  # a retry starts clean
+    assert defaults.build_once(target, lambda out, work: out.mkdir()) == target  # a retry starts clean
 
 
 def test_digit_splitting_is_restored(tmp_path):
@@ -49,7 +49,7 @@ def test_cache_dir_follows_environment(tmp_path, monkeypatch):
 def test_bad_download_is_a_clear_error(tmp_path):
     missing = defaults.RegistryArtifact("optimum-dmx-no-such-package==0.0.1", "0" * 64, binary=True)
     with pytest.raises(RuntimeError, match="Could not download optimum-dmx-no-such-package==0.0.1"):
-        defaults._download(missing, tmp_path)
+        defaults.download(missing, tmp_path)
 
 
 @pytest.mark.slow

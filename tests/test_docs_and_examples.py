@@ -41,19 +41,3 @@ def test_quantize_save_load_generate_examples(tiny_text_model_dir, tmp_path):
     assert "average bits" in stdout and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
     stdout = run_example("load_and_generate.py", out, "--prompt", "w1 w2 w3", "--max-new-tokens", 5)
     assert "14 MX linear layers" in stdout and stdout.strip().splitlines()[-1].startswith("w1 w2 w3")
-
-
-def test_pareto_sweep_example(tiny_text_model_dir, tmp_path):
-    root = tiny_text_model_dir
-    args = ["--model", root / "model", "--calibration", root / "calibration.txt",
-            "--eval", f"heldout={root / 'heldout.txt'}", "--out", tmp_path, "--methods", "float,uniform,dmx",
-            "--pairs", "mxfp8-mxfp4", "--targets", "5",
-            "--steps", 4, "--batch-size", 2, "--seq-len", 16, "--eval-tokens", 256, "--eval-seq-len", 16]
-    run_example("pareto_sweep.py", *args)
-    rows = (tmp_path / "pareto.csv").read_text().splitlines()
-    assert len(rows) == 1 + 1 + 3 + 1  # header, float, three uniform formats, one dMX run
-    # A repeated sweep finds every run in the CSV and adds nothing; a changed setting is a new run.
-    assert "0 runs to do, 5 already" in run_example("pareto_sweep.py", *args)
-    assert (tmp_path / "pareto.csv").read_text().splitlines() == rows
-    assert "1 runs to do, 4 already" in run_example("pareto_sweep.py", *args, "--lr", 2.0)
-    assert (tmp_path / "pareto.md").is_file() and (tmp_path / "pareto.png").stat().st_size > 1000

@@ -69,3 +69,19 @@ def test_errors(setup, kwargs, error, message):
     model, tokenizer = setup
     with pytest.raises(error, match=message):
         evaluate_perplexity(model, tokenizer, **kwargs)
+
+
+def test_windows_start_with_the_tokenizers_bos_and_the_protocol_says_so():
+    model, tokenizer = tiny_llama(initializer_range=0.2), word_tokenizer(bos=True)
+    bos = tokenizer.bos_token_id
+    model.resize_token_embeddings(bos + 1)
+    result = evaluate_perplexity(model, tokenizer, TEXT, seq_len=32)
+    ids = tokenizer(TEXT, add_special_tokens=False)["input_ids"]
+    nll = 0.0
+    for start in range(0, 5 * 31, 31):  # 160 text tokens -> 5 windows of BOS + 31 tokens
+        window = torch.tensor([[bos, *ids[start : start + 31]]])
+        with torch.no_grad():
+            nll += F.cross_entropy(model(window).logits[0, :-1], window[0, 1:], reduction="sum").item()
+    assert result.windows == 5 and result.predicted_tokens == 5 * 31 and result.start_tokens == (bos,)
+    assert result.perplexity == pytest.approx(math.exp(nll / (5 * 31)), rel=1e-5)
+    assert result.protocol == f"160 tokens, 5 non-overlapping windows of 32, each starting with token(s) [{bos}]"

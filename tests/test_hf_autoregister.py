@@ -1,13 +1,16 @@
 """An installed optimum-dmx registers itself with transformers: dMX checkpoints load without `import optimum_dmx`.
 
 Each test installs the package (from a copy of the source tree) into a fresh virtual environment that
-sees the system site-packages, then loads a dMX checkpoint in that environment's interpreter, from a
-working directory where the source tree is not importable, with code that never imports optimum_dmx.
+sees the packages of the environment running the tests (torch, transformers: a system install or the user's
+own venv alike), then loads a dMX checkpoint in that environment's interpreter, from a working directory
+where the source tree is not importable, with code that never imports optimum_dmx.
 """
 
 import shutil
+import site
 import subprocess
 import sys
+import sysconfig
 from pathlib import Path
 
 import pytest
@@ -57,6 +60,24 @@ def _source_copy(tmp_path: Path) -> Path:
     return src
 
 
+def _venv_seeing_this_environment(venv: Path) -> None:
+    """A new venv whose interpreter also finds the packages this interpreter finds, after its own.
+
+    `venv --system-site-packages` would expose the *base* interpreter's packages, which is not where torch
+    lives when the tests run inside a venv. A `.pth` file listing this interpreter's site directories does it
+    for both; its lines only extend `sys.path`, so the `.pth` hooks of those directories (this checkout's
+    editable install) stay inactive and the venv's own optimum_dmx is the one imported.
+    """
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    child = subprocess.run(
+        [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True, capture_output=True, text=True,
+    ).stdout.strip()
+    ours = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
+    ours += [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and p not in ours]
+    Path(child, "parent_environment.pth").write_text("\n".join(dict.fromkeys(ours)) + "\n")
+
+
 def _pip(venv: Path, *args: str) -> None:
     pip = [sys.executable, "-m", "pip", "--python", str(venv / "bin" / "python")]
     install = [*pip, "install", "-q", "--no-deps", "--ignore-installed", *args]
@@ -68,7 +89,7 @@ def test_installed_package_loads_dmx_checkpoints_without_import(tmp_path, dmx_ch
     checkpoint, logits = dmx_checkpoint
     src = _source_copy(tmp_path)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], check=True)
+    _venv_seeing_this_environment(venv)
     if install == "wheel":
         wheel = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation"]
         subprocess.run([*wheel, "-w", str(tmp_path / "dist"), str(src)], check=True, capture_output=True, timeout=300)

@@ -42,8 +42,14 @@ def test_from_pretrained_calibrates_and_records_the_result(tmp_path, tiny_llama_
     recorded = model.config.quantization_config
     assert recorded.format_map == formats
     assert recorded.dataset is None and recorded.tokenizer is None
-    assert 4.0 <= recorded.bits_simple <= 8.0 and 4.0 <= recorded.bits_weighted <= 8.0
-    assert recorded.storage_bits > recorded.bits_weighted - 1e-9
+    bits = {n: 8 if f == "mxfp8_e4m3" else 4 for n, f in formats.items()}
+    shapes = {n: model.get_submodule(n).weight_shape for n in formats}
+    numel = {n: shapes[n][0] * shapes[n][1] for n in formats}
+    assert recorded.bits_simple == pytest.approx(sum(bits.values()) / len(bits))
+    sizes = {n: numel[n] + shapes[n][1] for n in formats}  # weight elements + the activation's in_features
+    assert recorded.bits_weighted == pytest.approx(sum(bits[n] * sizes[n] for n in formats) / sum(sizes.values()))
+    # storage: the codes plus one 8-bit scale per 32 weights (every in_features here is a multiple of 32)
+    assert recorded.storage_bits == pytest.approx(sum(numel[n] * (bits[n] + 8 / 32) for n in formats) / sum(numel.values()))
 
     model.save_pretrained(tmp_path / "dmx")
     saved = json.loads((tmp_path / "dmx" / "config.json").read_text())["quantization_config"]

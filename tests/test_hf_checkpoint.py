@@ -258,3 +258,24 @@ def test_from_pretrained_on_a_dmx_checkpoint_with_a_new_config_keeps_the_checkpo
     assert model.config.quantization_config.format_map == format_map
     with torch.no_grad():
         assert torch.equal(model(INPUT_IDS).logits, logits)
+
+
+def test_dequantize_returns_the_float_model_of_the_mx_weights(llama_dmx):
+    out, format_map, _ = llama_dmx
+    model = AutoModelForCausalLM.from_pretrained(out)
+    mx_weights = {n: m.dequantized_weight(torch.float32) for n, m in model.named_modules() if isinstance(m, MXLinear)}
+    for name in format_map:
+        model.get_submodule(name).quantize_activations = False  # dequantize keeps the weights' MX values only
+    with torch.no_grad():
+        weight_only_logits = model(INPUT_IDS).logits
+    float_model = model.dequantize()
+    assert not any(isinstance(m, MXLinear) for m in float_model.modules())
+    assert not getattr(float_model.config, "quantization_config", None) and not float_model.is_quantized
+    for name, weight in mx_weights.items():
+        linear = float_model.get_submodule(name)
+        assert type(linear) is nn.Linear and torch.equal(linear.weight, weight)
+    with torch.no_grad():
+        assert torch.equal(float_model(INPUT_IDS).logits, weight_only_logits)
+    float_model.save_pretrained(out.parent / "dequantized")  # an ordinary float checkpoint, no dMX card
+    assert not (out.parent / "dequantized" / "README.md").exists()
+    assert "quantization_config" not in json.loads((out.parent / "dequantized" / "config.json").read_text())

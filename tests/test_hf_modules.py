@@ -98,7 +98,10 @@ def test_replace_refuses_an_already_quantized_module():
 
 
 def test_module_built_in_inference_mode_runs():
+    linear = _linear(64, 8)
     with torch.inference_mode():
-        module = MXLinear.from_linear(_linear(64, 8), "mxfp8")
+        module = MXLinear.from_linear(linear, "mxfp8")
         x = torch.randn(2, 64)
-        assert torch.equal(module(x), module(x))
+        expected = F.linear(quantize_mx(x, "mxfp8"), quantize_mx(linear.weight, "mxfp8"), linear.bias)
+        assert torch.equal(module(x), expected)
+        assert torch.equal(module(x), expected)  # the weight cache built under inference mode is reused

