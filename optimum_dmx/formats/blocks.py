@@ -12,7 +12,8 @@ import math
 
 import torch
 
-from .spec import E8M0_BIAS, E8M0_NAN, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_RANGE, Number
+from .spec import E8M0_BIAS, E8M0_NAN, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN
+from .spec import Number
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NAN_SCALE_EXPONENT = E8M0_NAN - E8M0_BIAS  # 128: the unbiased exponent that encodes a NaN block
@@ -70,11 +71,11 @@ def shared_exponent(block_exponent: torch.Tensor, finite: torch.Tensor, emax: Nu
 
     ``emax`` may be real-valued (the continuous quantizer); then so is ``k``.
     """
-    k = (block_exponent - emax).clamp(*SCALE_EXPONENT_RANGE)
+    k = (block_exponent - emax).clamp(SCALE_EXPONENT_MIN, SCALE_EXPONENT_MAX)
     return k.masked_fill(~finite, NAN_SCALE_EXPONENT)
 
 
 def block_scale(k: torch.Tensor, shift: int = 0) -> torch.Tensor:
     """``2^(k + shift)`` as float32 (``ldexp``, since ``2^-127`` is a float32 subnormal); NaN for NaN blocks."""
-    scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.clamp(max=SCALE_EXPONENT_RANGE[1]) + shift)
-    return scale.masked_fill_(k > SCALE_EXPONENT_RANGE[1], math.nan)
+    scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.clamp(max=SCALE_EXPONENT_MAX) + shift)
+    return scale.masked_fill_(k > SCALE_EXPONENT_MAX, math.nan)

@@ -15,7 +15,7 @@ import torch
 
 from .blocks import block_max_exponent, block_scale, floor_log2, from_blocks, pow2, shared_exponent, to_blocks
 from .blocks import validate_input
-from .spec import MXFormat, get_format, grid_exponent, validate_block_size
+from .spec import SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN, MXFormat, get_format, grid_exponent, validate_block_size
 
 
 def float8_carrier(fmt: MXFormat) -> tuple[torch.dtype, int] | None:
@@ -48,15 +48,17 @@ def quantize_blocks(blocks: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, 
     """
     k = shared_exponent(*block_max_exponent(blocks), fmt.emax)
     carrier = float8_carrier(fmt)
-    # The carrier's output scale 2^(k + shift) must stay a finite float32: true unless amax >= ~2^120.
-    if carrier is not None and int(k.masked_fill(k > 127, -127).max()) + carrier[1] <= 127:
+    # The carrier's output scale 2^(k + shift) must stay a finite float32: true unless amax >= ~2^120. NaN blocks
+    # (k = 128) do not count: they get their NaN from their scale at the end.
+    largest_k = int(k.masked_fill(k > SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN).max())
+    if carrier is not None and largest_k + carrier[1] <= SCALE_EXPONENT_MAX:
         dtype, shift = carrier
         bound = fmt.max_normal * 2.0**-shift
-        scaled = blocks * block_scale(-k.clamp(max=127), -shift)
+        scaled = blocks * block_scale(-k.clamp(max=SCALE_EXPONENT_MAX), -shift)
         rounded = scaled.clamp_(-bound, bound).to(dtype)
         return scaled.copy_(rounded), k, shift  # reuse the float32 buffer: cheaper than a new allocation
-    # 1 / 2^k for k in [-127, 125] is a normal float32; NaN blocks are fixed by their NaN scale later.
-    return round_elements(blocks * pow2(-k.clamp(max=125)), fmt), k, 0
+    # Every finite block has k <= 125 (emax >= 2), so 1 / 2^k is a normal float32; the clamp only tames NaN blocks.
+    return round_elements(blocks * pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 2)), fmt), k, 0
 
 
 def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> torch.Tensor:

@@ -14,7 +14,8 @@ import torch
 
 from .blocks import block_scale, to_blocks, validate_input
 from .cast import quantize_blocks
-from .spec import E8M0_BIAS, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, MXFormat, get_format, packed_row_lengths
+from .spec import E8M0_BIAS, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_MAX, MXFormat, get_format
+from .spec import packed_row_lengths
 from .spec import validate_block_size
 
 
@@ -107,7 +108,7 @@ def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> MXPac
     block_size = validate_block_size(block_size)
     validate_input(x)
     elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt)
-    codes = element_codes(elements * 2.0**shift, fmt).masked_fill_(k > 127, 0)
+    codes = element_codes(elements * 2.0**shift, fmt).masked_fill_(k > SCALE_EXPONENT_MAX, 0)  # NaN blocks
     codes = codes.reshape(*x.shape[:-1], -1)
     codes_shape, _ = packed_shapes(x.shape, fmt, block_size)
     codes = torch.nn.functional.pad(codes, (0, codes_shape[-1] * 8 // fmt.bits - codes.shape[-1]))

@@ -47,7 +47,7 @@ FP32_MANTISSA_BITS = 23
 # E8M0 block scale: an unsigned biased exponent; 0xFF encodes NaN, there is no zero and no Inf.
 E8M0_BIAS = 127
 E8M0_NAN = 0xFF
-SCALE_EXPONENT_RANGE = (-127, 127)
+SCALE_EXPONENT_MIN, SCALE_EXPONENT_MAX = -127, 127  # the E8M0 range; 128 (0xFF - 127) is NaN
 SCALE_BITS = 8
 
 Number = TypeVar("Number", float, torch.Tensor)
