@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
+# torch and transformers (seconds to import) are imported by the functions that build a model only: fetching the
+# corpus and reading the cache paths need neither.
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 

@@ -34,6 +34,9 @@ import torch
 
 from ..text import start_tokens, text_tokens, token_windows
 
+# `datasets` (with pyarrow and pandas) takes seconds to import and only reading calibration data needs it, so the
+# functions below import it themselves; `DMXConfig` imports this module to check paths when a config is built.
+
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +130,6 @@ def _load_local(files: list[str]):
 
 def load_calibration_dataset(source: CalibrationDataset):
     """Turn any accepted calibration source into a `datasets.Dataset`."""
-    # `datasets` (with pyarrow and pandas) takes seconds to import: only calibrating needs it.
     from datasets import Dataset, DatasetDict, config
 
     if isinstance(source, Dataset):

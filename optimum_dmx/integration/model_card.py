@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import re
+import tempfile
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -17,6 +18,8 @@ from importlib import resources
 from pathlib import Path
 from string import Template
 from typing import Any
+
+from huggingface_hub import HfApi
 
 from ..continuous import get_format_pair
 from ..formats import MX_FORMATS
@@ -74,7 +77,7 @@ def save_format_heatmap(format_map: Mapping[str, str], path: str | Path) -> Path
     layers, projections, cells = layer_grid(format_map)
     if not cells:
         return None
-    import matplotlib
+    import matplotlib  # imported here: a second of start-up that only drawing the heatmap needs
 
     matplotlib.use("Agg")
     from matplotlib import pyplot as plt
@@ -250,10 +253,6 @@ class _WritesDMXModelCard:
         tags: list[str] | None = None,
     ) -> Any:
         """transformers' `push_to_hub` (same arguments), uploading the dMX model card instead of a generic one."""
-        import tempfile
-
-        from huggingface_hub import HfApi
-
         api = HfApi(token=token if isinstance(token, str) else None)
         repo_id = api.create_repo(repo_id, private=private, exist_ok=True).repo_id
         extra_tags = [tags] if isinstance(tags, str) else list(tags or [])
