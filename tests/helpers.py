@@ -22,13 +22,15 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 # --- tiny models, tokenizers and texts ------------------------------------------------------------------
 
 
-def tiny_llama(seed: int = 0, initializer_range: float = 0.02, dtype: torch.dtype = torch.float32) -> LlamaForCausalLM:
-    """A randomly initialised 2-layer Llama with 14 decoder linears (hidden 64, vocab 128)."""
+def tiny_llama(
+    seed: int = 0, initializer_range: float = 0.02, dtype: torch.dtype = torch.float32, num_hidden_layers: int = 2
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama with 7 decoder linears per layer (hidden 64, vocab 128; 2 layers by default)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=64,
         intermediate_size=128,
-        num_hidden_layers=2,
+        num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
         vocab_size=128,

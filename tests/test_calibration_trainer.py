@@ -74,7 +74,7 @@ def test_deterministic_for_a_seed(sensitive):
 
 def test_bits_move_up_toward_a_high_target(sensitive):
     model, ids = sensitive
-    result = calibrate(model, ids, settings(target_bits=8.0, steps=30), progress=False)
+    result = calibrate(model, ids, settings(recipe="paper", target_bits=8.0, steps=30), progress=False)
     start, end = result.history[0]["bits"], result.history[-1]["bits"]
     assert start == pytest.approx(4.0 + 4 / (1 + math.exp(4)), abs=1e-4)  # beta_hat = 0 at T = 8
     assert end > start + 1.0
@@ -84,7 +84,7 @@ def test_bits_move_up_toward_a_high_target(sensitive):
 
 def test_bits_come_down_to_a_low_target(sensitive):
     model, ids = sensitive
-    result = calibrate(model, ids, settings(target_bits=4.5, steps=40), progress=False)
+    result = calibrate(model, ids, settings(recipe="paper", target_bits=4.5, steps=40), progress=False)
     bits = [h["bits"] for h in result.history]
     peak = max(bits)
     assert peak > 4.6  # the task loss pushes above the target ...
@@ -94,16 +94,18 @@ def test_bits_come_down_to_a_low_target(sensitive):
 
 def test_simple_regularizer_and_weighted_average_are_used(sensitive):
     model, ids = sensitive
-    result = calibrate(model, ids, settings(regularizer="simple", reg_lambda=50.0, bit_average="weighted", steps=10), progress=False)
+    s = settings(recipe="paper", regularizer="simple", reg_lambda=50.0, bit_average="weighted", steps=10)
+    result = calibrate(model, ids, s, progress=False)
     first = result.history[0]
     assert first["bits"] == pytest.approx(first["bits_weighted"])
     assert first["reg_loss"] == pytest.approx(50.0 * first["bits_weighted"], rel=1e-5)
     assert result.history[-1]["bits"] < first["bits"]  # a strong plain size penalty only pushes down
 
 
-def test_history_and_json(tmp_path, sensitive):
+@pytest.mark.parametrize("recipe", ["dmx", "paper"])
+def test_history_and_json(tmp_path, sensitive, recipe):
     model, ids = sensitive
-    s = settings(steps=5)
+    s = settings(recipe=recipe, steps=5)
     result = calibrate(model, ids, s, progress=False)
     assert [h["step"] for h in result.history] == list(range(5))
     assert [h["temperature"] for h in result.history][:3] == [8.0] * 3
@@ -123,7 +125,7 @@ def test_history_and_json(tmp_path, sensitive):
 
 def test_discretization_threshold_is_beta_hat_one(sensitive):
     model, ids = sensitive
-    result = calibrate(model, ids, settings(target_bits=8.0, steps=20), progress=False)
+    result = calibrate(model, ids, settings(recipe="paper", target_bits=8.0, steps=20), progress=False)
     for name, fmt in result.format_map.items():
         assert (fmt == "mxfp8_e4m3") == (result.beta_hat[name] >= 1.0)
     assert {"mxfp8_e4m3", "mxfp4_e2m1"} >= set(result.format_map.values())

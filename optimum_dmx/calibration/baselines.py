@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 
 import torch
@@ -18,8 +19,8 @@ from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
 from ..formats import get_format
-from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
+from .budget import budget_format_map
 from .result import CalibrationResult, result_from_format_map
 from .settings import CalibrationSettings
 from .trainer import calibrate
@@ -78,25 +79,23 @@ def kl_preselection(
     sensitivities: dict[str, float] | None = None,
 ) -> CalibrationResult:
     """KL pre-selection: the most sensitive layers get the high format while the average stays within
-    `settings.target_bits` (in `settings.bit_average`); a layer that would overshoot is skipped and the next
-    (smaller, for the weighted average) one is tried. Pass precomputed `sensitivities` to skip the scan."""
+    `settings.target_bits` (in `settings.bit_average`), by the rule every method shares (`budget_format_map`).
+    Pass precomputed `sensitivities` to skip the scan."""
     start = time.perf_counter()
     if sensitivities is None:
         sensitivities = kl_sensitivities(model, input_ids, settings, progress)
-    pair = get_format_pair(settings.format_pair)
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     missing = set(targets) - set(sensitivities)
     if missing:
         raise ValueError(f"sensitivities lack {len(missing)} targeted layers, e.g. {sorted(missing)[:3]}.")
-    names = list(targets)
-    sizes = tensor_sizes([tuple(targets[n].weight.shape) for n in names], settings.quantize_activations)
-    bits = torch.full((len(names),), float(pair.low.bits), dtype=torch.float64)
-    for name in sorted(names, key=lambda n: sensitivities[n], reverse=True):
-        i = names.index(name)
-        bits[i] = pair.high.bits
-        if average_bits(bits, settings.bit_average, sizes).item() > settings.target_bits + 1e-9:
-            bits[i] = pair.low.bits
-    format_map = {n: (pair.high if b == pair.high.bits else pair.low).name for n, b in zip(names, bits.tolist())}
+    format_map = budget_format_map(
+        {name: sensitivities[name] for name in targets},
+        {name: tuple(linear.weight.shape) for name, linear in targets.items()},
+        get_format_pair(settings.format_pair),
+        settings.target_bits,
+        settings.bit_average,
+        settings.quantize_activations,
+    )
     return result_from_format_map(
         format_map, targets, settings, method="kl", seconds=time.perf_counter() - start
     )
@@ -105,5 +104,8 @@ def kl_preselection(
 def calibrate_round_ste(
     model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
 ) -> CalibrationResult:
-    """ROUND+STE: `calibrate` with the discrete format in every forward pass (straight-through gradients)."""
-    return calibrate(model, input_ids, settings, progress, straight_through=True)
+    """ROUND+STE: the paper's trainer (`recipe="paper"`) with the discrete format in every forward pass and
+    straight-through gradients. The offsets become formats by `settings.discretization`, so it meets the same
+    budget as dMX with the default settings."""
+    paper = dataclasses.replace(settings, recipe="paper", discretization=settings.discretization)
+    return calibrate(model, input_ids, paper, progress, straight_through=True)

@@ -24,6 +24,9 @@ class DMXLinear(nn.Module):
     `temperature` is a plain attribute that the calibration loop updates every step. With
     `straight_through`, the forward pass uses the discrete choice (`discrete_offset(beta_hat)`)
     while gradients flow as if it were `F(beta_hat, temperature)` (the ROUND+STE baseline).
+
+    `probe`, when set, replaces `beta` altogether: the sampling estimator sets it to a format endpoint each step
+    (a 0-dim tensor, requiring grad when the loss's derivative there is wanted) and reads that derivative.
     """
 
     def __init__(
@@ -49,13 +52,16 @@ class DMXLinear(nn.Module):
         self.temperature = float(temperature)
         self.straight_through = straight_through
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
+        self.probe: torch.Tensor | None = None
         # The weight is frozen: its per-block exponents are constant, so compute them once.
         floor_log2, finite = weight_block_exponent(linear.weight, block_size)
         self.register_buffer("_weight_floor_log2", floor_log2, persistent=False)
         self.register_buffer("_weight_finite", finite, persistent=False)
 
     def beta(self) -> torch.Tensor:
-        """The offset the quantizer uses now (differentiable with respect to `beta_hat`)."""
+        """The offset the quantizer uses now (differentiable with respect to `beta_hat`, or the `probe`)."""
+        if self.probe is not None:
+            return self.probe
         relaxed = temperature_sigmoid(self.beta_hat, self.temperature)
         if not self.straight_through:
             return relaxed

@@ -14,6 +14,9 @@ from ..continuous import get_format_pair
 from ..nn.bits import BIT_AVERAGES
 from .regularizers import REGULARIZERS
 
+RECIPES = ("dmx", "paper")
+DISCRETIZATIONS = ("budget", "threshold")
+
 
 def _require(condition: bool, message: str) -> None:
     if not condition:
@@ -25,6 +28,15 @@ class CalibrationSettings:
     """Hyper-parameters of one dMX calibration run.
 
     Args:
+        recipe: `"dmx"` (default) or `"paper"`. Both learn from the derivative of the task loss with respect to
+            each layer's format offset, through the continuous quantizer (`docs/method.md`):
+            * `"paper"` is the dMX paper's procedure, exactly: every layer follows its relaxed offset
+              `F(beta_hat, T)` through fractional formats, SGD on cross-entropy + the bit regularizer, and
+              `beta_hat >= 1` picks the high format;
+            * `"dmx"` (this package's default) samples, each step, a format map at the bit budget (Gumbel top-k
+              on the offsets, from uniform to deterministic as `T` anneals), learns each offset as the running
+              mean of the loss's decrease per unit of format offset at the layer's low format, and picks the
+              budget's highest offsets (`discretization="budget"`). No learning rate, no regularizer.
         target_bits: average element bits the format assignment should reach (scales excluded, so
             MXFP4 counts 4.0). Must lie within the format pair's range.
         format_pair: `"mxfp8-mxfp4"` (E2M1 -> E3M2 -> E4M3, 4 to 8 bits) or `"mxfp6-mxfp4"`
@@ -32,14 +44,18 @@ class CalibrationSettings:
         num_samples: number of packed calibration sequences.
         seq_len: tokens per calibration sequence.
         batch_size: sequences per optimization step.
-        steps: number of SGD steps on the per-layer offsets.
-        lr: SGD learning rate for the offsets `beta_hat`.
-        regularizer: `"target"` for `max(0, lambda (bits - target))`, `"simple"` for `lambda bits`.
-        reg_lambda: regularizer strength lambda.
+        steps: number of optimization steps (forward + backward passes) on the per-layer offsets.
+        lr: SGD learning rate for the offsets `beta_hat` (`"paper"` recipe).
+        regularizer: `"target"` for `max(0, lambda (bits - target))`, `"simple"` for `lambda bits`
+            (`"paper"` recipe; the `"dmx"` recipe keeps the target budget by construction).
+        reg_lambda: regularizer strength lambda (`"paper"` recipe).
+        discretization: how the learned offsets become formats: `"budget"` (the highest offsets that fit
+            `target_bits`, within `BUDGET_TOLERANCE`; `calibration.budget`) or `"threshold"` (`beta_hat >= 1`,
+            the paper's rule). Default: `"budget"` for the `"dmx"` recipe, `"threshold"` for `"paper"`.
         bit_average: `"simple"` (mean over layers) or `"weighted"` (by tensor size) average used by the
             regularizer. Both are always reported.
-        t_start, t_end: temperature of the sigmoid that maps `beta_hat` to `beta`, before and at the end
-            of annealing.
+        t_start, t_end: temperature before and at the end of annealing: of the sigmoid that maps `beta_hat` to
+            `beta` (`"paper"`), of the map sampling (`"dmx"`: uniform at `t_start`, sharper as it rises).
         t_warmup_ratio: fraction of the steps kept at `t_start` before the exponential rise to `t_end`.
         block_size: MX block size along `in_features`.
         quantize_activations: also quantize each targeted linear's input activation (dynamically, with the
@@ -48,6 +64,7 @@ class CalibrationSettings:
         seed: seeds data shuffling and the batch order, which makes a run deterministic.
     """
 
+    recipe: str = "dmx"
     target_bits: float = 5.0
     format_pair: str = "mxfp8-mxfp4"
     num_samples: int = 3200
@@ -58,6 +75,7 @@ class CalibrationSettings:
     regularizer: str = "target"
     reg_lambda: float = 5.0
     bit_average: str = "simple"
+    discretization: str | None = None
     t_start: float = 8.0
     t_end: float = 400.0
     t_warmup_ratio: float = 0.6
@@ -67,6 +85,13 @@ class CalibrationSettings:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        _require(self.recipe in RECIPES, f"recipe={self.recipe!r} is not supported; allowed: {', '.join(RECIPES)}.")
+        if self.discretization is None:
+            self.discretization = "budget" if self.recipe == "dmx" else "threshold"
+        _require(
+            self.discretization in DISCRETIZATIONS,
+            f"discretization={self.discretization!r} is not supported; allowed: {', '.join(DISCRETIZATIONS)}.",
+        )
         pair = get_format_pair(self.format_pair)
         self.format_pair = pair.name
         _require(
@@ -105,6 +130,16 @@ class CalibrationSettings:
             f"modules_to_not_convert={self.modules_to_not_convert!r} must be a list of module-name patterns (str).",
         )
         self.modules_to_not_convert = list(self.modules_to_not_convert)
+        _require(
+            self.recipe == "paper" or (self.regularizer == "target" and self.discretization == "budget"),
+            f"recipe='dmx' samples format maps at target_bits and needs regularizer='target' and "
+            f"discretization='budget' (got {self.regularizer!r}, {self.discretization!r}); use recipe='paper' for "
+            "the simple regularizer or the threshold rule.",
+        )
+        _require(
+            self.regularizer == "target" or self.discretization == "threshold",
+            "regularizer='simple' sets no bit target, so it needs discretization='threshold'.",
+        )
 
     def to_dict(self) -> dict[str, Any]:
         """Plain-data view (JSON-serialisable)."""

@@ -1,15 +1,21 @@
-"""The dMX calibration loop: learn one format offset per linear layer by gradient descent.
+"""The dMX calibration loop: learn one format offset per linear layer from the task loss's gradient.
 
-`calibrate` swaps the targeted `nn.Linear` modules for `DMXLinear` in place, freezes every model weight,
-and trains only the offsets `beta_hat` with SGD on `causal-LM cross-entropy + bit regularizer` while the
-temperature of `F(beta_hat, T)` is annealed. Each layer is then discretized (`beta_hat >= 1` -> the pair's
-high format) and the original modules are put back, untouched. Turning the returned format map into
-quantized modules is the caller's job.
+`calibrate` swaps the targeted `nn.Linear` modules for `DMXLinear` in place, freezes every model weight, learns
+the offsets with the settings' recipe (`docs/method.md`), turns them into a format map (the budget's highest
+offsets, or the paper's `beta_hat >= 1`), and puts the original modules back, untouched. Turning the returned
+format map into quantized modules is the caller's job.
+
+* `"paper"` recipe (`_relaxed_offsets`): SGD on `cross-entropy + bit regularizer` through the relaxed offsets
+  `F(beta_hat, T)`, the temperature annealed.
+* `"dmx"` recipe (`_sampled_offsets`): every step draws a format map at the budget (Gumbel top-k on the
+  offsets, uniform while `T` is at `t_start`, then sharper), and each layer drawn in its low format learns
+  from the derivative of the cross-entropy with respect to its offset there.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -19,8 +25,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
+from .budget import budget_format_map
 from .data import build_calibration_batches
 from .dmx_linear import DMXLinear
 from .regularizers import bit_regularizer
@@ -102,51 +110,20 @@ def calibrate(
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no sequence of at least 2 tokens.")
 
     start = time.perf_counter()
-    device = next(model.parameters()).device
-    history: list[dict] = []
+    sampled = settings.recipe == "dmx" and not straight_through
     with dmx_linears(model, settings, straight_through) as layers:
-        modules = list(layers.values())
-        sizes = tensor_sizes([tuple(m.weight.shape) for m in modules], settings.quantize_activations)
-        optimizer = torch.optim.SGD([m.beta_hat for m in modules], lr=settings.lr)
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
         bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress)
-        for step, rows in enumerate(bar):
-            temperature = temperature_at(
-                step, settings.steps, settings.t_start, settings.t_end, settings.t_warmup_ratio
-            )
-            for m in modules:
-                m.temperature = temperature
-            batch = input_ids[rows].to(device)
-            task_loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            bits = torch.stack([m.element_bits() for m in modules])
-            avg_bits = average_bits(bits, settings.bit_average, sizes)
-            reg_loss = bit_regularizer(avg_bits, settings.regularizer, settings.reg_lambda, settings.target_bits)
-            loss = task_loss.float() + reg_loss
-            optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            optimizer.step()
-
-            record = {
-                "step": step,
-                "loss": loss.item(),
-                "task_loss": task_loss.item(),
-                "reg_loss": reg_loss.item(),
-                "bits": avg_bits.item(),
-                "bits_simple": average_bits(bits.detach(), "simple").item(),
-                "bits_weighted": average_bits(bits.detach(), "weighted", sizes).item(),
-                "temperature": temperature,
-            }
-            history.append(record)
-            bar.set_postfix(loss=f"{record['loss']:.4f}", bits=f"{record['bits']:.3f}", T=f"{temperature:.1f}")
-
-        format_map = {name: m.discrete_format.name for name, m in layers.items()}
-        beta_hat = {name: m.beta_hat.item() for name, m in layers.items()}
+        batches = (input_ids[rows] for rows in bar)
+        learn = _sampled_offsets if sampled else _relaxed_offsets
+        offsets, history = learn(model, layers, batches, settings, bar)
+        format_map = _discretize(layers, offsets, settings)
         result = result_from_format_map(
             format_map,
             layers,
             settings,
             history=history,
-            beta_hat=beta_hat,
+            beta_hat=offsets,
             method="round_ste" if straight_through else "dmx",
             seconds=time.perf_counter() - start,
         )
@@ -155,6 +132,125 @@ def calibrate(
         len(format_map), result.bits_simple, result.bits_weighted, result.storage_bits,
     )
     return result
+
+
+def _discretize(layers: dict[str, DMXLinear], offsets: dict[str, float], settings: CalibrationSettings) -> dict[str, str]:
+    """The format map: the budget's highest offsets (`"budget"`) or each layer's own `beta_hat >= 1`."""
+    if settings.discretization == "threshold":
+        return {name: layer.discrete_format.name for name, layer in layers.items()}
+    return budget_format_map(
+        offsets,
+        {name: tuple(layer.weight.shape) for name, layer in layers.items()},
+        get_format_pair(settings.format_pair),
+        settings.target_bits,
+        settings.bit_average,
+        settings.quantize_activations,
+    )
+
+
+def _relaxed_offsets(
+    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar
+) -> tuple[dict[str, float], list[dict]]:
+    """The paper's loop: SGD on `cross-entropy + bit regularizer` through `F(beta_hat, T)`. Returns the final
+    `beta_hat` of every layer and the per-step history."""
+    modules = list(layers.values())
+    device = modules[0].weight.device
+    sizes = tensor_sizes([tuple(m.weight.shape) for m in modules], settings.quantize_activations)
+    optimizer = torch.optim.SGD([m.beta_hat for m in modules], lr=settings.lr)
+    history = []
+    for step, batch in enumerate(batches):
+        temperature = temperature_at(step, settings.steps, settings.t_start, settings.t_end, settings.t_warmup_ratio)
+        for m in modules:
+            m.temperature = temperature
+        batch = batch.to(device)
+        task_loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        bits = torch.stack([m.element_bits() for m in modules])
+        avg_bits = average_bits(bits, settings.bit_average, sizes)
+        reg_loss = bit_regularizer(avg_bits, settings.regularizer, settings.reg_lambda, settings.target_bits)
+        loss = task_loss.float() + reg_loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        history.append({
+            "step": step,
+            "loss": loss.item(),
+            "task_loss": task_loss.item(),
+            "reg_loss": reg_loss.item(),
+            "bits": avg_bits.item(),
+            "bits_simple": average_bits(bits.detach(), "simple").item(),
+            "bits_weighted": average_bits(bits.detach(), "weighted", sizes).item(),
+            "temperature": temperature,
+        })
+        bar.set_postfix(loss=f"{loss.item():.4f}", bits=f"{avg_bits.item():.3f}", T=f"{temperature:.1f}")
+    return {name: m.beta_hat.item() for name, m in layers.items()}, history
+
+
+def _sampled_offsets(
+    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar
+) -> tuple[dict[str, float], list[dict]]:
+    """The `"dmx"` recipe's loop. Each step draws a format map at the budget, runs the model in it, and every
+    layer drawn in its low format adds `-dL/dbeta` at `beta = 0` to its running mean, its offset.
+
+    The draw is Gumbel top-k on the standardized offsets scaled by `(T - t_start) / t_start`: uniform over
+    the maps at the budget while `T` stays at `t_start` (the layers' effects are measured in contexts with the
+    budget's share of high layers), then concentrating on the budget's highest offsets as `T` rises (the last
+    decisions are measured in the context of the final map). A layer never drawn low keeps an infinite offset:
+    nothing said its high format could go.
+    """
+    names = list(layers)
+    modules = list(layers.values())
+    device = modules[0].weight.device
+    pair = get_format_pair(settings.format_pair)
+    shapes = {name: tuple(m.weight.shape) for name, m in layers.items()}
+    sizes = tensor_sizes(list(shapes.values()), settings.quantize_activations)
+    total = torch.zeros(len(names), dtype=torch.float64)
+    count = torch.zeros(len(names), dtype=torch.float64)
+    generator = torch.Generator().manual_seed(settings.seed)
+    high_offset, low_offset = (torch.tensor(v, device=device) for v in (MAX_OFFSET, 0.0))
+    history = []
+    try:
+        for step, batch in enumerate(batches):
+            temperature = temperature_at(step, settings.steps, settings.t_start, settings.t_end, settings.t_warmup_ratio)
+            sharpness = (temperature - settings.t_start) / settings.t_start
+            offsets = _running_mean(total, count, missing=0.0)
+            spread = offsets.std() if len(offsets) > 1 and offsets.std() > 0 else torch.tensor(1.0, dtype=torch.float64)
+            uniform = torch.rand(len(names), generator=generator, dtype=torch.float64)
+            gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-12)))
+            draw = sharpness * (offsets - offsets.mean()) / spread + gumbel
+            drawn = budget_format_map(dict(zip(names, draw.tolist())), shapes, pair, settings.target_bits,
+                                      settings.bit_average, settings.quantize_activations)
+            low = [i for i, name in enumerate(names) if drawn[name] == pair.low.name]
+            probes = {i: low_offset.clone().requires_grad_(True) for i in low}
+            for i, m in enumerate(modules):
+                m.probe = probes.get(i, high_offset)
+            batch = batch.to(device)
+            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+            if probes:
+                grads = torch.autograd.grad(loss, list(probes.values()))
+                for i, grad in zip(probes, grads):
+                    total[i] -= grad.item()
+                    count[i] += 1
+            bits = torch.tensor([pair.high.bits if drawn[n] != pair.low.name else pair.low.bits for n in names],
+                                dtype=torch.float64)
+            history.append({
+                "step": step,
+                "loss": loss.item(),
+                "task_loss": loss.item(),
+                "reg_loss": 0.0,
+                "bits": average_bits(bits, settings.bit_average, sizes).item(),
+                "bits_simple": average_bits(bits, "simple").item(),
+                "bits_weighted": average_bits(bits, "weighted", sizes).item(),
+                "temperature": temperature,
+            })
+            bar.set_postfix(loss=f"{loss.item():.4f}", T=f"{temperature:.1f}")
+    finally:
+        for m in modules:
+            m.probe = None
+    return dict(zip(names, _running_mean(total, count, missing=math.inf).tolist())), history
+
+
+def _running_mean(total: torch.Tensor, count: torch.Tensor, missing: float) -> torch.Tensor:
+    return torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, missing))
 
 
 def calibrate_on_text(

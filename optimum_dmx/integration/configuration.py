@@ -40,13 +40,17 @@ class DMXConfig(QuantizationConfigMixin):
 
     Args:
         target_bits: average element bit-width the calibration aims for; within the format pair's range
-            (4-8 for `"mxfp8-mxfp4"`, 4-6 for `"mxfp6-mxfp4"`).
+            (4-8 for `"mxfp8-mxfp4"`, 4-6 for `"mxfp6-mxfp4"`). With the default recipe the result lands within
+            0.05 bits of it (when the model's layers are fine-grained enough to allow it), never above.
+        recipe: `"dmx"` (default: sampled format maps at the budget, see `docs/method.md`) or `"paper"` (the dMX
+            paper's procedure exactly).
         format_pair: `"mxfp8-mxfp4"` or `"mxfp6-mxfp4"`, the low and high format each layer chooses from.
         dataset: calibration text: a Hub dataset name, local text/json/parquet file(s), a
             `datasets.Dataset` (streaming or not), a generator or a list of strings. Never serialized.
         tokenizer: tokenizer used to build the calibration batches. Never serialized.
-        num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, t_start, t_end,
-        t_warmup_ratio, seed: calibration settings (`docs/method.md`); `None` takes the paper's default.
+        num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, discretization, t_start,
+        t_end, t_warmup_ratio, seed: calibration settings (`CalibrationSettings`, `docs/method.md`); `None` takes
+        the default.
         block_size: MX block size (32 in the OCP spec).
         quantize_activations: quantize each quantized linear's input activations to its format.
         modules_to_not_convert: module-name patterns kept in full precision (transformers' matching rule), in
@@ -61,6 +65,7 @@ class DMXConfig(QuantizationConfigMixin):
     def __init__(
         self,
         target_bits: float | None = None,
+        recipe: str | None = None,
         format_pair: str | None = None,
         dataset: Any = None,
         tokenizer: Any = None,
@@ -72,6 +77,7 @@ class DMXConfig(QuantizationConfigMixin):
         regularizer: str | None = None,
         reg_lambda: float | None = None,
         bit_average: str | None = None,
+        discretization: str | None = None,
         t_start: float | None = None,
         t_end: float | None = None,
         t_warmup_ratio: float | None = None,
@@ -86,6 +92,7 @@ class DMXConfig(QuantizationConfigMixin):
         **kwargs: Any,
     ):
         given = {
+            "recipe": recipe,
             "target_bits": target_bits,
             "format_pair": format_pair,
             "num_samples": num_samples,
@@ -96,6 +103,7 @@ class DMXConfig(QuantizationConfigMixin):
             "regularizer": regularizer,
             "reg_lambda": reg_lambda,
             "bit_average": bit_average,
+            "discretization": discretization,
             "t_start": t_start,
             "t_end": t_end,
             "t_warmup_ratio": t_warmup_ratio,

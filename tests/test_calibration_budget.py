@@ -1,0 +1,130 @@
+"""Budgets are kept: with the default recipe, from 20 steps on, for both pairs and both averages, the achieved
+average bits land within 0.05 of `target_bits`, never above; and the budget rule itself."""
+
+import pytest
+import torch
+
+from optimum_dmx.calibration import CalibrationSettings, calibrate, calibrate_round_ste
+from optimum_dmx.calibration.budget import BUDGET_TOLERANCE, budget_format_map
+from optimum_dmx.continuous import FORMAT_PAIRS
+from optimum_dmx.nn import average_bits, tensor_sizes
+
+from .helpers import sensitive_llama_and_data, tiny_llama
+
+TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0, 7.3], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
+
+
+@pytest.fixture(scope="module")
+def deep():
+    """A 7-layer tiny Llama: 49 decoder linears, fine-grained enough for a +-0.05 budget in either average."""
+    model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=7)
+    ids = torch.randint(0, model.config.vocab_size, (40, 16), generator=torch.Generator().manual_seed(0))
+    return model, ids
+
+
+def achieved(result, bit_average: str) -> float:
+    return result.bits_simple if bit_average == "simple" else result.bits_weighted
+
+
+@pytest.mark.parametrize("bit_average", ["simple", "weighted"])
+@pytest.mark.parametrize("pair, target", [(p, t) for p, ts in TARGETS.items() for t in ts])
+def test_default_recipe_keeps_the_budget_in_20_steps(deep, pair, target, bit_average):
+    model, ids = deep
+    settings = CalibrationSettings(target_bits=target, format_pair=pair, bit_average=bit_average, steps=20,
+                                   batch_size=2, seq_len=16, num_samples=40)
+    result = calibrate(model, ids, settings, progress=False)
+    bits = achieved(result, bit_average)
+    assert target - BUDGET_TOLERANCE - 1e-9 <= bits <= target + BUDGET_TOLERANCE + 1e-9, bits
+    assert set(result.format_map.values()) <= {FORMAT_PAIRS[pair].low.name, FORMAT_PAIRS[pair].high.name}
+
+
+@pytest.mark.parametrize("steps", [20, 60])
+@pytest.mark.parametrize("trainer", ["paper_budget", "round_ste"])
+def test_the_paper_trainer_and_round_ste_keep_it_too_with_the_budget_rule(deep, steps, trainer):
+    model, ids = deep
+    settings = CalibrationSettings(recipe="paper", discretization="budget", target_bits=5.5, steps=steps,
+                                   batch_size=2, seq_len=16, num_samples=40)
+    result = (calibrate if trainer == "paper_budget" else calibrate_round_ste)(model, ids, settings, progress=False)
+    assert abs(result.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
+
+
+def test_the_papers_procedure_is_selectable_and_misses_the_budget_at_a_short_run(deep):
+    """recipe="paper": SGD at lr 1 and `beta_hat >= 1`; 20 steps leave every offset near 0 (all MXFP4)."""
+    model, ids = deep
+    settings = CalibrationSettings(recipe="paper", target_bits=6.0, steps=20, batch_size=2, seq_len=16, num_samples=40)
+    assert settings.discretization == "threshold" and settings.lr == 1.0
+    result = calibrate(model, ids, settings, progress=False)
+    assert result.bits_simple < 5.0  # what the budget rule of the default recipe fixes
+    for name, fmt in result.format_map.items():
+        assert (fmt == "mxfp8_e4m3") == (result.beta_hat[name] >= 1.0)
+
+
+def test_the_simple_regularizer_has_no_target_it_reaches_what_lambda_gives(deep):
+    """regularizer="simple" sets no budget (the threshold rule decides): a strong size penalty ends at the bottom
+    of the pair whatever `target_bits` says, and no penalty at all lets the task loss raise layers."""
+    model, ids = deep
+    common = dict(recipe="paper", regularizer="simple", lr=50.0, target_bits=6.0, steps=20, batch_size=2, seq_len=16,
+                  num_samples=40)
+    assert CalibrationSettings(**common).discretization == "threshold"
+    penalized = calibrate(model, ids, CalibrationSettings(**common, reg_lambda=50.0), progress=False)
+    assert penalized.bits_simple == 4.0
+    free = calibrate(model, ids, CalibrationSettings(**common, reg_lambda=0.0), progress=False)
+    assert free.bits_simple > 4.0 and {h["reg_loss"] for h in free.history} == {0.0}
+
+
+def test_learned_offsets_carry_the_signal():
+    """The default recipe's map has a lower task loss than the map its offsets rank last (same budget)."""
+    from optimum_dmx.nn import emulate_format_map
+
+    model, ids = sensitive_llama_and_data(num_samples=24)
+    settings = CalibrationSettings(target_bits=6.0, steps=40, batch_size=4, seq_len=32, num_samples=16)
+    result = calibrate(model, ids[:16], settings, progress=False)
+    shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in result.format_map}
+    reversed_map = budget_format_map({n: -v for n, v in result.beta_hat.items()}, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 6.0)
+    assert sum(f == "mxfp8_e4m3" for f in reversed_map.values()) == sum(f == "mxfp8_e4m3" for f in result.format_map.values())
+    held_out = ids[16:]
+
+    def loss(format_map):
+        with torch.no_grad(), emulate_format_map(model, format_map):
+            return model(input_ids=held_out, labels=held_out).loss.item()
+
+    assert loss(result.format_map) < loss(reversed_map)
+
+
+# --- the budget rule -------------------------------------------------------------------------------------
+
+
+def shapes_of(sizes):
+    return {f"l{i}": (out, 64) for i, out in enumerate(sizes)}
+
+
+@pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
+@pytest.mark.parametrize("bit_average", ["simple", "weighted"])
+def test_budget_rule_is_the_closest_map_below_the_tolerance(pair, bit_average):
+    generator = torch.Generator().manual_seed(0)
+    sizes = torch.randint(16, 512, (60,), generator=generator).tolist()
+    shapes = shapes_of(sizes)
+    priority = dict(zip(shapes, torch.rand(60, generator=generator).tolist()))
+    p = FORMAT_PAIRS[pair]
+    weights = tensor_sizes(list(shapes.values()))
+    for target in torch.linspace(p.min_bits, p.max_bits, 23).tolist():
+        fmap = budget_format_map(priority, shapes, p, target, bit_average)
+        bits = torch.tensor([float(p.high.bits if f == p.high.name else p.low.bits) for f in fmap.values()],
+                            dtype=torch.float64)
+        avg = average_bits(bits, bit_average, weights).item()
+        assert avg <= target + BUDGET_TOLERANCE + 1e-9
+        assert avg >= target - BUDGET_TOLERANCE - 1e-9, (target, avg)
+
+
+def test_budget_rule_prefers_priority_and_skips_what_does_not_fit():
+    p = FORMAT_PAIRS["mxfp8-mxfp4"]
+    shapes = shapes_of([64, 64, 64, 64])
+    fmap = budget_format_map({"l0": 0.1, "l1": 0.9, "l2": 0.5, "l3": 0.3}, shapes, p, 6.0)
+    assert fmap == {"l0": "mxfp4_e2m1", "l1": "mxfp8_e4m3", "l2": "mxfp8_e4m3", "l3": "mxfp4_e2m1"}
+    # coarse layers: 4 layers of 4 bits' step each; 5.0 is 1 bit from either neighbour -> the lower one
+    fmap = budget_format_map({"l0": 0.1, "l1": 0.9, "l2": 0.5, "l3": 0.3}, shapes, p, 5.0)
+    assert list(fmap.values()).count("mxfp8_e4m3") == 1
+    # the weighted average skips a large layer that would overshoot and takes a smaller one
+    shapes = {"big": (512, 64), "small": (16, 64), "rest": (512, 64)}
+    fmap = budget_format_map({"big": 0.9, "small": 0.5, "rest": 0.1}, shapes, p, 4.2, "weighted")
+    assert fmap == {"big": "mxfp4_e2m1", "small": "mxfp8_e4m3", "rest": "mxfp4_e2m1"}

@@ -1,0 +1,76 @@
+"""The decoder families transformers users bring calibrate with the defaults, hit their budget, and reload.
+
+Tiny randomly initialised models (6 layers: 42 decoder linears, fine-grained enough for a +-0.05 budget):
+Llama (SmolLM2's architecture), Qwen3 (q/k norms), Gemma 3 (tied embeddings, a tokenizer that starts texts
+with BOS, a larger vocabulary, sliding-window layers) and Mistral. Each goes through
+`from_pretrained(float_dir, quantization_config=DMXConfig(target_bits=5, ...))`, is saved, and is loaded back
+in a fresh process with identical logits.
+"""
+
+import json
+
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from optimum_dmx import DMXConfig, MXLinear
+from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
+
+from .helpers import last_json_line, run_python, word_tokenizer, words
+
+COMMON = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=6, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128, initializer_range=0.2)
+FAMILIES = {
+    "llama": (LlamaForCausalLM, LlamaConfig(vocab_size=128, tie_word_embeddings=True, **COMMON), False),
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(vocab_size=128, head_dim=16, tie_word_embeddings=False, **COMMON), False),
+    "gemma3": (Gemma3ForCausalLM, Gemma3TextConfig(vocab_size=1024, head_dim=16, sliding_window=8,
+                                                   query_pre_attn_scalar=16, **COMMON), True),
+    "mistral": (MistralForCausalLM, MistralConfig(vocab_size=128, sliding_window=None, **COMMON), False),
+}
+CALIBRATION = dict(steps=20, seq_len=16, batch_size=2, num_samples=16)
+INPUT = "w1 w5 w9 w17 w33 w65 w99 w3 w42 w7 w11"
+
+
+@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 5.5)])
+def test_family_calibrates_to_its_budget_and_reloads(tmp_path, family, pair, target):
+    model_cls, config, bos = FAMILIES[family]
+    torch.manual_seed(0)
+    model_cls(config).save_pretrained(tmp_path / "float")
+    tokenizer = word_tokenizer(bos=bos)
+    tokenizer.save_pretrained(tmp_path / "float")
+    texts = [words(7 * i, 40) for i in range(20)]
+    dmx_config = DMXConfig(target_bits=target, format_pair=pair, dataset=texts, tokenizer=tokenizer, **CALIBRATION)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=dmx_config)
+
+    mx = {n: m for n, m in model.named_modules() if isinstance(m, MXLinear)}
+    assert len(mx) == 6 * 7  # every decoder linear; the (tied) head stays float
+    recorded = model.config.quantization_config
+    assert abs(recorded.bits_simple - target) <= BUDGET_TOLERANCE + 1e-9
+    assert "lm_head" in recorded.modules_to_not_convert
+
+    ids = tokenizer(INPUT, return_tensors="pt").input_ids
+    assert (ids[0, 0] == tokenizer.bos_token_id) == bos
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_path / "dmx")
+    saved = json.loads((tmp_path / "dmx" / "config.json").read_text())["quantization_config"]
+    assert saved["format_map"] == recorded.format_map and saved["recipe"] == "dmx"
+    code = f"""
+import json, torch, optimum_dmx
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "dmx")!r})
+with torch.no_grad():
+    print(json.dumps(model(torch.tensor({ids.tolist()})).logits.tolist()))
+"""
+    assert torch.equal(torch.tensor(last_json_line(run_python(code))), logits)
