@@ -27,7 +27,7 @@ from typing import Any
 EXIT_USAGE = 2
 # Settings of the embedded default run, sized to finish in about 10 minutes on 2 CPU cores: the paper's
 # 400 steps of 8 x 2048 tokens are GPU-sized, so it takes 40 short steps with a larger learning rate.
-DEFAULT_RUN = {"steps": 40, "seq_len": 128, "batch_size": 4, "num_samples": 160, "lr": 10.0}
+DEFAULT_RUN = {"steps": 40, "seq_len": 128, "batch_size": 4, "num_samples": 160}
 DEFAULT_RUN_MINUTES = 10
 EVAL_SEQ_LEN = 512
 QUANTIZE_EVAL_TOKENS, EVAL_MAX_TOKENS = 4096, 8192  # before/after perplexity of `quantize`; `eval`'s default
@@ -62,7 +62,9 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--seq-len", type=_positive_int, help="tokens per calibration sample")
     quantize.add_argument("--batch-size", type=_positive_int, help="samples per step")
     quantize.add_argument("--num-samples", type=_positive_int, help="calibration samples drawn from the data")
-    quantize.add_argument("--lr", type=float, help="learning rate of the format offsets")
+    quantize.add_argument("--recipe", choices=["dmx", "paper"],
+                          help="calibration procedure (default dmx; paper: the dMX paper's, exactly)")
+    quantize.add_argument("--lr", type=float, help="learning rate of the format offsets (recipe paper)")
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--output", type=Path, help="output folder (default: ./<model>-dmx<bits>)")
     quantize.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -152,7 +154,7 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
 
 def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The calibration settings given on the command line; the default run fills the rest with DEFAULT_RUN."""
-    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "lr")}
+    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "recipe", "lr")}
     given = {key: value for key, value in given.items() if value is not None}
     return {**DEFAULT_RUN, **given} if args.model is None and not args.dataset else given
 
@@ -164,6 +166,8 @@ def run_quantize(args) -> int:
     from .calibration.data import load_calibration_dataset
     from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
 
+    if args.lr is not None and args.recipe != "paper":
+        raise UsageError(f"--lr {args.lr:g} applies to --recipe paper only (the default recipe has no learning rate)")
     try:
         config = DMXConfig(target_bits=args.target_bits, format_pair=args.pair, seed=args.seed,
                            **calibration_overrides(args))

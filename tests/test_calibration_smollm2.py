@@ -57,14 +57,26 @@ def test_reproduces_the_reference_perplexities(smollm2, texts, fmt, reference, r
     assert result.perplexity == pytest.approx(reference, rel=rel)
 
 
-def test_short_calibration_on_austen_raises_offsets_below_the_target(smollm2, texts):
+def test_short_paper_calibration_on_austen_raises_offsets_below_the_target(smollm2, texts):
     model, tokenizer = smollm2
     ids = build_calibration_batches(texts.calibration, tokenizer, seq_len=128, num_samples=16, seed=0)
     settings = CalibrationSettings(
-        target_bits=5.0, num_samples=16, seq_len=128, batch_size=2, steps=6, t_warmup_ratio=1.0
+        recipe="paper", target_bits=5.0, num_samples=16, seq_len=128, batch_size=2, steps=6, t_warmup_ratio=1.0
     )
     result = calibrate(model, ids, settings, progress=False)
     assert len(result.format_map) == 210
     # All layers start in MXFP4 (4.07 bits at T = 8), below the target: the task loss raises the offsets.
     offsets = torch.tensor(list(result.beta_hat.values()))
     assert offsets.mean() > 0 and offsets.max() > 0.2
+
+
+@pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 4.5)])
+def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts, pair, target):
+    model, tokenizer = smollm2
+    ids = build_calibration_batches(texts.calibration, tokenizer, seq_len=128, num_samples=40, seed=0)
+    settings = CalibrationSettings(format_pair=pair, target_bits=target, num_samples=40, seq_len=128, batch_size=2,
+                                   steps=20)
+    result = calibrate(model, ids, settings, progress=False)
+    assert target - 0.05 <= result.bits_simple <= target + 0.05
+    # Every layer was probed at its low format at least once, so every offset is a measured value.
+    assert all(torch.isfinite(torch.tensor(list(result.beta_hat.values()))))

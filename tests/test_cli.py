@@ -92,6 +92,7 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
         (["quantize", "{root}/model", "--dataset", "{tmp}/missing.txt"], ["calibration data not found", "missing.txt"]),
         (["quantize", "{root}/model", "--dataset", "{tmp}/table.csv"], ["cannot read calibration data", ".csv"]),
         (["quantize", "{root}/model", "--pair", "mxfp5-mxfp4"], ["invalid choice", "mxfp5-mxfp4"]),
+        (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--lr", "3"], ["--lr 3", "--recipe paper"]),
         (["eval", "{tmp}/nowhere", "--text", "{root}/heldout.txt"], ["model folder", "does not exist"]),
         (["inspect", "{root}/model"], ["is not a dMX checkpoint"]),
     ],
@@ -117,7 +118,8 @@ def test_console_script_is_installed():
         (["quantize"], DEFAULT_RUN),
         (["quantize", "--steps", "10"], {**DEFAULT_RUN, "steps": 10}),
         (["quantize", "m", "--dataset", "d.txt"], {}),
-        (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--lr", "2"], {"seq_len": 64, "lr": 2.0}),
+        (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--recipe", "paper", "--lr", "2"],
+         {"seq_len": 64, "recipe": "paper", "lr": 2.0}),
     ],
 )
 def test_default_run_settings_and_explicit_overrides(argv, expected):

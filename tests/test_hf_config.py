@@ -3,6 +3,7 @@
 import copy
 import importlib
 import json
+import logging
 
 import pytest
 from transformers import PreTrainedTokenizerFast
@@ -133,3 +134,19 @@ def test_registration_refuses_to_override_another_package():
             optimum_dmx.integration.hf_quantizer.register()
     finally:
         AUTO_QUANTIZER_MAPPING["dmx"] = original
+
+
+@pytest.mark.parametrize(
+    "kwargs, warns",
+    [
+        ({"lr": 3.0}, True),
+        ({"reg_lambda": 1.0}, True),
+        ({"recipe": "paper", "lr": 3.0}, False),
+        ({"lr": 3.0, "format_map": {"model.layers.0.mlp.up_proj": "mxfp4_e2m1"}}, False),  # a reloaded checkpoint
+        ({}, False),
+    ],
+)
+def test_paper_only_settings_given_to_the_default_recipe_are_reported(kwargs, warns, caplog):
+    with caplog.at_level(logging.WARNING, logger="optimum_dmx.integration.configuration"):
+        DMXConfig(**kwargs)
+    assert ("only apply to recipe='paper'" in caplog.text) == warns

@@ -57,6 +57,20 @@ def test_card_states_bits_size_calibration_evaluation_and_loading():
     assert "$" not in text.replace("$ ", "")  # every template placeholder was filled
 
 
+@pytest.mark.parametrize("recipe", ["dmx", "paper", None])
+def test_calibration_section_names_the_recipe_and_only_the_settings_it_used(recipe):
+    """Old checkpoints (no recipe key) were calibrated with the paper's procedure; the default recipe has no lr."""
+    config = quantization_config()
+    if recipe is not None:
+        config["recipe"] = recipe
+    section = render_model_card(config, INFO).split("Calibration data:")[1].split("\n## ")[0]
+    shown = recipe or "paper"
+    assert f"recipe `{shown}`" in section
+    assert ("lr=1.0" in section) == (shown == "paper")
+    assert ("reg_lambda=5.0" in section) == (shown == "paper")
+    assert "steps=80" in section and "seed=0" in section
+
+
 def test_format_table_lists_every_layer_and_other_modules():
     config = quantization_config(n_layers=4)
     text = render_model_card(config, INFO)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +29,10 @@ from ..formats import MX_FORMATS, get_format
 
 QUANT_METHOD = "dmx"
 
+logger = logging.getLogger(__name__)
+
+# Settings only the paper's recipe reads; the default recipe keeps the budget by construction.
+_PAPER_ONLY_FIELDS = ("lr", "reg_lambda")
 _SETTINGS_FIELDS = tuple(field.name for field in dataclasses.fields(CalibrationSettings))
 # Achieved bit-widths, recorded with an applied format map.
 _RESULT_FIELDS = ("bits_simple", "bits_weighted", "storage_bits")
@@ -115,6 +120,11 @@ class DMXConfig(QuantizationConfigMixin):
         settings = CalibrationSettings(**{k: v for k, v in given.items() if v is not None})
         for field in dataclasses.fields(settings):
             setattr(self, field.name, copy.copy(getattr(settings, field.name)))
+        unused = [name for name in _PAPER_ONLY_FIELDS if given[name] is not None]
+        if format_map is None and settings.recipe != "paper" and unused:
+            logger.warning(
+                "DMXConfig: %s only apply to recipe='paper'; recipe=%r ignores them.", ", ".join(unused), settings.recipe
+            )
         check_calibration_source(dataset)
         self.dataset = dataset
         self.tokenizer = tokenizer

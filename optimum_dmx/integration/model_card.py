@@ -147,17 +147,31 @@ def _size_row(info: ModelCardInfo) -> str:
             f"({info.float_checkpoint_bytes / 2**20:.1f} MiB) |\n")
 
 
+_RECIPE_TEXT = {
+    "dmx": "recipe `dmx`: format maps sampled at the bit budget each step, per-layer offsets learned from the task "
+           "loss's derivative at the low format, highest offsets kept within the budget",
+    "paper": "recipe `paper`: the dMX paper's procedure (relaxed offsets through fractional formats, SGD on task loss "
+             "+ bit regularizer)",
+}
+# Settings that take part in each recipe; the others are stored in config.json but unused by it.
+_RECIPE_SETTINGS = {
+    "dmx": ("steps", "batch_size", "seq_len", "num_samples", "discretization", "bit_average", "t_start", "t_end",
+            "t_warmup_ratio", "seed"),
+    "paper": ("steps", "batch_size", "seq_len", "num_samples", "lr", "regularizer", "reg_lambda", "discretization",
+              "bit_average", "t_start", "t_end", "t_warmup_ratio", "seed"),
+}
+
+
 def _calibration_section(config: Mapping[str, Any], info: ModelCardInfo) -> str:
     if config.get("target_bits") is None or config.get("steps") is None:
         return "The format map was given explicitly (no calibration)."
+    recipe = config.get("recipe") or "paper"  # checkpoints written before recipes existed used the paper's
     settings = ", ".join(
-        f"{key}={config[key]}"
-        for key in ("steps", "batch_size", "seq_len", "num_samples", "lr", "regularizer", "reg_lambda",
-                    "bit_average", "t_start", "t_end", "t_warmup_ratio", "seed")
+        f"{key}={config[key]}" for key in _RECIPE_SETTINGS.get(recipe, _RECIPE_SETTINGS["paper"])
         if config.get(key) is not None
     )
     data = info.calibration_data or "not recorded"
-    text = f"Calibration data: {data}.\n\nSettings: {settings}."
+    text = f"Calibration data: {data}.\n\nMethod: {_RECIPE_TEXT.get(recipe, recipe)}.\n\nSettings: {settings}."
     if info.calibration_seconds is not None:
         text += f" Calibration took {info.calibration_seconds / 60:.1f} min."
     return text
