@@ -5,8 +5,8 @@ import torch
 from torch.nn import functional as F
 
 from optimum_dmx.calibration import DMXLinear
-from optimum_dmx.continuous import FORMAT_PAIRS, quantize_mx_continuous, quantize_mx_continuous_fused, weight_block_exponent
-from optimum_dmx.formats import quantize_mx
+from optimum_dmx.continuous import FORMAT_PAIRS, quantize_mx_continuous, quantize_mx_continuous_fused, weight_block_max
+from optimum_dmx.formats import SCALE_RULES, quantize_mx
 
 BETAS = [0.0, 0.2, 0.5, 0.999, 1.0, 1.37, 1.8, 2.0]
 
@@ -20,14 +20,14 @@ def sample(shape, dtype, seed=0):
     return x.to(dtype)
 
 
-def both(x, beta, pair, block_size=32):
+def both(x, beta, pair, block_size=32, scale_rule="ocp"):
     """Values and gradients (w.r.t. x and beta) of the reference and of the fused quantizer."""
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(1)).to(x.dtype)
     results = []
     for fn in (quantize_mx_continuous, quantize_mx_continuous_fused):
         xi = x.clone().requires_grad_(True)
         b = torch.tensor(beta, requires_grad=True)
-        y = fn(xi, b, pair, block_size)
+        y = fn(xi, b, pair, block_size, scale_rule)
         (y.float() * grad_out.float()).sum().backward()
         results.append((y.detach(), xi.grad, b.grad))
     return results, grad_out
@@ -36,9 +36,10 @@ def both(x, beta, pair, block_size=32):
 @pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("beta", BETAS)
-def test_values_bit_identical_and_gradients_close(pair, dtype, beta):
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_values_bit_identical_and_gradients_close(pair, dtype, beta, scale_rule):
     x = sample((24, 96), dtype)
-    ((ref_y, ref_gx, ref_gb), (fused_y, fused_gx, fused_gb)), grad_out = both(x, beta, pair)
+    ((ref_y, ref_gx, ref_gb), (fused_y, fused_gx, fused_gb)), grad_out = both(x, beta, pair, scale_rule=scale_rule)
     assert fused_y.dtype == x.dtype
     bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
     assert torch.equal(fused_y.view(bits), ref_y.view(bits))
@@ -50,11 +51,13 @@ def test_values_bit_identical_and_gradients_close(pair, dtype, beta):
 
 
 @pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
-def test_integer_endpoints_equal_the_exact_mx_quantizer(pair):
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_integer_endpoints_equal_the_exact_mx_quantizer(pair, scale_rule):
     x = sample((16, 64), torch.float32)
     p = FORMAT_PAIRS[pair]
     for beta, fmt in ((0.0, p.low), (2.0, p.high)):
-        assert torch.equal(quantize_mx_continuous_fused(x, torch.tensor(beta), pair), quantize_mx(x, fmt))
+        fused = quantize_mx_continuous_fused(x, torch.tensor(beta), pair, scale_rule=scale_rule)
+        assert torch.equal(fused, quantize_mx(x, fmt, scale_rule=scale_rule))
 
 
 @pytest.mark.parametrize("last_dim", [40, 70])
@@ -70,7 +73,7 @@ def test_cached_block_exponent_and_no_grad_path_give_the_same_values():
     w = sample((32, 64), torch.float32)
     beta = torch.tensor(1.3)
     reference = quantize_mx_continuous(w, beta, "mxfp8-mxfp4")
-    cached = quantize_mx_continuous_fused(w, beta, "mxfp8-mxfp4", block_exponent=weight_block_exponent(w))
+    cached = quantize_mx_continuous_fused(w, beta, "mxfp8-mxfp4", block_amax=weight_block_max(w))
     with torch.no_grad():
         no_grad = quantize_mx_continuous_fused(w, beta.requires_grad_(True), "mxfp8-mxfp4")
     assert torch.equal(cached, reference) and torch.equal(no_grad, reference)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from optimum_dmx.continuous import FORMAT_PAIRS, float_quantize, get_format_pair, quantize_mx_continuous
-from optimum_dmx.formats import MX_FORMATS, quantize_mx
+from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, quantize_mx
 
 from .helpers import adversarial_blocks, assert_bitwise_equal, wide_range
 
@@ -61,10 +61,12 @@ def test_unknown_pair_and_bad_beta():
 
 @pytest.mark.parametrize("pair, beta, fmt", ENDPOINTS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_endpoints_equal_exact_mx_bit_for_bit(pair, beta, fmt, dtype):
+@pytest.mark.parametrize("scale_rule", SCALE_RULES)
+def test_endpoints_equal_exact_mx_bit_for_bit(pair, beta, fmt, dtype, scale_rule):
     x = torch.cat([wide_range((64, 512), seed=beta, decades=10).reshape(-1, 32), adversarial_blocks(MX_FORMATS[fmt])])
     x = x.to(dtype)
-    assert_bitwise_equal(quantize_mx_continuous(x, float(beta), pair), quantize_mx(x, fmt))
+    exact = quantize_mx(x, fmt, scale_rule=scale_rule)
+    assert_bitwise_equal(quantize_mx_continuous(x, float(beta), pair, scale_rule=scale_rule), exact)
 
 
 @pytest.mark.parametrize("pair, beta, fmt", ENDPOINTS)

@@ -279,3 +279,23 @@ def test_dequantize_returns_the_float_model_of_the_mx_weights(llama_dmx):
     float_model.save_pretrained(out.parent / "dequantized")  # an ordinary float checkpoint, no dMX card
     assert not (out.parent / "dequantized" / "README.md").exists()
     assert "quantization_config" not in json.loads((out.parent / "dequantized" / "config.json").read_text())
+
+
+def test_scale_rule_is_recorded_and_used_after_reload(tiny_llama_dir, tmp_path):
+    """A checkpoint made for a loader's scale rule keeps it: config.json names it and a reload computes with it."""
+    format_map = cycling_format_map(tiny_llama_dir)
+    config = DMXConfig(format_map=format_map, scale_rule="compressed-tensors")
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
+    model.save_pretrained(tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["scale_rule"] == "compressed-tensors"
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
+    modules = [m for m in reloaded.modules() if isinstance(m, MXLinear)]
+    assert modules and all(m.scale_rule == "compressed-tensors" for m in modules)
+    float_weights = load_file(tiny_llama_dir / "model.safetensors")
+    name = next(iter(format_map))
+    expected = quantize_mx(float_weights[f"{name}.weight"], format_map[name], scale_rule="compressed-tensors")
+    assert torch.equal(reloaded.get_submodule(name).dequantized_weight(torch.float32), expected)
+    with torch.no_grad():
+        assert torch.equal(reloaded(INPUT_IDS).logits, model(INPUT_IDS).logits)
+        ocp = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=DMXConfig(format_map=format_map))
+        assert not torch.equal(ocp(INPUT_IDS).logits, model(INPUT_IDS).logits)

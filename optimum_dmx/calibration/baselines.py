@@ -62,7 +62,8 @@ def kl_sensitivities(
         reference = [log_probs(b) for b in batches]
     sensitivities = {}
     for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
-        with emulate_format_map(model, {name: low}, settings.block_size, settings.quantize_activations):
+        with emulate_format_map(model, {name: low}, settings.block_size, settings.quantize_activations,
+                                settings.scale_rule):
             kl = sum(
                 F.kl_div(log_probs(b), ref, log_target=True, reduction="sum").item()
                 for b, ref in zip(batches, reference)

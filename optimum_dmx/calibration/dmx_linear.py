@@ -6,7 +6,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..continuous import FormatPair, get_format_pair, quantize_mx_continuous_fused, weight_block_exponent
+from ..continuous import FormatPair, get_format_pair, quantize_mx_continuous_fused, weight_block_max
 from ..formats import MXFormat
 from .schedule import discrete_offset, temperature_sigmoid
 
@@ -18,7 +18,7 @@ class DMXLinear(nn.Module):
     `beta_hat` (a scalar, initialised to 0: the pair's low format). The forward pass maps it to
     `beta = F(beta_hat, temperature)` in [0, 2] and quantizes, along `in_features` in blocks of
     `block_size`, the weight and (dynamically, when `quantize_activations`) the input activation with the
-    pair's continuous quantizer at `beta`. The computation runs in float32 and returns the input's dtype, so
+    pair's continuous quantizer at `beta`, with block scales by `scale_rule`. The computation runs in float32 and returns the input's dtype, so
     fp32 and bf16 models both work.
 
     `temperature` is a plain attribute that the calibration loop updates every step. With
@@ -36,6 +36,7 @@ class DMXLinear(nn.Module):
         *,
         block_size: int = 32,
         quantize_activations: bool = True,
+        scale_rule: str = "ocp",
         temperature: float = 8.0,
         straight_through: bool = False,
     ):
@@ -49,14 +50,13 @@ class DMXLinear(nn.Module):
         self.pair = get_format_pair(format_pair)
         self.block_size = block_size
         self.quantize_activations = quantize_activations
+        self.scale_rule = scale_rule
         self.temperature = float(temperature)
         self.straight_through = straight_through
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
         self.probe: torch.Tensor | None = None
-        # The weight is frozen: its per-block exponents are constant, so compute them once.
-        floor_log2, finite = weight_block_exponent(linear.weight, block_size)
-        self.register_buffer("_weight_floor_log2", floor_log2, persistent=False)
-        self.register_buffer("_weight_finite", finite, persistent=False)
+        # The weight is frozen: its per-block maxima are constant, so compute them once.
+        self.register_buffer("_weight_block_max", weight_block_max(linear.weight, block_size), persistent=False)
 
     def beta(self) -> torch.Tensor:
         """The offset the quantizer uses now (differentiable with respect to `beta_hat`, or the `probe`)."""
@@ -79,16 +79,16 @@ class DMXLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         beta = self.beta()
         weight = quantize_mx_continuous_fused(
-            self.weight, beta, self.pair, self.block_size, (self._weight_floor_log2, self._weight_finite)
+            self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
         )
         if self.quantize_activations:
-            x = quantize_mx_continuous_fused(x, beta, self.pair, self.block_size)
+            x = quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"format_pair={self.pair.name}, block_size={self.block_size}, "
-            f"quantize_activations={self.quantize_activations}, temperature={self.temperature:g}, "
+            f"quantize_activations={self.quantize_activations}, scale_rule={self.scale_rule}, temperature={self.temperature:g}, "
             f"straight_through={self.straight_through}"
         )

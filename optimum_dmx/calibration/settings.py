@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..continuous import get_format_pair
+from ..formats.spec import validate_scale_rule
 from ..nn.bits import BIT_AVERAGES
 from .regularizers import REGULARIZERS
 
@@ -58,6 +59,9 @@ class CalibrationSettings:
             `beta` (`"paper"`), of the map sampling (`"dmx"`: uniform at `t_start`, sharper as it rises).
         t_warmup_ratio: fraction of the steps kept at `t_start` before the exponential rise to `t_end`.
         block_size: MX block size along `in_features`.
+        scale_rule: how each MX block scale follows its block maximum: `"ocp"` (the specification's floor), or the
+            rounding rule of the loader the model will be served with, `"compressed-tensors"` or `"quark"`
+            (`formats.spec.SCALE_RULES`), so that calibration sees the activations the server will compute.
         quantize_activations: also quantize each targeted linear's input activation (dynamically, with the
             layer's format).
         modules_to_not_convert: module-name patterns left in float (see `linear_modules_to_quantize`).
@@ -81,6 +85,7 @@ class CalibrationSettings:
     t_warmup_ratio: float = 0.6
     block_size: int = 32
     quantize_activations: bool = True
+    scale_rule: str = "ocp"
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
     seed: int = 0
 
@@ -105,6 +110,7 @@ class CalibrationSettings:
                 isinstance(value, int) and not isinstance(value, bool) and value > 0,
                 f"{name}={value!r} must be a positive integer.",
             )
+        validate_scale_rule(self.scale_rule)
         _require(self.seq_len >= 2, f"seq_len={self.seq_len!r} must be at least 2 to predict a next token.")
         _require(self.lr > 0, f"lr={self.lr!r} must be positive.")
         _require(self.reg_lambda >= 0, f"reg_lambda={self.reg_lambda!r} must be non-negative.")

@@ -71,6 +71,7 @@ def dmx_linears(
             settings.format_pair,
             block_size=settings.block_size,
             quantize_activations=settings.quantize_activations,
+            scale_rule=settings.scale_rule,
             temperature=settings.t_start,
             straight_through=straight_through,
         )

@@ -10,7 +10,7 @@ At the integer endpoints of a pair both equal the exact ``quantize_mx`` bit for 
 nothing about models or transformers.
 """
 
-from .fused import quantize_mx_continuous_fused, weight_block_exponent
+from .fused import quantize_mx_continuous_fused, weight_block_max
 from .pairs import FORMAT_PAIRS, MAX_OFFSET, FormatPair, get_format_pair
 from .reference import float_quantize, quantize_mx_continuous
 
@@ -22,5 +22,5 @@ __all__ = [
     "get_format_pair",
     "quantize_mx_continuous",
     "quantize_mx_continuous_fused",
-    "weight_block_exponent",
+    "weight_block_max",
 ]

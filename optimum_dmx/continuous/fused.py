@@ -10,8 +10,8 @@ pass. Calibration needs two gradients, and both have closed forms (``docs/method
   straight-through derivative is ``y/x`` in the normal range, 1 in the subnormal range and 0 where the
   value saturates.
 
-Weights are frozen during calibration, so their block exponents can be computed once and passed back in
-(``block_exponent``), and no input gradient is computed for them.
+Weights are frozen during calibration, so their block maxima can be computed once and passed back in
+(``block_amax``), and no input gradient is computed for them.
 """
 
 from __future__ import annotations
@@ -20,12 +20,13 @@ import math
 
 import torch
 
-from ..formats.blocks import block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent, to_blocks
+from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent
+from ..formats.blocks import to_blocks
 from ..formats.blocks import validate_input
-from ..formats.spec import grid_exponent, validate_block_size
+from ..formats.spec import grid_exponent, validate_block_size, validate_scale_rule
 from .pairs import FormatPair, get_format_pair
 
-__all__ = ["quantize_mx_continuous_fused", "weight_block_exponent"]
+__all__ = ["quantize_mx_continuous_fused", "weight_block_max"]
 
 _LN2 = math.log(2.0)
 
@@ -41,13 +42,14 @@ def _format_parameters(pair: FormatPair, beta: torch.Tensor) -> tuple[torch.Tens
     return (*(v.detach() for v in values), *derivatives)
 
 
-def _quantize(x, beta, pair, block_size, block_exponent, want_x_grad, want_beta_grad):
+def _quantize(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad, want_beta_grad):
     """Forward values ``y`` and, when asked for, the per-element derivatives ``dy/dx`` and ``dy/dbeta``."""
     e, m, e_min, qmax, scale_offset, de, dm, dqmax = _format_parameters(pair, beta)
 
     blocks = to_blocks(x, block_size)
-    exponents = block_exponent if block_exponent is not None else block_max_exponent(blocks)
-    scale = block_scale(shared_exponent(*exponents, scale_offset))
+    amax = block_amax if block_amax is not None else block_max(blocks)
+    exponent = block_max_exponent(amax, pair.scale_rounding_bits(beta.detach().float(), scale_rule))
+    scale = block_scale(shared_exponent(*exponent, scale_offset))
     v = blocks / scale
 
     normal_exponent = floor_log2(v).float()
@@ -73,9 +75,9 @@ def _quantize(x, beta, pair, block_size, block_exponent, want_x_grad, want_beta_
 
 class _FusedContinuousMX(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, beta, pair, block_size, block_exponent):
+    def forward(ctx, x, beta, pair, block_size, scale_rule, block_amax):
         want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
-        y, d_x, d_beta = _quantize(x, beta, pair, block_size, block_exponent, want_x_grad, want_beta_grad)
+        y, d_x, d_beta = _quantize(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad, want_beta_grad)
         empty = torch.empty(0)
         ctx.save_for_backward(d_x if want_x_grad else empty, d_beta if want_beta_grad else empty)
         return y
@@ -87,12 +89,12 @@ class _FusedContinuousMX(torch.autograd.Function):
         grad = grad_y.float()
         grad_beta = torch.dot(grad.reshape(-1), d_beta.reshape(-1)) if want_beta_grad else None
         grad_x = (grad * d_x).to(grad_y.dtype) if want_x_grad else None
-        return grad_x, grad_beta, None, None, None
+        return grad_x, grad_beta, None, None, None, None
 
 
-def weight_block_exponent(weight: torch.Tensor, block_size: int = 32) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-block ``floor(log2 max|block|)`` and finiteness of a frozen tensor, to pass as ``block_exponent``."""
-    return block_max_exponent(to_blocks(weight.detach(), block_size))
+def weight_block_max(weight: torch.Tensor, block_size: int = 32) -> torch.Tensor:
+    """Per-block ``max|block|`` of a frozen tensor (float32), to pass as ``block_amax``."""
+    return block_max(to_blocks(weight.detach(), block_size))
 
 
 def quantize_mx_continuous_fused(
@@ -100,22 +102,26 @@ def quantize_mx_continuous_fused(
     beta: torch.Tensor,
     pair: str | FormatPair,
     block_size: int = 32,
-    block_exponent: tuple[torch.Tensor, torch.Tensor] | None = None,
+    scale_rule: str = "ocp",
+    block_amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Same values as ``quantize_mx_continuous(x, beta, pair, block_size)``, with fused closed-form gradients.
+    """Same values as ``quantize_mx_continuous(x, beta, pair, block_size, scale_rule)``, with fused closed-form
+    gradients.
 
     Args:
         x: tensor to quantize along its last dimension (float32, bfloat16 or float16).
         beta: scalar format offset in [0, 2] (a 0-dim tensor, usually requiring grad).
         pair: format pair name or ``FormatPair``.
         block_size: elements per shared scale.
-        block_exponent: precomputed ``weight_block_exponent(x, block_size)`` for a frozen ``x``.
+        scale_rule: block-scale rule (``formats.spec.SCALE_RULES``).
+        block_amax: precomputed ``weight_block_max(x, block_size)`` for a frozen ``x``.
     """
     pair = get_format_pair(pair)
     block_size = validate_block_size(block_size)
+    validate_scale_rule(scale_rule)
     validate_input(x)
     if not isinstance(beta, torch.Tensor) or beta.dim() != 0:
         raise ValueError(f"beta must be a 0-dim tensor, got {beta!r}.")
     if torch.is_grad_enabled() and (x.requires_grad or beta.requires_grad):
-        return _FusedContinuousMX.apply(x, beta, pair, block_size, block_exponent)
-    return _quantize(x, beta, pair, block_size, block_exponent, False, False)[0]
+        return _FusedContinuousMX.apply(x, beta, pair, block_size, scale_rule, block_amax)
+    return _quantize(x, beta, pair, block_size, scale_rule, block_amax, False, False)[0]

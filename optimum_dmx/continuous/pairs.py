@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from ..formats.spec import MX_FORMATS, MXFormat, Number, get_format, largest_exponent, max_normal
-from ..formats.spec import smallest_step_exponent
+from ..formats.spec import scale_rounding_bits, smallest_step_exponent
 
 __all__ = ["FormatPair", "FORMAT_PAIRS", "get_format_pair", "MAX_OFFSET"]
 
@@ -54,6 +54,10 @@ class FormatPair:
     def scale_offset(self, beta: Number) -> Number:
         """``emax(e) = 2^(e-1)``: what the block scale subtracts from the block maximum's exponent."""
         return largest_exponent(self.exponent_bits(beta))
+
+    def scale_rounding_bits(self, beta: Number, scale_rule: str) -> Number | None:
+        """The block-scale rule's rounding width ``r`` at ``beta`` (``formats.spec.scale_rounding_bits``)."""
+        return scale_rounding_bits(scale_rule, self.exponent_bits(beta), self.mantissa_bits(beta))
 
     def step_exponent_min(self, beta: Number) -> Number:
         """``e_min = 1 - b - m`` at ``beta``: the exponent of the subnormal grid step."""

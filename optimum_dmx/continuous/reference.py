@@ -17,9 +17,10 @@ import math
 
 import torch
 
-from ..formats.blocks import block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent, to_blocks
+from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent
+from ..formats.blocks import to_blocks
 from ..formats.blocks import validate_input
-from ..formats.spec import grid_exponent, max_normal, smallest_step_exponent, validate_block_size
+from ..formats.spec import grid_exponent, max_normal, smallest_step_exponent, validate_block_size, validate_scale_rule
 from .pairs import FormatPair, get_format_pair
 
 __all__ = ["float_quantize", "quantize_mx_continuous"]
@@ -117,13 +118,17 @@ def _quantize_elements(x: torch.Tensor, m: torch.Tensor, e_min: torch.Tensor, qm
 
 
 def quantize_mx_continuous(
-    x: torch.Tensor, beta: torch.Tensor | float, pair: str | FormatPair, block_size: int = 32
+    x: torch.Tensor,
+    beta: torch.Tensor | float,
+    pair: str | FormatPair,
+    block_size: int = 32,
+    scale_rule: str = "ocp",
 ) -> torch.Tensor:
     """Block-scaled continuous-format quantize-dequantize of ``x`` along its last dimension.
 
     Each block of ``block_size`` elements shares the scale ``2^(floor(log2 max|block|) - 2^(e-1))``, treated
-    as a constant for the gradient; its elements go through :func:`float_quantize` at the pair's
-    ``(e, m, qmax)`` for ``beta``. Differentiable with respect to ``x`` and ``beta``; at ``beta`` = 0, 1, 2
+    as a constant for the gradient (``scale_rule`` as in ``quantize_mx``, its rounding width taken at ``beta``);
+    its elements go through :func:`float_quantize` at the pair's ``(e, m, qmax)`` for ``beta``. Differentiable with respect to ``x`` and ``beta``; at ``beta`` = 0, 1, 2
     (MXFP8 pair) or 0, 2 (MXFP6 pair) the result equals ``quantize_mx`` bit for bit.
     """
     pair = get_format_pair(pair)
@@ -133,8 +138,10 @@ def quantize_mx_continuous(
     if beta.dim() != 0:
         raise ValueError(f"beta must be a scalar, got a tensor of shape {tuple(beta.shape)}.")
 
+    validate_scale_rule(scale_rule)
     blocks = to_blocks(x, block_size)
-    scale = block_scale(shared_exponent(*block_max_exponent(blocks.detach()), pair.scale_offset(beta.detach())))
+    exponent = block_max_exponent(block_max(blocks.detach()), pair.scale_rounding_bits(beta.detach(), scale_rule))
+    scale = block_scale(shared_exponent(*exponent, pair.scale_offset(beta.detach())))
     # The format parameters are derived once, as scalars, then broadcast to the blocks.
     m, e_min, qmax = (
         _BroadcastScalingGradient.apply(param, scale)

@@ -12,7 +12,7 @@ This package knows nothing about models or transformers.
 
 from .cast import quantize_mx
 from .packing import MXPackedTensor, pack_mx, packed_shapes, unpack_mx
-from .spec import E8M0_BIAS, E8M0_NAN, FORMAT_ALIASES, MX_FORMATS, MXFormat, get_format
+from .spec import E8M0_BIAS, E8M0_NAN, FORMAT_ALIASES, MX_FORMATS, SCALE_RULES, MXFormat, get_format
 
 __all__ = [
     "E8M0_BIAS",
@@ -21,6 +21,7 @@ __all__ = [
     "MX_FORMATS",
     "MXFormat",
     "MXPackedTensor",
+    "SCALE_RULES",
     "get_format",
     "pack_mx",
     "packed_shapes",

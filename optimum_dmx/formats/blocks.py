@@ -2,8 +2,9 @@
 
 A block of ``block_size`` consecutive elements along the last dimension shares one power-of-two scale
 ``X = 2^k`` with ``k = floor(log2(max|block|)) - emax``, clamped to [-127, 127] and stored as the E8M0 byte
-``k + 127``; a block holding a NaN or an Inf gets the NaN scale. Exponents are read from the float32 bit
-pattern, so they are exact (and fast).
+``k + 127``; a block holding a NaN or an Inf gets the NaN scale. A scale rule other than the OCP one
+(``spec.SCALE_RULES``) first rounds the block maximum up to the next power of two when its mantissa is at least
+``2 - 2^-(r+1)``. Exponents and mantissas are read from the float32 bit pattern, so they are exact (and fast).
 """
 
 from __future__ import annotations
@@ -59,11 +60,31 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent + FP32_EXPONENT_BIAS) << FP32_MANTISSA_BITS).view(torch.float32)
 
 
-def block_max_exponent(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``floor(log2(max|block|))`` per block (int32, ``[..., n_blocks, 1]``) and a mask of finite blocks."""
+def block_max(blocks: torch.Tensor) -> torch.Tensor:
+    """``max|block|`` per block (float32, ``[..., n_blocks, 1]``); NaN or Inf where the block holds one."""
     low, high = torch.aminmax(blocks, dim=-1, keepdim=True)
-    amax = torch.maximum(high, -low)
-    return floor_log2(amax), torch.isfinite(amax)
+    return torch.maximum(high, -low)
+
+
+def rounds_up(amax: torch.Tensor, rounding_bits: Number) -> torch.Tensor:
+    """Whether ``amax`` rounded to ``r = rounding_bits`` mantissa bits reaches the next power of two: its
+    mantissa ``1.f`` satisfies ``f >= 1 - 2^-(r+1)``. Exact: ``f`` is read from the float32 bit pattern."""
+    fraction = (amax.view(torch.int32) & ((1 << FP32_MANTISSA_BITS) - 1)).float() * 2.0**-FP32_MANTISSA_BITS
+    threshold = 1 - (torch.exp2(-(rounding_bits + 1)) if isinstance(rounding_bits, torch.Tensor)
+                     else 2.0 ** -(rounding_bits + 1))
+    return fraction >= threshold
+
+
+def block_max_exponent(amax: torch.Tensor, rounding_bits: Number | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The exponent the block scale starts from (int32) and a mask of finite blocks.
+
+    ``floor(log2 amax)`` (the OCP rule, ``rounding_bits=None``), plus one where ``amax`` rounds up to the next
+    power of two at ``rounding_bits`` mantissa bits (``spec.scale_rounding_bits``).
+    """
+    exponent = floor_log2(amax)
+    if rounding_bits is not None:
+        exponent = exponent + rounds_up(amax, rounding_bits).to(exponent.dtype)
+    return exponent, torch.isfinite(amax)
 
 
 def shared_exponent(block_exponent: torch.Tensor, finite: torch.Tensor, emax: Number) -> torch.Tensor:

@@ -13,9 +13,11 @@ import math
 
 import torch
 
-from .blocks import block_max_exponent, block_scale, floor_log2, from_blocks, pow2, shared_exponent, to_blocks
+from .blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, pow2, shared_exponent
+from .blocks import to_blocks
 from .blocks import validate_input
-from .spec import SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN, MXFormat, get_format, grid_exponent, validate_block_size
+from .spec import SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN, MXFormat, get_format, grid_exponent, scale_rounding_bits
+from .spec import validate_block_size, validate_scale_rule
 
 
 def float8_carrier(fmt: MXFormat) -> tuple[torch.dtype, int] | None:
@@ -40,13 +42,16 @@ def round_elements(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     return v.div_(step).round_().mul_(step).clamp_(-fmt.max_normal, fmt.max_normal)
 
 
-def quantize_blocks(blocks: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, torch.Tensor, int]:
+def quantize_blocks(
+    blocks: torch.Tensor, fmt: MXFormat, scale_rule: str = "ocp"
+) -> tuple[torch.Tensor, torch.Tensor, int]:
     """Round blocks to ``fmt``: elements in units of ``2^shift``, shared exponents ``k``, and ``shift``.
 
     The value of an element is ``elements * 2^(k + shift)``. With a float8 carrier (``shift`` may be non-zero)
     the rounding is one native cast; otherwise it is done on the float32 bit pattern (``shift`` 0).
     """
-    k = shared_exponent(*block_max_exponent(blocks), fmt.emax)
+    rounding_bits = scale_rounding_bits(scale_rule, fmt.ebits, fmt.mbits)
+    k = shared_exponent(*block_max_exponent(block_max(blocks), rounding_bits), fmt.emax)
     carrier = float8_carrier(fmt)
     # The carrier's output scale 2^(k + shift) must stay a finite float32: true unless amax >= ~2^120. NaN blocks
     # (k = 128) do not count: they get their NaN from their scale at the end.
@@ -57,23 +62,27 @@ def quantize_blocks(blocks: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, 
         scaled = blocks * block_scale(-k.clamp(max=SCALE_EXPONENT_MAX), -shift)
         rounded = scaled.clamp_(-bound, bound).to(dtype)
         return scaled.copy_(rounded), k, shift  # reuse the float32 buffer: cheaper than a new allocation
-    # Every finite block has k <= 125 (emax >= 2), so 1 / 2^k is a normal float32; the clamp only tames NaN blocks.
-    return round_elements(blocks * pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 2)), fmt), k, 0
+    # Every finite block has k <= 126 (emax >= 2; a rounding scale rule may add one), so 1 / 2^k is a normal
+    # float32; the clamp only tames NaN blocks.
+    return round_elements(blocks * pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 1)), fmt), k, 0
 
 
-def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> torch.Tensor:
+def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scale_rule: str = "ocp") -> torch.Tensor:
     """Quantize-dequantize ``x`` to an MX format along its last dimension.
 
     Args:
         x: float32, bfloat16 or float16 tensor of any shape; blocks run along the last dimension.
         fmt: an ``MXFormat`` or one of the names in ``MX_FORMATS`` (aliases ``mxfp8``, ``mxfp6``, ``mxfp4``).
         block_size: elements per shared scale (32 in the OCP specification).
+        scale_rule: how the block scale follows the block maximum: ``"ocp"`` (the specification's floor),
+            ``"compressed-tensors"`` or ``"quark"`` (those loaders' rounding, see ``formats.spec.SCALE_RULES``).
 
     Returns:
         A tensor of the same shape and dtype holding the MX-representable values.
     """
     fmt = get_format(fmt)
     block_size = validate_block_size(block_size)
+    validate_scale_rule(scale_rule)
     validate_input(x)
-    elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt)
+    elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
     return from_blocks(elements.mul_(block_scale(k, shift)), x.shape).to(x.dtype)

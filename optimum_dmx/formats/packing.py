@@ -16,7 +16,7 @@ from .blocks import block_scale, to_blocks, validate_input
 from .cast import quantize_blocks
 from .spec import E8M0_BIAS, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_MAX, MXFormat, get_format
 from .spec import packed_row_lengths
-from .spec import validate_block_size
+from .spec import validate_block_size, validate_scale_rule
 
 
 @dataclass
@@ -99,15 +99,17 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*data.shape[:-1], -1)
 
 
-def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32) -> MXPackedTensor:
+def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scale_rule: str = "ocp") -> MXPackedTensor:
     """Quantize ``x`` to an MX format along its last dimension and return its storage form.
 
-    ``unpack_mx(pack_mx(x, fmt))`` equals ``quantize_mx(x, fmt)`` bit for bit (in float32).
+    ``unpack_mx(pack_mx(x, fmt, scale_rule=r))`` equals ``quantize_mx(x, fmt, scale_rule=r)`` bit for bit (in
+    float32).
     """
     fmt = get_format(fmt)
     block_size = validate_block_size(block_size)
+    validate_scale_rule(scale_rule)
     validate_input(x)
-    elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt)
+    elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
     codes = element_codes(elements * 2.0**shift, fmt).masked_fill_(k > SCALE_EXPONENT_MAX, 0)  # NaN blocks
     codes = codes.reshape(*x.shape[:-1], -1)
     codes_shape, _ = packed_shapes(x.shape, fmt, block_size)

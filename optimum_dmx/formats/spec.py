@@ -39,6 +39,9 @@ __all__ = [
     "grid_exponent",
     "packed_row_lengths",
     "packed_bits",
+    "SCALE_RULES",
+    "validate_scale_rule",
+    "scale_rounding_bits",
 ]
 
 # float32 bit layout: sign | 8 exponent bits (bias 127) | 23 mantissa bits.
@@ -109,6 +112,37 @@ def packed_bits(shape: Sequence[int], element_bits: int, block_size: int) -> int
     *leading, last = shape
     code_bytes, n_blocks = packed_row_lengths(last, element_bits, block_size)
     return math.prod(leading) * (code_bytes * 8 + n_blocks * SCALE_BITS)
+
+
+# How the E8M0 block scale is derived from the block maximum. "ocp": the OCP MX v1.0 rule,
+# floor(log2 max|block|) - emax. The others round the block maximum up to the next power of two first when its
+# mantissa is at least 2 - 2^-(r+1), so that it does not saturate: compressed-tensors' rule (r = 3 for E2M3,
+# else 1; also vLLM's reference) and AMD Quark's "even" rule (r = the element's own mantissa bits).
+SCALE_RULES = ("ocp", "compressed-tensors", "quark")
+
+
+def validate_scale_rule(rule: str) -> str:
+    """Return ``rule`` if it names a block-scale rule, else raise naming the allowed ones."""
+    if rule not in SCALE_RULES:
+        raise ValueError(f"scale_rule={rule!r} is not supported; allowed: {', '.join(SCALE_RULES)}.")
+    return rule
+
+
+def scale_rounding_bits(rule: str, ebits: Number, mbits: Number) -> Number | None:
+    """``r``: the mantissa width to which ``rule`` rounds the block maximum before taking its exponent.
+
+    ``None`` for the OCP rule (no rounding: ``floor``). Real-valued ``ebits``/``mbits`` (the continuous quantizer)
+    give a real ``r`` that meets the integer formats' values at their endpoints.
+    """
+    validate_scale_rule(rule)
+    if rule == "ocp":
+        return None
+    if rule == "quark":
+        return mbits
+    # compressed-tensors: E2M3's own 3 mantissa bits, 1 for every other format (E2M1, E4M3).
+    if isinstance(ebits, torch.Tensor) or isinstance(mbits, torch.Tensor):
+        return torch.where(torch.as_tensor(ebits) == 2, torch.as_tensor(mbits, dtype=torch.float32), 1.0)
+    return mbits if ebits == 2 else 1
 
 
 # element bits -> (codes per packed group, bytes per packed group)

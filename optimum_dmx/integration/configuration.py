@@ -58,6 +58,10 @@ class DMXConfig(QuantizationConfigMixin):
         the default.
         block_size: MX block size (32 in the OCP spec).
         quantize_activations: quantize each quantized linear's input activations to its format.
+        scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
+            export: `"ocp"` (default: the OCP specification's floor) or the rounding rule of the engine the model
+            will be served with, `"compressed-tensors"` (vLLM's compressed-tensors path) or `"quark"` (AMD Quark).
+            Stored in config.json.
         modules_to_not_convert: module-name patterns kept in full precision (transformers' matching rule), in
             addition to transformers' default skips (the output embeddings, tied weights and the model's
             `keep_in_fp32` modules). Defaults to `["lm_head"]`.
@@ -88,6 +92,7 @@ class DMXConfig(QuantizationConfigMixin):
         t_warmup_ratio: float | None = None,
         block_size: int | None = None,
         quantize_activations: bool | None = None,
+        scale_rule: str | None = None,
         modules_to_not_convert: list[str] | None = None,
         seed: int | None = None,
         format_map: Mapping[str, str] | None = None,
@@ -114,6 +119,7 @@ class DMXConfig(QuantizationConfigMixin):
             "t_warmup_ratio": t_warmup_ratio,
             "block_size": block_size,
             "quantize_activations": quantize_activations,
+            "scale_rule": scale_rule,
             "modules_to_not_convert": modules_to_not_convert,
             "seed": seed,
         }

@@ -55,9 +55,7 @@ class DMXHfQuantizer(HfQuantizer):
     ) -> PreTrainedModel:
         if self.pre_quantized:
             config = self.quantization_config
-            replace_with_mx_linear(
-                model, config.format_map, block_size=config.block_size, quantize_activations=config.quantize_activations
-            )
+            replace_with_mx_linear(model, config.format_map, **_mx_options(config))
             _check_packed_tensors(model, checkpoint_files or [])
         return model
 
@@ -88,9 +86,7 @@ class DMXHfQuantizer(HfQuantizer):
             format_map = calibrate_on_text(model, config.dataset, config.tokenizer, settings).format_map
         else:
             format_map = config.format_map
-        replace_with_mx_linear(
-            model, format_map, block_size=config.block_size, quantize_activations=config.quantize_activations
-        )
+        replace_with_mx_linear(model, format_map, **_mx_options(config))
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
         return config.with_result(format_map, modules_to_not_convert=skip, **bits)
@@ -106,6 +102,12 @@ class DMXHfQuantizer(HfQuantizer):
     @property
     def is_trainable(self) -> bool:
         return False
+
+
+def _mx_options(config: DMXConfig) -> dict[str, Any]:
+    """How the config's `MXLinear`s quantize: block size, activation quantization, block-scale rule."""
+    return {"block_size": config.block_size, "quantize_activations": config.quantize_activations,
+            "scale_rule": config.scale_rule}
 
 
 def _check_not_quantized(model: PreTrainedModel) -> None:

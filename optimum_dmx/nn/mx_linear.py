@@ -7,6 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..formats import MXFormat, MXPackedTensor, get_format, pack_mx, packed_shapes, quantize_mx, unpack_mx
+from ..formats.spec import validate_scale_rule
 
 
 class MXLinear(nn.Module):
@@ -18,7 +19,7 @@ class MXLinear(nn.Module):
     rebuilt before the tensors are loaded.
 
     The forward pass quantizes the input activations to the same format along the last dimension
-    (when `quantize_activations`), dequantizes the weight to the input's dtype and runs a dense matmul in
+    (when `quantize_activations`, with block scales by `scale_rule`: see `formats.spec.SCALE_RULES`), dequantizes the weight to the input's dtype and runs a dense matmul in
     that dtype. With `cache_weight` (the default) the dequantized weight is kept between calls and rebuilt
     only when the packed tensors, the dtype or the device change; without it only the packed form is kept
     (about 1/4 to 1/2 of the bf16 weight memory) and the weight is dequantized on every call.
@@ -33,6 +34,7 @@ class MXLinear(nn.Module):
         *,
         block_size: int = 32,
         quantize_activations: bool = True,
+        scale_rule: str = "ocp",
         cache_weight: bool = True,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -43,6 +45,7 @@ class MXLinear(nn.Module):
         self.fmt = get_format(fmt)
         self.block_size = block_size
         self.quantize_activations = quantize_activations
+        self.scale_rule = validate_scale_rule(scale_rule)
         self.cache_weight = cache_weight
         codes_shape, scales_shape = packed_shapes((out_features, in_features), self.fmt, block_size)
         self.register_buffer("weight_packed", torch.zeros(codes_shape, dtype=torch.uint8, device=device))
@@ -62,8 +65,9 @@ class MXLinear(nn.Module):
         *,
         block_size: int = 32,
         quantize_activations: bool = True,
+        scale_rule: str = "ocp",
     ) -> MXLinear:
-        """An `MXLinear` holding `linear`'s weight quantized to `fmt`.
+        """An `MXLinear` holding `linear`'s weight quantized to `fmt` (block scales by `scale_rule`).
 
         A `linear` on the meta device (a model skeleton before its checkpoint is loaded) gives an empty
         module of the right shapes on the meta device.
@@ -76,13 +80,14 @@ class MXLinear(nn.Module):
             fmt=fmt,
             block_size=block_size,
             quantize_activations=quantize_activations,
+            scale_rule=scale_rule,
             device=weight.device,
             dtype=weight.dtype,
         )
         if weight.is_meta:
             return module
         with torch.no_grad():
-            packed = pack_mx(weight.detach(), module.fmt, block_size)
+            packed = pack_mx(weight.detach(), module.fmt, block_size, scale_rule)
             module.weight_packed.copy_(packed.codes)
             module.weight_scale.copy_(packed.scales)
             if linear.bias is not None:
@@ -116,14 +121,14 @@ class MXLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantized_weight(x.dtype)
         if self.quantize_activations:
-            x = quantize_mx(x, self.fmt, self.block_size)
+            x = quantize_mx(x, self.fmt, self.block_size, self.scale_rule)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"fmt={self.fmt.name}, block_size={self.block_size}, quantize_activations={self.quantize_activations}"
+            f"fmt={self.fmt.name}, block_size={self.block_size}, quantize_activations={self.quantize_activations}, scale_rule={self.scale_rule}"
         )
 
 

@@ -64,7 +64,11 @@ def swapped_modules(model: nn.Module, replacements: Mapping[str, nn.Module]) -> 
 
 @contextmanager
 def emulate_format_map(
-    model: nn.Module, format_map: Mapping[str, str], block_size: int = 32, quantize_activations: bool = True
+    model: nn.Module,
+    format_map: Mapping[str, str],
+    block_size: int = 32,
+    quantize_activations: bool = True,
+    scale_rule: str = "ocp",
 ) -> Iterator[None]:
     """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
 
@@ -74,7 +78,7 @@ def emulate_format_map(
     """
     layers = {
         name: MXLinear.from_linear(model.get_submodule(name), fmt, block_size=block_size,
-                                   quantize_activations=quantize_activations)
+                                   quantize_activations=quantize_activations, scale_rule=scale_rule)
         for name, fmt in format_map.items()
     }
     with swapped_modules(model, layers):
@@ -87,6 +91,7 @@ def replace_with_mx_linear(
     *,
     block_size: int = 32,
     quantize_activations: bool = True,
+    scale_rule: str = "ocp",
 ) -> nn.Module:
     """Replace, in place, every `nn.Linear` named in `format_map` by an `MXLinear` in its format.
 
@@ -107,7 +112,9 @@ def replace_with_mx_linear(
         if not isinstance(module, nn.Linear):
             kind = type(module).__name__
             raise ValueError(f"format_map names module {name!r}, a {kind}; only nn.Linear can be quantized")
-        new = MXLinear.from_linear(module, fmt, block_size=block_size, quantize_activations=quantize_activations)
+        new = MXLinear.from_linear(
+            module, fmt, block_size=block_size, quantize_activations=quantize_activations, scale_rule=scale_rule
+        )
         model.set_submodule(name, new)
     return model
 
