@@ -8,14 +8,12 @@ same way.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from optimum.quantization_base import OptimumQuantizer
 
 from .configuration import DMXConfig
+from .folders import staged_folder
 from .hf_quantizer import DMXHfQuantizer
 
 if TYPE_CHECKING:
@@ -66,24 +64,10 @@ class DMXQuantizer(OptimumQuantizer):
         only once complete, so an interrupted save never leaves a partial checkpoint there. A `save_dir` that
         exists and is not empty is replaced only with `overwrite=True`.
         """
-        save_dir = Path(save_dir)
-        if save_dir.exists() and not overwrite and (not save_dir.is_dir() or any(save_dir.iterdir())):
-            raise FileExistsError(f"{str(save_dir)!r} exists and is not empty; pass overwrite=True to replace it")
         if card_info is not None:
             model.dmx_card_info = card_info
-        save_dir.parent.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.", suffix=".partial", dir=save_dir.parent))
-        try:
+        with staged_folder(save_dir, overwrite=overwrite) as staging:
             model.save_pretrained(staging, **kwargs)
-            if save_dir.exists():
-                old = Path(tempfile.mkdtemp(prefix=f".{save_dir.name}.", suffix=".old", dir=save_dir.parent))
-                os.replace(save_dir, old / save_dir.name)
-                os.replace(staging, save_dir)
-                shutil.rmtree(old)
-            else:
-                os.replace(staging, save_dir)
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
 
     def push_to_hub(
         self, model: PreTrainedModel, repo_id: str, card_info: ModelCardInfo | None = None, **kwargs: Any

@@ -1,0 +1,192 @@
+"""Export a saved dMX checkpoint to a format that serving engines load (compressed-tensors, AMD Quark).
+
+The export is a file-to-file transform: it reads the dMX folder's `config.json` and safetensors files, rewrites
+each quantized linear's packed tensors in the target's layout and its `quantization_config` in the target's
+schema, copies everything else (tokenizer, generation config, tied or float tensors) unchanged and writes a
+model card on how to serve the result. No model is instantiated, and the source folder is only read.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from ..integration.configuration import QUANT_METHOD
+from ..integration.folders import staged_folder
+from ..nn.groups import mixed_groups
+from .targets import ExportTarget, get_export_target
+
+__all__ = ["ExportError", "export_checkpoint"]
+
+logger = logging.getLogger(__name__)
+
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+# Files of a dMX folder that the export writes anew instead of copying.
+_REWRITTEN = {"config.json", "README.md", "dmx_format_map.png", SAFETENSORS_INDEX}
+
+
+class ExportError(ValueError):
+    """The checkpoint cannot be exported to the requested target (the message says why and what to do)."""
+
+
+def export_checkpoint(
+    source: str | os.PathLike | Any,
+    output_dir: str | os.PathLike,
+    target: str = "compressed-tensors",
+    *,
+    for_vllm: bool = True,
+    force: bool = False,
+    overwrite: bool = False,
+) -> Path:
+    """Write a copy of a dMX checkpoint that `target`'s loaders read, and return its folder.
+
+    Args:
+        source: a saved dMX model folder, or a loaded dMX model (saved to a temporary folder first).
+        output_dir: the folder to write; must not exist or be empty unless `overwrite`. It is written whole or
+            not at all.
+        target: `"compressed-tensors"` (transformers with `compressed-tensors`, vLLM, SGLang) or `"quark"`
+            (AMD Quark; vLLM on AMD GPUs).
+        for_vllm: check that vLLM can serve the result: every fused projection group (q/k/v, gate/up) in one
+            format, and only formats vLLM serves through `target`.
+        force: export a map that fails the vLLM checks anyway (loaders other than vLLM read it).
+        overwrite: replace a non-empty `output_dir`.
+
+    Raises:
+        ExportError: `source` is not a dMX checkpoint, or holds a format or shape `target` cannot store, or
+            (with `for_vllm` and without `force`) a map vLLM cannot serve; the message names the layers.
+    """
+    spec = get_export_target(target)
+    if not isinstance(source, (str, os.PathLike)):
+        with tempfile.TemporaryDirectory(prefix="dmx-export-") as saved:
+            source.save_pretrained(saved)
+            return export_checkpoint(saved, output_dir, target, for_vllm=for_vllm, force=force, overwrite=overwrite)
+    source, output_dir = Path(source), Path(output_dir)
+    if output_dir.resolve() == source.resolve():
+        raise ExportError(f"output folder {str(output_dir)!r} is the source folder; export writes a new folder")
+    config = _read_dmx_config(source)
+    quantization = config["quantization_config"]
+    format_map: dict[str, str] = quantization["format_map"]
+    _check_exportable(spec, quantization, for_vllm=for_vllm, force=force)
+    _check_whole_blocks(config, format_map, spec)
+
+    with staged_folder(output_dir, overwrite=overwrite) as staging:
+        weight_map = _convert_tensors(source, staging, spec, format_map)
+        if len(set(weight_map.values())) > 1:
+            index = json.loads((source / SAFETENSORS_INDEX).read_text())
+            index["weight_map"] = dict(sorted(weight_map.items()))
+            (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        config["quantization_config"] = spec.quantization_config(format_map, quantization.get("modules_to_not_convert"))
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        for path in source.iterdir():
+            if path.is_file() and path.name not in _REWRITTEN and path.suffix != ".safetensors":
+                shutil.copy2(path, staging / path.name)
+        (staging / "README.md").write_text(spec.model_card(quantization, output_dir.name), encoding="utf-8")
+    return output_dir
+
+
+def _read_dmx_config(folder: Path) -> dict[str, Any]:
+    path = folder / "config.json"
+    if not path.is_file():
+        raise ExportError(f"{str(folder)!r} has no config.json: not a saved model folder")
+    config = json.loads(path.read_text())
+    quantization = config.get("quantization_config") or {}
+    if quantization.get("quant_method") != QUANT_METHOD or not quantization.get("format_map"):
+        raise ExportError(f"{str(folder)!r} is not a dMX checkpoint (its config.json has no dMX format_map)")
+    return config
+
+
+def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, for_vllm: bool, force: bool) -> None:
+    """Raise for what the target cannot store; for what vLLM cannot serve, unless forced; warn on scale rules."""
+    format_map = quantization["format_map"]
+    if quantization.get("block_size", 32) != 32:
+        raise ExportError(f"{spec.name} stores MX blocks of 32 elements; this checkpoint uses block_size="
+                          f"{quantization['block_size']}")
+    unsupported = sorted(name for name, fmt in format_map.items() if fmt not in spec.formats)
+    if unsupported:
+        found = sorted({format_map[name] for name in unsupported})
+        raise ExportError(
+            f"{spec.name} cannot store {', '.join(found)} (it stores {', '.join(spec.formats)}): "
+            f"{len(unsupported)} layers, e.g. {', '.join(unsupported[:3])}"
+            + (f"; export to {spec.alternative!r} instead" if spec.alternative else "")
+        )
+    if for_vllm:
+        problems = []
+        not_served = sorted(name for name, fmt in format_map.items() if fmt not in spec.vllm_formats)
+        if not_served:
+            found = sorted({format_map[name] for name in not_served})
+            problems.append(f"vLLM does not serve {', '.join(found)} through {spec.name} ({len(not_served)} layers, "
+                            f"e.g. {', '.join(not_served[:3])}; use the {spec.alternative!r} target or a "
+                            "format pair without them)")
+        mixed = mixed_groups(format_map)
+        if mixed:
+            shown = "; ".join(f"{'/'.join(n.rpartition('.')[2] for n in g)} of {g[0].rpartition('.')[0]} are "
+                              f"{'/'.join(format_map[n] for n in g)}" for g in mixed[:3])
+            problems.append(f"vLLM runs q/k/v and gate/up as one fused matmul with one format, but {len(mixed)} "
+                            f"groups mix formats ({shown}); calibrate with shared offsets for fused projections")
+        if problems and not force:
+            raise ExportError("the format map cannot be served by vLLM as is: " + "; ".join(problems)
+                              + ". Pass force=True (--force) to export anyway for other loaders.")
+        for problem in problems:
+            logger.warning("exporting anyway: %s", problem)
+    rule = quantization.get("scale_rule", "ocp")
+    if quantization.get("quantize_activations", True) and rule != spec.scale_rule:
+        logger.warning(
+            "this checkpoint was calibrated with scale_rule=%r, but %s computes activation block scales with its "
+            "own rule (%r): served outputs will differ slightly from this package's. Calibrate with "
+            "DMXConfig(scale_rule=%r) for an exact match.", rule, spec.name, spec.scale_rule, spec.scale_rule)
+
+
+def _check_whole_blocks(config: dict[str, Any], format_map: Mapping[str, str], spec: ExportTarget) -> None:
+    """Raise for layers whose `in_features` is not a multiple of 32: the loaders store no padded last block.
+
+    The shapes come from the model's architecture, built on the meta device (no memory, no weights).
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = {key: value for key, value in config.items() if key != "quantization_config"}
+    architecture = AutoConfig.for_model(**plain)
+    with torch.device("meta"):
+        skeleton = AutoModelForCausalLM.from_config(architecture)
+    ragged = sorted(name for name in format_map if skeleton.get_submodule(name).in_features % 32)
+    if ragged:
+        raise ExportError(f"{spec.name} needs in_features divisible by 32 (whole MX blocks); {len(ragged)} layers are "
+                          f"not, e.g. {', '.join(ragged[:3])}")
+
+
+def _convert_tensors(source: Path, staging: Path, spec: ExportTarget, format_map: Mapping[str, str]) -> dict[str, str]:
+    """Rewrite every safetensors file of `source` into `staging`; return the new tensor name -> file map."""
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise ExportError(f"{str(source)!r} has no safetensors files")
+    weight_map = {}
+    remaining = set(format_map)
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            tensors = {name: reader.get_tensor(name) for name in reader.keys()}
+            metadata = reader.metadata()
+        out = {}
+        for name, tensor in tensors.items():
+            module, _, leaf = name.rpartition(".")
+            if module in format_map and leaf in ("weight_packed", "weight_scale"):
+                if leaf == "weight_packed":
+                    out.update(spec.layer_tensors(module, format_map[module], tensor, tensors[f"{module}.weight_scale"]))
+                    remaining.discard(module)
+            else:
+                out[name] = tensor
+        save_file(out, staging / file.name, metadata=metadata)
+        weight_map.update(dict.fromkeys(out, file.name))
+    if remaining:
+        raise ExportError(f"the safetensors files lack the packed weights of {len(remaining)} layers of the format "
+                          f"map, e.g. {sorted(remaining)[:3]}")
+    return weight_map
+

@@ -1,0 +1,141 @@
+"""What each export target stores: its formats, tensor layout, `quantization_config` schema and scale rule.
+
+compressed-tensors (read by transformers with `compressed-tensors` installed, vLLM and SGLang) stores MXFP4 and
+MXFP6 (E2M3) weights as `weight_packed` uint8 codes in the same layout as dMX (FP4: even element in the low
+nibble; FP6: `c0 | c1 << 6 | c2 << 12 | c3 << 18` in three little-endian bytes) and MXFP8 weights as a
+float8_e4m3fn `weight` (the same bits as dMX's E4M3 codes), each with a uint8 E8M0 `weight_scale` of shape
+`[out_features, in_features / 32]`. A checkpoint whose layers differ lists one config group per format, with
+the exact module names as targets, under the top-level format `"mixed-precision"`. Input activations are
+quantized dynamically per block of 32 in the layer's format with compressed-tensors' scale rule.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = ["EXPORT_TARGETS", "ExportTarget", "get_export_target"]
+
+_SERVE_TEMPLATE = """\
+---
+library_name: transformers
+tags:
+- dmx
+- mx
+- {target}
+---
+
+# {name}
+
+A mixed-precision MX checkpoint ({summary}) exported by `optimum-dmx export --to {target}` from a dMX checkpoint
+whose per-layer formats were learned with dMX. Formats by layer are listed in `config.json`
+(`quantization_config`).
+
+## Serve with vLLM
+
+```bash
+vllm serve path/to/{name}
+```
+
+## Load with transformers
+
+```python
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained("path/to/{name}", dtype="bfloat16")  # needs {package}
+```
+"""
+
+
+@dataclass(frozen=True)
+class ExportTarget:
+    """One checkpoint format that serving engines load.
+
+    Attributes:
+        name: the target's name (`--to`).
+        formats: MX formats it can store, by dMX name.
+        vllm_formats: the subset vLLM serves through this target.
+        scale_rule: the activation block-scale rule its loaders use (`formats.spec.SCALE_RULES`).
+        alternative: the other target to suggest when a map cannot be served through this one.
+        package: what a user installs to load the result with transformers.
+        layer_tensors: `(module, fmt, weight_packed, weight_scale) -> {tensor name: tensor}` in the target layout.
+        quantization_config: `(format_map, modules_to_not_convert) -> quantization_config` of config.json.
+    """
+
+    name: str
+    formats: tuple[str, ...]
+    vllm_formats: tuple[str, ...]
+    scale_rule: str
+    alternative: str | None
+    package: str
+    layer_tensors: Callable[[str, str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
+    quantization_config: Callable[[Mapping[str, str], Sequence[str] | None], dict[str, Any]]
+
+    def model_card(self, dmx_quantization: Mapping[str, Any], name: str) -> str:
+        """A README saying what the export holds and how to serve and load it."""
+        counts: dict[str, int] = {}
+        for fmt in dmx_quantization["format_map"].values():
+            counts[fmt] = counts.get(fmt, 0) + 1
+        summary = ", ".join(f"{count} layers {fmt}" for fmt, count in sorted(counts.items()))
+        return _SERVE_TEMPLATE.format(name=name, target=self.name, summary=summary, package=self.package)
+
+
+# --- compressed-tensors ------------------------------------------------------------------------------------
+
+_CT_FORMATS = {"mxfp4_e2m1": (4, "mxfp4-pack-quantized"), "mxfp6_e2m3": (6, "mxfp6-pack-quantized"),
+               "mxfp8_e4m3": (8, "mxfp8-quantized")}
+
+
+def _ct_layer_tensors(module: str, fmt: str, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    if fmt == "mxfp8_e4m3":
+        return {f"{module}.weight": codes.view(torch.float8_e4m3fn), f"{module}.weight_scale": scales}
+    return {f"{module}.weight_packed": codes, f"{module}.weight_scale": scales}
+
+
+def _ct_mx_args(bits: int, dynamic: bool) -> dict[str, Any]:
+    return {"num_bits": bits, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
+            "dynamic": dynamic, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
+
+
+def _ct_quantization_config(format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None) -> dict:
+    groups = {}
+    for fmt in sorted({f for f in format_map.values()}, key=lambda f: _CT_FORMATS[f][0]):
+        bits, packing = _CT_FORMATS[fmt]
+        groups[f"group_{len(groups)}"] = {
+            "targets": sorted(name for name, f in format_map.items() if f == fmt),
+            "weights": _ct_mx_args(bits, dynamic=False),
+            "input_activations": _ct_mx_args(bits, dynamic=True),
+            "output_activations": None,
+            "format": packing,
+        }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "mixed-precision" if len(groups) > 1 else next(iter(groups.values()))["format"],
+        "quantization_status": "compressed",
+        "config_groups": groups,
+        "ignore": [],
+        "kv_cache_scheme": None,
+    }
+
+
+COMPRESSED_TENSORS = ExportTarget(
+    name="compressed-tensors",
+    formats=tuple(_CT_FORMATS),
+    vllm_formats=("mxfp4_e2m1", "mxfp8_e4m3"),
+    scale_rule="compressed-tensors",
+    alternative="quark",
+    package="compressed-tensors",
+    layer_tensors=_ct_layer_tensors,
+    quantization_config=_ct_quantization_config,
+)
+
+EXPORT_TARGETS: dict[str, ExportTarget] = {COMPRESSED_TENSORS.name: COMPRESSED_TENSORS}
+
+
+def get_export_target(name: str) -> ExportTarget:
+    """The export target called `name`; raise naming the known ones otherwise."""
+    if name not in EXPORT_TARGETS:
+        raise ValueError(f"export target {name!r} is not supported; allowed: {', '.join(EXPORT_TARGETS)}.")
+    return EXPORT_TARGETS[name]
