@@ -185,3 +185,23 @@ def test_fused_projection_groups_from_names():
     assert mixed_groups(SERVABLE) == []
     assert mixed_groups({**SERVABLE, LAYER.format(1, "mlp.up_proj"): "mxfp8_e4m3"}) == [
         (LAYER.format(1, "mlp.gate_proj"), LAYER.format(1, "mlp.up_proj"))]
+
+
+def test_a_map_calibrated_with_fused_offset_groups_exports_for_vllm_unforced(tiny_text_model_dir, tmp_path):
+    """The whole path a vLLM user takes: calibrate with shared q/k/v and gate/up offsets, save, export."""
+    from transformers import AutoTokenizer
+
+    root = tiny_text_model_dir
+    config = DMXConfig(target_bits=6.0, offset_groups="fused", scale_rule="compressed-tensors",
+                       dataset=[str(root / "calibration.txt")], tokenizer=AutoTokenizer.from_pretrained(root / "model"),
+                       steps=6, seq_len=16, batch_size=2, num_samples=12)
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32, quantization_config=config)
+    format_map = model.config.quantization_config.format_map
+    assert mixed_groups(format_map) == [] and len(set(format_map.values())) == 2
+    model.save_pretrained(tmp_path / "dmx")
+    assert json.loads((tmp_path / "dmx" / "config.json").read_text())["quantization_config"]["offset_groups"] == "fused"
+    out = export_checkpoint(tmp_path / "dmx", tmp_path / "ct")
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(loaded(INPUT_IDS % 120).logits, ours(INPUT_IDS % 120).logits)

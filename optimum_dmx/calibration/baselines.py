@@ -21,6 +21,7 @@ from ..continuous import get_format_pair
 from ..formats import get_format
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
 from .budget import budget_format_map
+from .groups import offset_groups
 from .result import CalibrationResult, result_from_format_map
 from .settings import CalibrationSettings
 from .trainer import calibrate
@@ -96,6 +97,7 @@ def kl_preselection(
         settings.target_bits,
         settings.bit_average,
         settings.quantize_activations,
+        groups=offset_groups(settings.offset_groups, list(targets)),
     )
     return result_from_format_map(
         format_map, targets, settings, method="kl", seconds=time.perf_counter() - start

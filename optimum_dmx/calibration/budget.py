@@ -24,6 +24,7 @@ def budget_format_map(
     bit_average: str = "simple",
     quantize_activations: bool = True,
     tolerance: float = BUDGET_TOLERANCE,
+    groups: Sequence[Sequence[str]] = (),
 ) -> dict[str, str]:
     """The pair's high format for the highest-priority layers that fit the budget, the low format elsewhere.
 
@@ -33,24 +34,33 @@ def budget_format_map(
     `tolerance` below the target (a model with few, or very unequal, layers), the highest-priority remaining
     layers that keep it within `target_bits + tolerance` are raised too. The result is the closest map to the
     target that this order allows, never above `target_bits + tolerance`.
+
+    `groups` (disjoint sets of layer names, e.g. `calibration.groups.offset_groups`) move as one: a group takes
+    the high format whole or not at all, ranked by its members' mean priority (the gain per layer raised).
     """
     names = list(priority)
     missing = [name for name in names if name not in weight_shapes]
     if missing:
         raise ValueError(f"no weight shape for {len(missing)} layers, e.g. {missing[:3]}")
     sizes = tensor_sizes([tuple(weight_shapes[name])[-2:] for name in names], quantize_activations)
+    position = {name: i for i, name in enumerate(names)}
+    grouped = {name for group in groups for name in group}
+    units = sorted([[position[name] for name in group] for group in groups]
+                   + [[i] for i, name in enumerate(names) if name not in grouped])  # model order
+    unit_priority = [sum(priority[names[i]] for i in unit) / len(unit) for unit in units]
+    order = sorted(range(len(units)), key=lambda u: -unit_priority[u])  # stable: ties keep model order
     bits = torch.full((len(names),), float(pair.low.bits), dtype=torch.float64)
-    order = sorted(range(len(names)), key=lambda i: -priority[names[i]])  # stable: ties keep model order
 
     def fill(limit: float) -> None:
-        for i in order:
-            if bits[i] == pair.high.bits:
+        for u in order:
+            members = units[u]
+            if bits[members[0]] == pair.high.bits:
                 continue
-            bits[i] = pair.high.bits
+            bits[members] = pair.high.bits
             if average_bits(bits, bit_average, sizes).item() > limit + 1e-9:
-                bits[i] = pair.low.bits
+                bits[members] = pair.low.bits
             elif limit > target_bits:
-                return  # beyond the target, one more layer at a time only while still short
+                return  # beyond the target, one more unit at a time only while still short
 
     fill(target_bits)
     while average_bits(bits, bit_average, sizes).item() < target_bits - tolerance:

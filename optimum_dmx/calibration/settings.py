@@ -12,6 +12,7 @@ from typing import Any
 
 from ..continuous import get_format_pair
 from ..formats.spec import validate_scale_rule
+from .groups import validate_offset_groups
 from ..nn.bits import BIT_AVERAGES
 from .regularizers import REGULARIZERS
 
@@ -58,6 +59,9 @@ class CalibrationSettings:
         t_start, t_end: temperature before and at the end of annealing: of the sigmoid that maps `beta_hat` to
             `beta` (`"paper"`), of the map sampling (`"dmx"`: uniform at `t_start`, sharper as it rises).
         t_warmup_ratio: fraction of the steps kept at `t_start` before the exponential rise to `t_end`.
+        offset_groups: layers that share one offset, and so one format: `"none"` (every layer its own),
+            `"fused"` (q/k/v and gate/up of each decoder layer, which serving engines run as one matmul with one
+            format; found from module names) or explicit lists of module names.
         block_size: MX block size along `in_features`.
         scale_rule: how each MX block scale follows its block maximum: `"ocp"` (the specification's floor), or the
             rounding rule of the loader the model will be served with, `"compressed-tensors"` or `"quark"`
@@ -83,6 +87,7 @@ class CalibrationSettings:
     t_start: float = 8.0
     t_end: float = 400.0
     t_warmup_ratio: float = 0.6
+    offset_groups: str | list[list[str]] = "none"
     block_size: int = 32
     quantize_activations: bool = True
     scale_rule: str = "ocp"
@@ -111,6 +116,7 @@ class CalibrationSettings:
                 f"{name}={value!r} must be a positive integer.",
             )
         validate_scale_rule(self.scale_rule)
+        self.offset_groups = validate_offset_groups(self.offset_groups)
         _require(self.seq_len >= 2, f"seq_len={self.seq_len!r} must be at least 2 to predict a next token.")
         _require(self.lr > 0, f"lr={self.lr!r} must be positive.")
         _require(self.reg_lambda >= 0, f"reg_lambda={self.reg_lambda!r} must be non-negative.")

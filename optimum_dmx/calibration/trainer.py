@@ -31,6 +31,7 @@ from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .budget import budget_format_map
 from .data import build_calibration_batches
 from .dmx_linear import DMXLinear
+from .groups import offset_groups
 from .regularizers import bit_regularizer
 from .result import CalibrationResult, result_from_format_map
 from .schedule import temperature_at
@@ -77,6 +78,10 @@ def dmx_linears(
         )
         for name, linear in targets.items()
     }
+    for group in offset_groups(settings.offset_groups, list(layers)):
+        shared = layers[group[0]].beta_hat
+        for name in group[1:]:
+            layers[name].beta_hat = shared  # one parameter: gradients of all members add up in it
     with swapped_modules(model, layers):
         yield layers
 
@@ -146,6 +151,7 @@ def _discretize(layers: dict[str, DMXLinear], offsets: dict[str, float], setting
         settings.target_bits,
         settings.bit_average,
         settings.quantize_activations,
+        groups=offset_groups(settings.offset_groups, list(layers)),
     )
 
 
@@ -157,7 +163,8 @@ def _relaxed_offsets(
     modules = list(layers.values())
     device = modules[0].weight.device
     sizes = tensor_sizes([tuple(m.weight.shape) for m in modules], settings.quantize_activations)
-    optimizer = torch.optim.SGD([m.beta_hat for m in modules], lr=settings.lr)
+    parameters = list({id(m.beta_hat): m.beta_hat for m in modules}.values())  # grouped layers share one
+    optimizer = torch.optim.SGD(parameters, lr=settings.lr)
     history = []
     for step, batch in enumerate(batches):
         temperature = temperature_at(step, settings.steps, settings.t_start, settings.t_end, settings.t_warmup_ratio)
@@ -208,6 +215,7 @@ def _sampled_offsets(
     count = torch.zeros(len(names), dtype=torch.float64)
     generator = torch.Generator().manual_seed(settings.seed)
     high_offset, low_offset = (torch.tensor(v, device=device) for v in (MAX_OFFSET, 0.0))
+    groups = offset_groups(settings.offset_groups, names)
     history = []
     try:
         for step, batch in enumerate(batches):
@@ -219,7 +227,7 @@ def _sampled_offsets(
             gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-12)))
             draw = sharpness * (offsets - offsets.mean()) / spread + gumbel
             drawn = budget_format_map(dict(zip(names, draw.tolist())), shapes, pair, settings.target_bits,
-                                      settings.bit_average, settings.quantize_activations)
+                                      settings.bit_average, settings.quantize_activations, groups=groups)
             low = [i for i, name in enumerate(names) if drawn[name] == pair.low.name]
             probes = {i: low_offset.clone().requires_grad_(True) for i in low}
             for i, m in enumerate(modules):

@@ -56,6 +56,9 @@ class DMXConfig(QuantizationConfigMixin):
         num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, discretization, t_start,
         t_end, t_warmup_ratio, seed: calibration settings (`CalibrationSettings`, `docs/method.md`); `None` takes
         the default.
+        offset_groups: layers that share one offset and so one format: `"none"` (default), `"fused"` (q/k/v and
+            gate/up of each decoder layer, as vLLM and SGLang fuse them: needed to export a servable map) or
+            explicit lists of module names.
         block_size: MX block size (32 in the OCP spec).
         quantize_activations: quantize each quantized linear's input activations to its format.
         scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
@@ -90,6 +93,7 @@ class DMXConfig(QuantizationConfigMixin):
         t_start: float | None = None,
         t_end: float | None = None,
         t_warmup_ratio: float | None = None,
+        offset_groups: str | list[list[str]] | None = None,
         block_size: int | None = None,
         quantize_activations: bool | None = None,
         scale_rule: str | None = None,
@@ -117,6 +121,7 @@ class DMXConfig(QuantizationConfigMixin):
             "t_start": t_start,
             "t_end": t_end,
             "t_warmup_ratio": t_warmup_ratio,
+            "offset_groups": offset_groups,
             "block_size": block_size,
             "quantize_activations": quantize_activations,
             "scale_rule": scale_rule,
