@@ -41,3 +41,22 @@ def test_quantize_save_load_generate_examples(tiny_text_model_dir, tmp_path):
     assert "average bits" in stdout and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
     stdout = run_example("load_and_generate.py", out, "--prompt", "w1 w2 w3", "--max-new-tokens", 5)
     assert "14 MX linear layers" in stdout and stdout.strip().splitlines()[-1].startswith("w1 w2 w3")
+
+
+def test_serve_with_vllm_example_exports_then_needs_vllm(tiny_text_model_dir, tmp_path):
+    """vLLM needs a GPU and is not installed here: the example exports, then stops at `import vllm`."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_dmx import DMXConfig
+
+    from .helpers import linear_names
+
+    model_dir = tiny_text_model_dir / "model"
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    format_map = dict.fromkeys(linear_names(model), "mxfp4_e2m1")
+    AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=DMXConfig(format_map=format_map)).save_pretrained(
+        tmp_path / "dmx")
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_with_vllm.py"), str(tmp_path / "dmx")],
+                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert "serving" in result.stdout and (tmp_path / "dmx-compressed-tensors" / "config.json").is_file()
+    assert result.returncode != 0 and "No module named 'vllm'" in result.stderr

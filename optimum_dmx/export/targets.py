@@ -7,6 +7,11 @@ float8_e4m3fn `weight` (the same bits as dMX's E4M3 codes), each with a uint8 E8
 `[out_features, in_features / 32]`. A checkpoint whose layers differ lists one config group per format, with
 the exact module names as targets, under the top-level format `"mixed-precision"`. Input activations are
 quantized dynamically per block of 32 in the layer's format with compressed-tensors' scale rule.
+
+AMD Quark (read by transformers with `amd-quark` installed, and vLLM on AMD GPUs) stores MXFP4 and MXFP6 (E2M3,
+E3M2) weights as a uint8 `weight` holding the same codes, with a uint8 E8M0 `weight_scale`; `quantization_config`
+names every quantized layer in `layer_quant_config` with its element dtype (`fp4`, `fp6_e2m3`, `fp6_e3m2`),
+per-group scales of 32 in E8M0 and dynamic input quantization with Quark's "even" scale rule.
 """
 
 from __future__ import annotations
@@ -131,7 +136,62 @@ COMPRESSED_TENSORS = ExportTarget(
     quantization_config=_ct_quantization_config,
 )
 
-EXPORT_TARGETS: dict[str, ExportTarget] = {COMPRESSED_TENSORS.name: COMPRESSED_TENSORS}
+# --- AMD Quark ---------------------------------------------------------------------------------------------
+
+# amd-quark 0.13 reads MXFP4 and both MXFP6 formats; its dequantization of per-group fp8_e4m3 weights (MXFP8)
+# raises "Unsupported QuantSchema: per_group for quant_dtype: fp8_e4m3", in its own export as in loading.
+_QUARK_DTYPES = {"mxfp4_e2m1": "fp4", "mxfp6_e2m3": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2"}
+_QUARK_VERSION = "0.13"
+
+
+def _quark_layer_tensors(module: str, fmt: str, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
+    return {f"{module}.weight": codes, f"{module}.weight_scale": scales}
+
+
+def _quark_mx_spec(dtype: str, dynamic: bool) -> dict[str, Any]:
+    return {"dtype": dtype, "is_dynamic": dynamic, "qscheme": "per_group", "ch_axis": -1, "group_size": 32,
+            "block_size": None, "symmetric": None, "round_method": "half_even", "scale_type": "float",
+            "scale_format": "e8m0", "scale_calculation_mode": "even", "observer_cls": "PerBlockMXObserver",
+            "mx_element_dtype": None, "zero_point_type": "int32", "is_scale_quant": False,
+            "enable_buffer_reuse": False, "max_input_numel": 4194304}
+
+
+def _quark_quantization_config(format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None) -> dict:
+    unquantized = {"weight": None, "bias": None, "input_tensors": None, "output_tensors": None, "target_device": None}
+    layers = {
+        name: {**unquantized, "weight": _quark_mx_spec(_QUARK_DTYPES[fmt], dynamic=False),
+               "input_tensors": _quark_mx_spec(_QUARK_DTYPES[fmt], dynamic=True)}
+        for name, fmt in sorted(format_map.items())
+    }
+    return {
+        "quant_method": "quark",
+        "version": _QUARK_VERSION,
+        "quant_mode": "eager_mode",
+        "global_quant_config": unquantized,  # only the layers named below are quantized (exact names)
+        "layer_quant_config": layers,
+        "layer_type_quant_config": {},
+        "exclude": [],
+        "algo_config": None,
+        "softmax_quant_spec": None,
+        "kv_cache_quant_config": {},
+        "kv_cache_post_rope": False,
+        "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
+                   "weight_format": "real_quantized", "weight_merge_groups": None},
+    }
+
+
+QUARK = ExportTarget(
+    name="quark",
+    formats=tuple(_QUARK_DTYPES),
+    vllm_formats=tuple(_QUARK_DTYPES),
+    scale_rule="quark",
+    alternative="compressed-tensors",
+    package="amd-quark",
+    layer_tensors=_quark_layer_tensors,
+    quantization_config=_quark_quantization_config,
+)
+
+EXPORT_TARGETS: dict[str, ExportTarget] = {COMPRESSED_TENSORS.name: COMPRESSED_TENSORS, QUARK.name: QUARK}
 
 
 def get_export_target(name: str) -> ExportTarget:
