@@ -14,7 +14,14 @@ import sys
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, pack_mx, quantize_mx, quantize_mx_continuous, unpack_mx
+from optimum_dmx import (
+    FORMAT_PAIRS,
+    MX_FORMATS,
+    pack_mx,
+    quantize_mx,
+    quantize_mx_continuous,
+    unpack_mx,
+)
 
 
 def load_model(path: str | None) -> torch.nn.Module:

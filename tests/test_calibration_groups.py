@@ -3,7 +3,12 @@
 import pytest
 import torch
 
-from optimum_dmx.calibration import CalibrationSettings, calibrate, calibrate_round_ste, kl_preselection
+from optimum_dmx.calibration import (
+    CalibrationSettings,
+    calibrate,
+    calibrate_round_ste,
+    kl_preselection,
+)
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE, budget_format_map
 from optimum_dmx.calibration.groups import offset_groups
 from optimum_dmx.continuous import FORMAT_PAIRS
