@@ -299,3 +299,13 @@ def test_scale_rule_is_recorded_and_used_after_reload(tiny_llama_dir, tmp_path):
         assert torch.equal(reloaded(INPUT_IDS).logits, model(INPUT_IDS).logits)
         ocp = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=DMXConfig(format_map=format_map))
         assert not torch.equal(ocp(INPUT_IDS).logits, model(INPUT_IDS).logits)
+
+
+def test_torch_compile_of_a_loaded_dmx_model_gives_the_same_logits(llama_dmx):
+    """`torch.compile` (inductor) of a reloaded checkpoint runs and matches eager to float32 rounding."""
+    out, _, _ = llama_dmx
+    model = AutoModelForCausalLM.from_pretrained(out)
+    compiled = torch.compile(model)
+    with torch.no_grad():
+        eager = model(INPUT_IDS).logits
+        torch.testing.assert_close(compiled(INPUT_IDS).logits, eager, rtol=1e-5, atol=1e-5)
