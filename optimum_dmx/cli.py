@@ -176,6 +176,7 @@ def run_quantize(args) -> int:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from .calibration.data import load_calibration_dataset
+    from .calibration.distributed import is_main_process
     from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
 
     if args.lr is not None and args.recipe != "paper":
@@ -212,6 +213,8 @@ def run_quantize(args) -> int:
     quantizer = DMXQuantizer(config)
     quantizer.quantize_model(model, tokenizer)
     seconds = time.perf_counter() - start
+    if not is_main_process():
+        return 0  # launched data-parallel (torchrun, accelerate launch): every process has the map, one writes it
     after = _perplexity(model, tokenizer, eval_text, "dMX") if eval_text else None
 
     float_bytes = checkpoint_bytes(model_path) if Path(model_path).is_dir() else None

@@ -30,6 +30,7 @@ from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .budget import budget_format_map
 from .data import build_calibration_batches
+from .distributed import average_across_processes, process_share, world
 from .dmx_linear import DMXLinear
 from .groups import offset_groups
 from .regularizers import bit_regularizer
@@ -107,6 +108,9 @@ def calibrate(
     Returns:
         The discretized format map, its bits (simple, weighted, storage) and the per-step history.
         The model comes back with its original modules, `requires_grad` flags and train/eval mode.
+
+    Run under `torchrun` / `accelerate launch`, the processes share every batch and average the offsets'
+    gradients (`calibration.distributed`): each ends with the single-process result for the same global batch.
     """
     if not isinstance(settings, CalibrationSettings):
         raise TypeError(f"settings must be a CalibrationSettings, got {type(settings).__name__}.")
@@ -115,14 +119,19 @@ def calibrate(
     if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no sequence of at least 2 tokens.")
 
+    rank, world_size = world(next(model.parameters()).device)
+    if settings.batch_size % world_size:
+        raise ValueError(f"batch_size={settings.batch_size} must be a multiple of the {world_size} processes "
+                         "calibrating together: each takes an equal share of every batch.")
+
     start = time.perf_counter()
     sampled = settings.recipe == "dmx" and not straight_through
     with dmx_linears(model, settings, straight_through) as layers:
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
-        bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress)
-        batches = (input_ids[rows] for rows in bar)
+        bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress or rank > 0)
+        batches = (input_ids[process_share(rows, rank, world_size)] for rows in bar)
         learn = _sampled_offsets if sampled else _relaxed_offsets
-        offsets, history = learn(model, layers, batches, settings, bar)
+        offsets, history = learn(model, layers, batches, settings, bar, world_size)
         format_map = _discretize(layers, offsets, settings)
         result = result_from_format_map(
             format_map,
@@ -156,7 +165,7 @@ def _discretize(layers: dict[str, DMXLinear], offsets: dict[str, float], setting
 
 
 def _relaxed_offsets(
-    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar
+    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1
 ) -> tuple[dict[str, float], list[dict]]:
     """The paper's loop: SGD on `cross-entropy + bit regularizer` through `F(beta_hat, T)`. Returns the final
     `beta_hat` of every layer and the per-step history."""
@@ -177,8 +186,14 @@ def _relaxed_offsets(
         reg_loss = bit_regularizer(avg_bits, settings.regularizer, settings.reg_lambda, settings.target_bits)
         loss = task_loss.float() + reg_loss
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
+        task_loss.float().backward()  # the regularizer's gradient is the same in every process: added after
+        for parameter in parameters:
+            if parameter.grad is not None:
+                average_across_processes(parameter.grad, world_size)
+        reg_loss.backward()
         optimizer.step()
+        task_loss = average_across_processes(task_loss.detach().float(), world_size)
+        loss = task_loss + reg_loss.detach()
         history.append({
             "step": step,
             "loss": loss.item(),
@@ -194,7 +209,7 @@ def _relaxed_offsets(
 
 
 def _sampled_offsets(
-    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar
+    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1
 ) -> tuple[dict[str, float], list[dict]]:
     """The `"dmx"` recipe's loop. Each step draws a format map at the budget, runs the model in it, and every
     layer drawn in its low format adds `-dL/dbeta` at `beta = 0` to its running mean, its offset.
@@ -235,10 +250,10 @@ def _sampled_offsets(
             batch = batch.to(device)
             loss = model(input_ids=batch, labels=batch, use_cache=False).loss
             if probes:
-                grads = torch.autograd.grad(loss, list(probes.values()))
-                for i, grad in zip(probes, grads):
-                    total[i] -= grad.item()
-                    count[i] += 1
+                grads = torch.stack(torch.autograd.grad(loss, list(probes.values()))).double().cpu()
+                total[list(probes)] -= average_across_processes(grads, world_size)
+                count[list(probes)] += 1
+            loss = average_across_processes(loss.detach().float(), world_size)
             bits = torch.tensor([pair.high.bits if drawn[n] != pair.low.name else pair.low.bits for n in names],
                                 dtype=torch.float64)
             history.append({
