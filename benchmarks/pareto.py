@@ -12,7 +12,9 @@ lm_head in float) on the held-out texts. Methods:
 * `dmx_paper_budget`: the paper's procedure with the budget discretization;
 * `dmx_uniform_context`: the default recipe without its sharpening phase (`t_warmup_ratio=1`: every map drawn
   uniformly at the budget);
-* `round_ste`: ROUND+STE (the paper's trainer with discrete formats in the forward pass), budget discretization.
+* `round_ste`: ROUND+STE (the paper's trainer with discrete formats in the forward pass), budget discretization;
+* `dmx_fused`, `kl_fused`: `dmx` and `kl` with `offset_groups="fused"` (q/k/v and gate/up of each decoder layer
+  share one format, as vLLM needs): what servable maps cost.
 
 Each finished run is appended to `<out>/pareto.csv` at once, and a run already there (same method, pair,
 target, seed and settings) is skipped, so the table can be filled in pieces:
@@ -58,8 +60,8 @@ from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
 
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
-LEARNED = ["dmx", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste"]
-METHODS = ["float", "uniform", "kl", *LEARNED]
+LEARNED = ["dmx", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
+METHODS = ["float", "uniform", "kl", "kl_fused", *LEARNED]
 # Settings that change a learned run (and so its CSV key); KL depends on the scan's tokens only.
 SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples", "eval_tokens", "eval_seq_len"]
 
@@ -112,6 +114,7 @@ class Benchmark:
             lr=self.lr,
             reg_lambda=self.reg_lambda,
             t_warmup_ratio=1.0 if method == "dmx_uniform_context" else CalibrationSettings.t_warmup_ratio,
+            offset_groups="fused" if method.endswith("_fused") else "none",
             seed=seed,
         )
 
@@ -137,7 +140,7 @@ class Benchmark:
 
 def _key(method: str, pair: str, target: str, seed, values: dict) -> str:
     relevant = ["eval_tokens", "eval_seq_len"]
-    if method == "kl":
+    if method in ("kl", "kl_fused"):
         relevant += ["seq_len", "kl_samples"]
     elif method in LEARNED:
         relevant = SETTING_COLUMNS
@@ -206,7 +209,7 @@ class Runner:
             return uniform(self.model, target, b.settings("dmx", "mxfp8-mxfp4", 5.0, seed))
         settings = b.settings(method, pair, float(target), seed)
         ids = self.input_ids(seed)
-        if method == "kl":
+        if method in ("kl", "kl_fused"):
             sensitivities, scan_seconds = self.sensitivities(settings, seed)
             result = kl_preselection(self.model, ids, settings, sensitivities=sensitivities)
             return dataclasses.replace(result, seconds=result.seconds + scan_seconds)
