@@ -4,9 +4,10 @@
 For each batch size the script alternates, `--repeats` times:
 
 * the reference: a forward + backward pass of the float model with every weight trainable;
-* dMX: two runs of the real trainer (`calibrate`) that differ only in their step count, 1 and
+* dMX, default recipe: two runs of the real trainer (`calibrate`) that differ only in their step count, 1 and
   `1 + --steps`; their time difference divided by `--steps` is the cost of one step, without the one-time
-  setup (wrapping the linears, computing the weights' block exponents);
+  setup (wrapping the linears, computing the weights' block maxima);
+* dMX, paper recipe: the same with `recipe="paper"`;
 * ROUND+STE: the same with `calibrate_round_ste`.
 
 Medians over the repeats are reported with the ratio to the reference: the issue's speed bar is a dMX step
@@ -32,16 +33,18 @@ from optimum_dmx.calibration import CalibrationSettings, build_calibration_batch
 
 from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
 
-TRAINERS = {"dMX": calibrate, "ROUND+STE": calibrate_round_ste}
+# name -> (trainer, recipe)
+TRAINERS = {"dMX": (calibrate, "dmx"), "dMX paper": (calibrate, "paper"), "ROUND+STE": (calibrate_round_ste, "paper")}
 
 
-def step_seconds(trainer, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> float:
-    """Marginal wall time of one step of `trainer` on `batch` (every step sees the whole batch)."""
+def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> float:
+    """Marginal wall time of one step of trainer `name` on `batch` (every step sees the whole batch)."""
+    trainer, recipe = TRAINERS[name]
 
     def run(num_steps: int) -> float:
         settings = CalibrationSettings(
-            target_bits=5.0, format_pair=pair, num_samples=len(batch), seq_len=batch.shape[1],
-            batch_size=len(batch), steps=num_steps,
+            recipe=recipe, target_bits=5.0, format_pair=pair, num_samples=len(batch), seq_len=batch.shape[1],
+            batch_size=len(batch), steps=num_steps, discretization="budget",
         )
         return trainer(model, batch, settings, progress=False).seconds
 
@@ -53,8 +56,8 @@ def measure(model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int, 
     times: dict[str, list[float]] = {"unquantized": [], **{name: [] for name in TRAINERS}}
     for _ in range(repeats):
         times["unquantized"].append(fwd_bwd_seconds(model, batch, repeats=1))
-        for name, trainer in TRAINERS.items():
-            times[name].append(step_seconds(trainer, model, batch, pair, steps))
+        for name in TRAINERS:
+            times[name].append(step_seconds(name, model, batch, pair, steps))
     return {name: statistics.median(values) for name, values in times.items()}
 
 
@@ -85,17 +88,15 @@ def main() -> None:
         f"Model `{a.model.name}` (float32), pair {a.pair}, {a.threads} torch thread(s), "
         f"{platform.processor() or platform.machine()}; medians of {a.repeats} alternated repeats.",
         "",
-        "| batch x seq | unquantized fwd+bwd ms | dMX step ms | dMX / unquantized | ROUND+STE step ms | "
-        "ROUND+STE / unquantized |",
-        "|---|---|---|---|---|---|",
+        "| batch x seq | unquantized fwd+bwd ms | "
+        + " | ".join(f"{name} step ms | {name} / unquantized" for name in TRAINERS) + " |",
+        "|---|---|" + "---|---|" * len(TRAINERS),
     ]
     for batch_size in batch_sizes:
         t = measure(model, ids[:batch_size], a.pair, a.steps, a.repeats)
         ref = t["unquantized"]
-        lines.append(
-            f"| {batch_size} x {a.seq_len} | {ref * 1e3:.1f} | {t['dMX'] * 1e3:.1f} | {t['dMX'] / ref:.2f}x | "
-            f"{t['ROUND+STE'] * 1e3:.1f} | {t['ROUND+STE'] / ref:.2f}x |"
-        )
+        cells = " | ".join(f"{t[name] * 1e3:.1f} | {t[name] / ref:.2f}x" for name in TRAINERS)
+        lines.append(f"| {batch_size} x {a.seq_len} | {ref * 1e3:.1f} | {cells} |")
         print(lines[-1], file=sys.stderr, flush=True)
     text = "\n".join(lines) + "\n"
     print(text)
