@@ -17,8 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..integration.configuration import QUANT_METHOD
 from ..integration.folders import staged_folder
@@ -150,9 +152,6 @@ def _check_whole_blocks(config: dict[str, Any], format_map: Mapping[str, str], s
 
     The shapes come from the model's architecture, built on the meta device (no memory, no weights).
     """
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
     plain = {key: value for key, value in config.items() if key != "quantization_config"}
     architecture = AutoConfig.for_model(**plain)
     with torch.device("meta"):
