@@ -2,6 +2,7 @@
 `benchmarks/common.py` on first use)."""
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ def bench():
     """The benchmarks' asset module (model and texts), loaded from its file."""
     spec = importlib.util.spec_from_file_location("benchmark_common", REPO_ROOT / "benchmarks" / "common.py")
     module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
     spec.loader.exec_module(module)
     return module
 
