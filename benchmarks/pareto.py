@@ -8,6 +8,8 @@ lm_head in float) on the held-out texts. Methods:
 * `float`, `uniform` (MXFP4, MXFP6 E2M3, MXFP8 E4M3): references;
 * `kl`: KL pre-selection (its scan on the first `--kl-samples` calibration sequences, timed with it);
 * `dmx`: this package's default recipe (`recipe="dmx"`: sampled format maps at the budget);
+* `dmx_path`: the default recipe reading each low layer's derivative at a random point of its format path
+  (`offset_probe="path"`) instead of at the low format;
 * `dmx_paper`: the dMX paper's procedure (`recipe="paper"`: relaxed offsets, SGD at `--lr`, `beta_hat >= 1`);
 * `dmx_paper_budget`: the paper's procedure with the budget discretization;
 * `dmx_uniform_context`: the default recipe without its sharpening phase (`t_warmup_ratio=1`: every map drawn
@@ -60,7 +62,7 @@ from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
 
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
-LEARNED = ["dmx", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
+LEARNED = ["dmx", "dmx_path", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
 METHODS = ["float", "uniform", "kl", "kl_fused", *LEARNED]
 # Settings that change a learned run (and so its CSV key); KL depends on the scan's tokens only.
 SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples", "eval_tokens", "eval_seq_len"]
@@ -115,6 +117,7 @@ class Benchmark:
             reg_lambda=self.reg_lambda,
             t_warmup_ratio=1.0 if method == "dmx_uniform_context" else CalibrationSettings.t_warmup_ratio,
             offset_groups="fused" if method.endswith("_fused") else "none",
+            offset_probe="path" if method == "dmx_path" else CalibrationSettings.offset_probe,
             seed=seed,
         )
 

@@ -18,6 +18,7 @@ from .regularizers import REGULARIZERS
 
 RECIPES = ("dmx", "paper")
 DISCRETIZATIONS = ("budget", "threshold")
+OFFSET_PROBES = ("low", "path")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -59,6 +60,10 @@ class CalibrationSettings:
         t_start, t_end: temperature before and at the end of annealing: of the sigmoid that maps `beta_hat` to
             `beta` (`"paper"`), of the map sampling (`"dmx"`: uniform at `t_start`, sharper as it rises).
         t_warmup_ratio: fraction of the steps kept at `t_start` before the exponential rise to `t_end`.
+        offset_probe: where the `"dmx"` recipe reads the derivative of a layer drawn in its low format: `"low"`
+            (at `beta = 0`: the first-order gain of leaving the low format) or `"path"` (at a point drawn
+            uniformly on `[0, 2]` each step: its mean is `(L(low) - L(high)) / 2`, the whole gain of the high
+            format integrated along the continuous path).
         offset_groups: layers that share one offset, and so one format: `"none"` (every layer its own),
             `"fused"` (q/k/v and gate/up of each decoder layer, which serving engines run as one matmul with one
             format; found from module names) or explicit lists of module names.
@@ -87,6 +92,7 @@ class CalibrationSettings:
     t_start: float = 8.0
     t_end: float = 400.0
     t_warmup_ratio: float = 0.6
+    offset_probe: str = "low"
     offset_groups: str | list[list[str]] = "none"
     block_size: int = 32
     quantize_activations: bool = True
@@ -116,6 +122,10 @@ class CalibrationSettings:
                 f"{name}={value!r} must be a positive integer.",
             )
         validate_scale_rule(self.scale_rule)
+        _require(
+            self.offset_probe in OFFSET_PROBES,
+            f"offset_probe={self.offset_probe!r} is not supported; allowed: {', '.join(OFFSET_PROBES)}.",
+        )
         self.offset_groups = validate_offset_groups(self.offset_groups)
         _require(self.seq_len >= 2, f"seq_len={self.seq_len!r} must be at least 2 to predict a next token.")
         _require(self.lr > 0, f"lr={self.lr!r} must be positive.")

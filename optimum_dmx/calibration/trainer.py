@@ -244,7 +244,8 @@ def _sampled_offsets(
             drawn = budget_format_map(dict(zip(names, draw.tolist())), shapes, pair, settings.target_bits,
                                       settings.bit_average, settings.quantize_activations, groups=groups)
             low = [i for i, name in enumerate(names) if drawn[name] == pair.low.name]
-            probes = {i: low_offset.clone().requires_grad_(True) for i in low}
+            points = _probe_points(len(low), settings.offset_probe, generator)
+            probes = {i: (low_offset + point).requires_grad_(True) for i, point in zip(low, points.to(device))}
             for i, m in enumerate(modules):
                 m.probe = probes.get(i, high_offset)
             batch = batch.to(device)
@@ -271,6 +272,14 @@ def _sampled_offsets(
         for m in modules:
             m.probe = None
     return dict(zip(names, _running_mean(total, count, missing=math.inf).tolist())), history
+
+
+def _probe_points(count: int, offset_probe: str, generator: torch.Generator) -> torch.Tensor:
+    """Offsets at which the layers drawn low read the loss's derivative: 0, or uniform on `[0, MAX_OFFSET]`
+    (`"path"`: the mean derivative over the path is the high format's whole gain, divided by its length)."""
+    if offset_probe == "low":
+        return torch.zeros(count)
+    return torch.rand(count, generator=generator) * MAX_OFFSET
 
 
 def _running_mean(total: torch.Tensor, count: torch.Tensor, missing: float) -> torch.Tensor:
