@@ -56,7 +56,8 @@ from optimum_dmx.calibration import (
 )
 from optimum_dmx.continuous import FORMAT_PAIRS
 from optimum_dmx.evaluation import evaluate_perplexity
-from optimum_dmx.nn import emulate_format_map
+from optimum_dmx.nn import emulate_format_map, linear_modules_to_quantize
+from optimum_dmx.nn.rotation import ROTATIONS, rotate_model
 
 from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
 
@@ -64,8 +65,12 @@ DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
 LEARNED = ["dmx", "dmx_path", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
 METHODS = ["float", "uniform", "kl", "kl_fused", *LEARNED]
-# Settings that change a learned run (and so its CSV key); KL depends on the scan's tokens only.
-SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples", "eval_tokens", "eval_seq_len"]
+OURS = ["dmx", "dmx_path"]  # the default recipe and its variants, compared with the baselines in the report
+# Settings that change a learned run (and so its CSV key); KL depends on the scan's tokens only, every method on
+# the evaluation and the rotation. Rows written before a column existed hold its default.
+SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples", "eval_tokens", "eval_seq_len",
+                   "rotation"]
+COLUMN_DEFAULTS = {"rotation": "none"}
 
 
 @dataclass
@@ -91,6 +96,7 @@ class Benchmark:
     eval_seq_len: int = 512
     eval_offset: float = 0.1
     dtype: str = "float32"
+    rotation: str = "none"  # rotate the model first (`optimum_dmx.nn.rotation`): every method runs on the rotated model
 
     def resolve_inputs(self) -> None:
         """Fetch (once) and fill in the default model and texts for the fields left unset."""
@@ -142,12 +148,18 @@ class Benchmark:
 
 
 def _key(method: str, pair: str, target: str, seed, values: dict) -> str:
-    relevant = ["eval_tokens", "eval_seq_len"]
+    relevant = ["eval_tokens", "eval_seq_len", "rotation"]
     if method in ("kl", "kl_fused"):
         relevant += ["seq_len", "kl_samples"]
     elif method in LEARNED:
         relevant = SETTING_COLUMNS
-    return "|".join([method, pair, target, str(seed), *(f"{k}={values[k]}" for k in sorted(relevant))])
+    return "|".join([method, pair, target, str(seed), *(f"{k}={_setting(values, k)}" for k in sorted(relevant))])
+
+
+def _setting(row: dict, column: str):
+    """The row's value in `column`, or the column's default for rows written before it existed."""
+    value = row.get(column)
+    return COLUMN_DEFAULTS.get(column, "") if value is None or value == "" else value
 
 
 def _read_rows(path: Path) -> list[dict]:
@@ -158,12 +170,19 @@ def _read_rows(path: Path) -> list[dict]:
 
 
 def _append_row(path: Path, row: dict) -> None:
-    new = not path.exists()
-    with open(path, "a", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(row))
-        if new:
-            writer.writeheader()
-        writer.writerow(row)
+    """Append `row`; when it brings a new column, rewrite the file with it (older rows hold its default)."""
+    rows = _read_rows(path)
+    columns = list(rows[0]) if rows else []
+    if rows and set(row) <= set(columns):
+        with open(path, "a", newline="") as f:
+            csv.DictWriter(f, fieldnames=columns).writerow(row)
+        return
+    columns += [c for c in row if c not in columns]
+    with open(path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=columns)
+        writer.writeheader()
+        for old in [*rows, row]:
+            writer.writerow({c: _setting(old, c) for c in columns})
 
 
 class Runner:
@@ -173,6 +192,8 @@ class Runner:
         bench.resolve_inputs()
         self.bench = bench
         self.model = AutoModelForCausalLM.from_pretrained(bench.model, dtype=getattr(torch, bench.dtype)).eval()
+        quantized = linear_modules_to_quantize(self.model, CalibrationSettings().modules_to_not_convert)
+        rotate_model(self.model, bench.rotation, quantized, seed=0)
         self.tokenizer = AutoTokenizer.from_pretrained(bench.model)
         self.texts = {}
         for name, path in bench.eval_texts.items():
@@ -196,7 +217,8 @@ class Runner:
     def sensitivities(self, settings: CalibrationSettings, seed: int) -> tuple[dict[str, float], float]:
         """KL sensitivities to the (shared) low format and the seconds their scan took, cached on disk."""
         b = self.bench
-        path = b.out / "runs" / f"kl_sensitivities_{b.kl_samples}x{b.seq_len}_seed{seed}.json"
+        rotated = "" if b.rotation == "none" else f"_{b.rotation}"
+        path = b.out / "runs" / f"kl_sensitivities_{b.kl_samples}x{b.seq_len}{rotated}_seed{seed}.json"
         if not path.exists():
             start = time.perf_counter()
             values = kl_sensitivities(self.model, self.input_ids(seed)[: b.kl_samples], settings)
@@ -243,7 +265,8 @@ class Runner:
             **{c: getattr(b, c) for c in SETTING_COLUMNS},
         }
         if result:
-            name = "_".join(x for x in (method, pair, target) if x) + f"_seed{seed}"
+            rotated = "" if b.rotation == "none" else b.rotation
+            name = "_".join(x for x in (method, pair, target, rotated) if x) + f"_seed{seed}"
             result.to_json(b.out / "runs" / f"{name}.json")
         return row
 
@@ -276,19 +299,20 @@ def report(bench: Benchmark) -> None:
         return
     texts = [c[len("ppl_") :] for c in rows[0] if c.startswith("ppl_")]
     order = {m: i for i, m in enumerate(METHODS)}
-    rows.sort(key=lambda r: (r["pair"], float(r["target"]) if r["pair"] else 0, order[r["method"]], r["seed"]))
+    rows.sort(key=lambda r: (_setting(r, "rotation"), r["pair"], float(r["target"]) if r["pair"] else 0,
+                             order[r["method"]], r["seed"]))
     lines = [
         "# Pareto benchmark: perplexity vs average bits",
         "",
         _protocol(bench, rows),
         "",
-        "| method | pair | target | seed | bits (simple) | bits (weighted) | storage bits | "
+        "| rotation | method | pair | target | seed | bits (simple) | bits (weighted) | storage bits | "
         + " | ".join(f"PPL {t}" for t in texts) + " | calibration s | step s | unquantized fwd+bwd s |",
-        "|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|---|---|",
+        "|---|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['method']} | {r['pair'] or '-'} | {r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | "
+            f"| {_setting(r, 'rotation')} | {r['method']} | {r['pair'] or '-'} | {r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | "
             f"{r['bits_simple'] or '-'} | {r['bits_weighted'] or '-'} | {r['storage_bits'] or '-'} | "
             + " | ".join(r[f"ppl_{t}"] for t in texts)
             + f" | {r['calibration_seconds']} | {r['step_seconds'] or '-'} | {r['fwd_bwd_step_seconds'] or '-'} |"
@@ -319,16 +343,17 @@ def _protocol(bench: Benchmark, rows: list[dict]) -> str:
 def _bars(rows: list[dict], texts: list[str]) -> list[str]:
     """The issue's bars: budget kept; dMX below KL and ROUND+STE on every text, target and seed; time vs KL."""
     lines = ["## Bars", ""]
-    by = {(r["method"], r["pair"], r["target"], r["seed"]): r for r in rows if r["pair"]}
+    by = {(r["method"], r["pair"], r["target"], r["seed"], _setting(r, "rotation")): r for r in rows if r["pair"]}
     wins = total = 0
-    for (method, pair, target, seed), r in sorted(by.items()):
-        if method != "dmx":
+    for (method, pair, target, seed, rotation), r in sorted(by.items()):
+        if method not in OURS:
             continue
         bits = float(r["bits_simple"])
-        lines.append(f"- {pair} target {target} seed {seed}: dMX {bits:.3f} bits "
+        rotated = "" if rotation == "none" else f" (rotation {rotation})"
+        lines.append(f"- {pair} target {target} seed {seed}{rotated}: {method} {bits:.3f} bits "
                      f"({'within' if abs(bits - float(target)) <= 0.05 + 1e-9 else 'NOT within'} 0.05)")
         for other in ("kl", "round_ste"):
-            o = by.get((other, pair, target, seed))
+            o = by.get((other, pair, target, seed, rotation))
             if o is None:
                 continue
             for t in texts:
@@ -337,12 +362,13 @@ def _bars(rows: list[dict], texts: list[str]) -> list[str]:
                 wins += ours < theirs
                 lines.append(f"  - vs {other} ({float(o['bits_simple']):.3f} bits) on {t}: {ours:.2f} vs {theirs:.2f} "
                              f"({100 * (ours / theirs - 1):+.1f}%) -> {'lower' if ours < theirs else 'NOT lower'}")
-        kl = by.get(("kl", pair, target, seed))
+        kl = by.get(("kl", pair, target, seed, rotation))
         if kl is not None:
             ratio = float(r["calibration_seconds"]) / float(kl["calibration_seconds"])
             lines.append(f"  - calibration time {float(r['calibration_seconds']):.0f} s vs KL "
                          f"{float(kl['calibration_seconds']):.0f} s (scan included): {ratio:.2f}x")
-    lines.insert(2, f"dMX lower than the baseline in {wins} of {total} comparisons (method x text x target x seed).\n")
+    lines.insert(2, f"dMX ({', '.join(OURS)}) lower than the baseline in {wins} of {total} comparisons "
+                    "(method x text x target x seed).\n")
     return lines
 
 
@@ -353,9 +379,10 @@ def _plot(rows: list[dict], texts: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(texts), figsize=(6.5 * len(texts), 4.8), squeeze=False)
-    styles = {"dmx": ("o", "-"), "kl": ("s", "--"), "round_ste": ("^", ":"), "dmx_paper": ("v", "-.")}
+    styles = {"dmx": ("o", "-"), "dmx_path": ("D", "-"), "kl": ("s", "--"), "round_ste": ("^", ":"), "dmx_paper": ("v", "-.")}
     colors = {"mxfp8-mxfp4": "tab:blue", "mxfp6-mxfp4": "tab:orange"}
     for ax, t in zip(axes[0], texts):
+        rows = [r for r in rows if _setting(r, "rotation") == "none"]  # rotated rows: in the table only
         for r in rows:
             if r["method"] == "float":
                 ax.axhline(float(r[f"ppl_{t}"]), color="gray", lw=0.8, ls="-.", label="float")
@@ -398,6 +425,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool]:
     for name in ("lr", "reg_lambda", "eval_offset"):
         p.add_argument(f"--{name.replace('_', '-')}", type=float, default=getattr(d, name))
     p.add_argument("--dtype", default=d.dtype, choices=["float32", "bfloat16"])
+    p.add_argument("--rotation", default=d.rotation, choices=list(ROTATIONS), help="rotate the model first")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--report-only", action="store_true", help="only rebuild pareto.md and pareto.png")
     a = p.parse_args(argv)
@@ -418,7 +446,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool]:
         targets=[float(t) for t in a.targets.split(",")] if a.targets else None,
         seeds=[int(s) for s in a.seeds.split(",")],
         **{k: getattr(a, k) for k in ("steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples")},
-        **{k: getattr(a, k) for k in ("eval_tokens", "eval_seq_len", "eval_offset", "dtype")},
+        **{k: getattr(a, k) for k in ("eval_tokens", "eval_seq_len", "eval_offset", "dtype", "rotation")},
     )
     return bench, a.report_only
 

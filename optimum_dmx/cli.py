@@ -47,6 +47,7 @@ def _positive_int(text: str) -> int:
 def build_parser() -> argparse.ArgumentParser:
     from .continuous import FORMAT_PAIRS
     from .export.targets import EXPORT_TARGETS
+    from .nn.rotation import ROTATIONS
 
     parser = argparse.ArgumentParser(prog="optimum-dmx", description="dMX mixed-precision MX quantization.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -66,6 +67,10 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--recipe", choices=["dmx", "paper"],
                           help="calibration procedure (default dmx; paper: the dMX paper's, exactly)")
     quantize.add_argument("--lr", type=float, help="learning rate of the format offsets (recipe paper)")
+    quantize.add_argument("--rotation", choices=list(ROTATIONS),
+                          help="rotate the model before calibration (default none; see docs/method.md)")
+    quantize.add_argument("--offset-groups", choices=["none", "fused"],
+                          help="fused: q/k/v and gate/up share one format, as vLLM needs to serve the map")
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--output", type=Path, help="output folder (default: ./<model>-dmx<bits>)")
     quantize.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -166,7 +171,8 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
 
 def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The calibration settings given on the command line; the default run fills the rest with DEFAULT_RUN."""
-    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "recipe", "lr")}
+    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "recipe", "lr",
+                                                "rotation", "offset_groups")}
     given = {key: value for key, value in given.items() if value is not None}
     return {**DEFAULT_RUN, **given} if args.model is None and not args.dataset else given
 

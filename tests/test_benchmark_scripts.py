@@ -1,11 +1,14 @@
 """The benchmark scripts run end to end (as subprocesses, on a tiny model) and print their tables."""
 
+import csv
 import os
 import re
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -38,10 +41,10 @@ def run_benchmark(script: str, *args) -> str:
 
 def test_pareto_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
-    args = ["--model", root / "model", "--calibration", root / "calibration.txt",
-            "--eval", f"heldout={root / 'heldout.txt'}", "--out", tmp_path, "--methods", "float,uniform,dmx",
-            "--pairs", "mxfp8-mxfp4", "--targets", "5",
-            "--steps", 4, "--batch-size", 2, "--seq-len", 16, "--eval-tokens", 256, "--eval-seq-len", 16]
+    inputs = ["--model", root / "model", "--calibration", root / "calibration.txt",
+              "--eval", f"heldout={root / 'heldout.txt'}", "--out", tmp_path, "--eval-tokens", 256, "--eval-seq-len", 16]
+    args = [*inputs, "--methods", "float,uniform,dmx", "--pairs", "mxfp8-mxfp4", "--targets", "5",
+            "--steps", 4, "--batch-size", 2, "--seq-len", 16]
     run_benchmark("pareto.py", *args)
     rows = (tmp_path / "pareto.csv").read_text().splitlines()
     assert len(rows) == 1 + 1 + 3 + 1  # header, float, three uniform formats, one dMX run
@@ -49,6 +52,12 @@ def test_pareto_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pat
     assert "0 runs to do, 5 already" in run_benchmark("pareto.py", *args)
     assert (tmp_path / "pareto.csv").read_text().splitlines() == rows
     assert "1 runs to do, 4 already" in run_benchmark("pareto.py", *args, "--lr", 2.0)
+    # A rotated model is a new set of runs; its float perplexity is the float model's (the rotation preserves it).
+    assert "1 runs to do, 0 already" in run_benchmark("pareto.py", *inputs, "--methods", "float",
+                                                      "--rotation", "block_hadamard")
+    floats = [r for r in csv.DictReader(open(tmp_path / "pareto.csv")) if r["method"] == "float"]
+    assert [r["rotation"] for r in floats] == ["none", "block_hadamard"]
+    assert float(floats[1]["ppl_heldout"]) == pytest.approx(float(floats[0]["ppl_heldout"]), rel=1e-4)
     assert (tmp_path / "pareto.md").is_file() and (tmp_path / "pareto.png").stat().st_size > 1000
 
 

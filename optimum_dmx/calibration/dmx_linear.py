@@ -55,6 +55,7 @@ class DMXLinear(nn.Module):
         self.straight_through = straight_through
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
         self.probe: torch.Tensor | None = None
+        self.input_transform = getattr(linear, "input_transform", None)  # a `TransformedLinear`'s online rotation
         # The weight is frozen: its per-block maxima are constant, so compute them once.
         self.register_buffer("_weight_block_max", weight_block_max(linear.weight, block_size), persistent=False)
 
@@ -81,6 +82,8 @@ class DMXLinear(nn.Module):
         weight = quantize_mx_continuous_fused(
             self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
         )
+        if self.input_transform is not None:
+            x = self.input_transform(x)
         if self.quantize_activations:
             x = quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

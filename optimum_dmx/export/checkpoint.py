@@ -112,6 +112,13 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
     if quantization.get("block_size", 32) != 32:
         raise ExportError(f"{spec.name} stores MX blocks of 32 elements; this checkpoint uses block_size="
                           f"{quantization['block_size']}")
+    transformed = sorted(quantization.get("input_transforms") or {})
+    if transformed:
+        raise ExportError(
+            f"{spec.name} export does not carry online input transforms, and {len(transformed)} layers have one "
+            f"(rotation={quantization.get('rotation')!r}; e.g. {', '.join(transformed[:3])}): served without it they "
+            "would compute a different function. Calibrate with rotation='none' to export"
+        )
     unsupported = sorted(name for name, fmt in format_map.items() if fmt not in spec.formats)
     if unsupported:
         found = sorted({format_map[name] for name in unsupported})

@@ -26,6 +26,8 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..calibration.data import check_calibration_source
 from ..calibration.settings import CalibrationSettings
 from ..formats import MX_FORMATS, get_format
+from ..nn.rotation import validate_rotation
+from ..nn.transforms import RandomizedHadamard
 
 QUANT_METHOD = "dmx"
 
@@ -56,6 +58,13 @@ class DMXConfig(QuantizationConfigMixin):
         num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, discretization, t_start,
         t_end, t_warmup_ratio, seed: calibration settings (`CalibrationSettings`, `docs/method.md`); `None` takes
         the default.
+        offset_probe: where the default recipe reads each layer's loss derivative: `"low"` (default) or `"path"`
+            (`CalibrationSettings`).
+        rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/method.md`):
+            `"none"` (default), `"hadamard"` (full-size randomized Hadamard transforms) or `"block_hadamard"`
+            (block-diagonal ones aligned to the MX blocks). Merged rotations change the saved weights (tied
+            embeddings are untied); the online transform of each `down_proj` input is recorded in
+            `input_transforms` and rebuilt on load.
         offset_groups: layers that share one offset and so one format: `"none"` (default), `"fused"` (q/k/v and
             gate/up of each decoder layer, as vLLM and SGLang fuse them: needed to export a servable map) or
             explicit lists of module names.
@@ -70,6 +79,8 @@ class DMXConfig(QuantizationConfigMixin):
             `keep_in_fp32` modules). Defaults to `["lm_head"]`.
         format_map: full module name -> MX format name. Given without a dataset, it is applied as is
             (no calibration); after calibration it holds the learned assignment.
+        input_transforms: full module name -> online input transform (`RandomizedHadamard.to_dict()`), written
+            with the format map when `rotation` is on.
         bits_simple, bits_weighted, storage_bits: achieved bit-widths, written with the format map.
         kwargs: keys written by other versions of the package; accepted and ignored.
     """
@@ -93,6 +104,8 @@ class DMXConfig(QuantizationConfigMixin):
         t_start: float | None = None,
         t_end: float | None = None,
         t_warmup_ratio: float | None = None,
+        offset_probe: str | None = None,
+        rotation: str | None = None,
         offset_groups: str | list[list[str]] | None = None,
         block_size: int | None = None,
         quantize_activations: bool | None = None,
@@ -100,6 +113,7 @@ class DMXConfig(QuantizationConfigMixin):
         modules_to_not_convert: list[str] | None = None,
         seed: int | None = None,
         format_map: Mapping[str, str] | None = None,
+        input_transforms: Mapping[str, dict] | None = None,
         bits_simple: float | None = None,
         bits_weighted: float | None = None,
         storage_bits: float | None = None,
@@ -121,6 +135,7 @@ class DMXConfig(QuantizationConfigMixin):
             "t_start": t_start,
             "t_end": t_end,
             "t_warmup_ratio": t_warmup_ratio,
+            "offset_probe": offset_probe,
             "offset_groups": offset_groups,
             "block_size": block_size,
             "quantize_activations": quantize_activations,
@@ -139,7 +154,9 @@ class DMXConfig(QuantizationConfigMixin):
         check_calibration_source(dataset)
         self.dataset = dataset
         self.tokenizer = tokenizer
+        self.rotation = validate_rotation("none" if rotation is None else rotation)
         self.format_map = _validate_format_map(format_map)
+        self.input_transforms = _validate_input_transforms(input_transforms)
         self.bits_simple = bits_simple
         self.bits_weighted = bits_weighted
         self.storage_bits = storage_bits
@@ -183,6 +200,7 @@ class DMXConfig(QuantizationConfigMixin):
         self,
         format_map: Mapping[str, str],
         *,
+        input_transforms: Mapping[str, dict] | None = None,
         bits_simple: float | None = None,
         bits_weighted: float | None = None,
         storage_bits: float | None = None,
@@ -194,6 +212,7 @@ class DMXConfig(QuantizationConfigMixin):
         values.update(
             settings,
             format_map=dict(format_map),
+            input_transforms=None if not input_transforms else dict(input_transforms),
             bits_simple=bits_simple,
             bits_weighted=bits_weighted,
             storage_bits=storage_bits,
@@ -203,7 +222,9 @@ class DMXConfig(QuantizationConfigMixin):
     def to_dict(self) -> dict[str, Any]:
         """The JSON-serializable fields (never the dataset or the tokenizer)."""
         out = {name: copy.copy(getattr(self, name)) for name in _SETTINGS_FIELDS}
+        out["rotation"] = self.rotation
         out["format_map"] = None if self.format_map is None else dict(self.format_map)
+        out["input_transforms"] = None if self.input_transforms is None else dict(self.input_transforms)
         out.update({name: getattr(self, name) for name in _RESULT_FIELDS})
         out["quant_method"] = self.quant_method
         return out
@@ -234,3 +255,17 @@ def _validate_format_map(format_map: Mapping[str, str] | None) -> dict[str, str]
                 f"format_map[{module_name!r}] = {fmt!r} is not an MX format; allowed: {sorted(MX_FORMATS)}"
             ) from err
     return canonical
+
+
+def _validate_input_transforms(input_transforms: Mapping[str, dict] | None) -> dict[str, dict] | None:
+    """A copy of `input_transforms`; raises naming the module whose transform cannot be rebuilt."""
+    if input_transforms is None:
+        return None
+    if not isinstance(input_transforms, Mapping):
+        raise TypeError(f"input_transforms must map module names to transforms, got {type(input_transforms).__name__}")
+    for module_name, spec in input_transforms.items():
+        try:
+            RandomizedHadamard.from_dict(spec)
+        except (ValueError, KeyError, TypeError) as error:
+            raise ValueError(f"input_transforms[{module_name!r}] cannot be rebuilt: {error}") from None
+    return {name: dict(spec) for name, spec in input_transforms.items()}

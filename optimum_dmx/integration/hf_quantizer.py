@@ -25,7 +25,8 @@ from transformers.quantizers.auto import (
 )
 from transformers.quantizers.base import HfQuantizer
 
-from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, replace_with_mx_linear
+from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, linear_modules_to_quantize, replace_with_mx_linear
+from ..nn.rotation import rotate_model
 from .configuration import QUANT_METHOD, DMXConfig
 from .model_card import attach_model_card, detach_model_card
 
@@ -55,7 +56,8 @@ class DMXHfQuantizer(HfQuantizer):
     ) -> PreTrainedModel:
         if self.pre_quantized:
             config = self.quantization_config
-            replace_with_mx_linear(model, config.format_map, **_mx_options(config))
+            replace_with_mx_linear(model, config.format_map, input_transforms=config.input_transforms,
+                                   **_mx_options(config))
             _check_packed_tensors(model, checkpoint_files or [])
         return model
 
@@ -77,6 +79,9 @@ class DMXHfQuantizer(HfQuantizer):
             model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
         )
         skip = sorted(set(skip))
+        # Rotations first: calibration must see (and the saved weights hold) the rotated model.
+        transforms = rotate_model(model, config.rotation, linear_modules_to_quantize(model, skip),
+                                  config.block_size, config.seed)
         if config.needs_calibration:
             # Imported here, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
             # loading a saved dMX checkpoint (the other use of this module) never needs.
@@ -89,7 +94,7 @@ class DMXHfQuantizer(HfQuantizer):
         replace_with_mx_linear(model, format_map, **_mx_options(config))
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
-        return config.with_result(format_map, modules_to_not_convert=skip, **bits)
+        return config.with_result(format_map, input_transforms=transforms, modules_to_not_convert=skip, **bits)
 
     def _dequantize(self, model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
         """`model.dequantize()`: every `MXLinear` back to an `nn.Linear` holding its MX-valued weight."""

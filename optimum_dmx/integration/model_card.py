@@ -156,9 +156,17 @@ _RECIPE_TEXT = {
 # Settings that take part in each recipe; the others are stored in config.json but unused by it.
 _RECIPE_SETTINGS = {
     "dmx": ("steps", "batch_size", "seq_len", "num_samples", "discretization", "bit_average", "t_start", "t_end",
-            "t_warmup_ratio", "seed"),
+            "t_warmup_ratio", "offset_probe", "offset_groups", "seed"),
     "paper": ("steps", "batch_size", "seq_len", "num_samples", "lr", "regularizer", "reg_lambda", "discretization",
               "bit_average", "t_start", "t_end", "t_warmup_ratio", "seed"),
+}
+
+
+_ROTATION_TEXT = {
+    "none": "none",
+    "hadamard": "full-size randomized Hadamard (merged into the weights; online on each `down_proj` input)",
+    "block_hadamard": "block-diagonal randomized Hadamard aligned to the MX blocks (merged into the weights; online on "
+                      "each `down_proj` input)",
 }
 
 
@@ -216,6 +224,7 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         "evaluation": _evaluation_section(info),
         "format_table": _format_table(config["format_map"]),
         "block_size": config.get("block_size") or 32,
+        "rotation": _ROTATION_TEXT.get(config.get("rotation") or "none", config.get("rotation")),
     }
     template = resources.files("optimum_dmx.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
     return Template(template).substitute(values)

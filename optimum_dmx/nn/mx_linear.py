@@ -8,6 +8,7 @@ from torch.nn import functional as F
 
 from ..formats import MXFormat, MXPackedTensor, get_format, pack_mx, packed_shapes, quantize_mx, unpack_mx
 from ..formats.spec import validate_scale_rule
+from .transforms import RandomizedHadamard
 
 
 class MXLinear(nn.Module):
@@ -23,6 +24,9 @@ class MXLinear(nn.Module):
     that dtype. With `cache_weight` (the default) the dequantized weight is kept between calls and rebuilt
     only when the packed tensors, the dtype or the device change; without it only the packed form is kept
     (about 1/4 to 1/2 of the bf16 weight memory) and the weight is dequantized on every call.
+
+    An `input_transform` (an online rotation, `nn.transforms`) is applied to the input before its quantization;
+    the stored weight already holds its inverse. Like the format, it is rebuilt from config.json.
     """
 
     def __init__(
@@ -36,6 +40,7 @@ class MXLinear(nn.Module):
         quantize_activations: bool = True,
         scale_rule: str = "ocp",
         cache_weight: bool = True,
+        input_transform: RandomizedHadamard | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ):
@@ -47,6 +52,7 @@ class MXLinear(nn.Module):
         self.quantize_activations = quantize_activations
         self.scale_rule = validate_scale_rule(scale_rule)
         self.cache_weight = cache_weight
+        self.input_transform = input_transform
         codes_shape, scales_shape = packed_shapes((out_features, in_features), self.fmt, block_size)
         self.register_buffer("weight_packed", torch.zeros(codes_shape, dtype=torch.uint8, device=device))
         self.register_buffer("weight_scale", torch.zeros(scales_shape, dtype=torch.uint8, device=device))
@@ -66,8 +72,11 @@ class MXLinear(nn.Module):
         block_size: int = 32,
         quantize_activations: bool = True,
         scale_rule: str = "ocp",
+        input_transform: RandomizedHadamard | None = None,
     ) -> MXLinear:
         """An `MXLinear` holding `linear`'s weight quantized to `fmt` (block scales by `scale_rule`).
+
+        The input transform is `input_transform`, else that of a `TransformedLinear` `linear`.
 
         A `linear` on the meta device (a model skeleton before its checkpoint is loaded) gives an empty
         module of the right shapes on the meta device.
@@ -81,6 +90,7 @@ class MXLinear(nn.Module):
             block_size=block_size,
             quantize_activations=quantize_activations,
             scale_rule=scale_rule,
+            input_transform=input_transform if input_transform is not None else getattr(linear, "input_transform", None),
             device=weight.device,
             dtype=weight.dtype,
         )
@@ -120,6 +130,8 @@ class MXLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantized_weight(x.dtype)
+        if self.input_transform is not None:
+            x = self.input_transform(x)
         if self.quantize_activations:
             x = quantize_mx(x, self.fmt, self.block_size, self.scale_rule)
         bias = None if self.bias is None else self.bias.to(x.dtype)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from .mx_linear import MXLinear
+from .transforms import RandomizedHadamard, TransformedLinear
 
 __all__ = ["linear_modules_to_quantize", "swapped_modules", "emulate_format_map", "replace_with_mx_linear",
            "dequantize_mx_linears"]
@@ -92,11 +93,13 @@ def replace_with_mx_linear(
     block_size: int = 32,
     quantize_activations: bool = True,
     scale_rule: str = "ocp",
+    input_transforms: Mapping[str, dict] | None = None,
 ) -> nn.Module:
     """Replace, in place, every `nn.Linear` named in `format_map` by an `MXLinear` in its format.
 
     Weights are packed from the float linears; on a meta-device skeleton the new modules are empty and
-    wait for a packed checkpoint. Raises `ValueError` naming the module when `format_map` names a module
+    wait for a packed checkpoint. `input_transforms` (module name -> `RandomizedHadamard.to_dict()`, as
+    config.json records them) gives modules their online input transform; a `TransformedLinear` keeps its own. Raises `ValueError` naming the module when `format_map` names a module
     the model lacks, a module that is not an `nn.Linear`, or one that is already an `MXLinear` (the model
     was already quantized: quantizing twice would compound the error).
     """
@@ -112,8 +115,10 @@ def replace_with_mx_linear(
         if not isinstance(module, nn.Linear):
             kind = type(module).__name__
             raise ValueError(f"format_map names module {name!r}, a {kind}; only nn.Linear can be quantized")
+        spec = (input_transforms or {}).get(name)
         new = MXLinear.from_linear(
-            module, fmt, block_size=block_size, quantize_activations=quantize_activations, scale_rule=scale_rule
+            module, fmt, block_size=block_size, quantize_activations=quantize_activations, scale_rule=scale_rule,
+            input_transform=None if spec is None else RandomizedHadamard.from_dict(spec),
         )
         model.set_submodule(name, new)
     return model
@@ -122,7 +127,8 @@ def replace_with_mx_linear(
 def dequantize_mx_linears(model: nn.Module, dtype: torch.dtype | None = None) -> nn.Module:
     """Replace, in place, every `MXLinear` by an `nn.Linear` holding its dequantized (MX-valued) weight.
 
-    The float model computes what the MX weights hold, without activation quantization. `dtype` defaults
+    The float model computes what the MX weights hold, without activation quantization; a module with an
+    online input transform becomes a `TransformedLinear` that keeps it. `dtype` defaults
     to each module's bias dtype (float32 when it has none).
     """
     for name, module in list(model.named_modules()):
@@ -135,5 +141,7 @@ def dequantize_mx_linears(model: nn.Module, dtype: torch.dtype | None = None) ->
             linear.weight.copy_(module.dequantized_weight(target))
             if module.bias is not None:
                 linear.bias.copy_(module.bias)
+        if module.input_transform is not None:
+            linear = TransformedLinear(linear, module.input_transform)
         model.set_submodule(name, linear)
     return model

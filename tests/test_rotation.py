@@ -1,0 +1,216 @@
+"""Rotations: randomized Hadamard transforms, function-preserving model rotation (tiny Llama, Qwen3, Gemma 3; fp32
+and bf16), online transforms in MXLinear / DMXLinear, a rotated dMX checkpoint reloaded in a fresh process,
+export refusing online transforms."""
+
+import copy
+import json
+
+import pytest
+import scipy.linalg
+import torch
+from torch import nn
+from transformers import (
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from optimum_dmx import DMXConfig, MXLinear
+from optimum_dmx.calibration import CalibrationSettings, calibrate, dmx_linears
+from optimum_dmx.export import ExportError, export_checkpoint
+from optimum_dmx.nn import linear_modules_to_quantize
+from optimum_dmx.nn.rotation import rotate_model
+from optimum_dmx.nn.transforms import RandomizedHadamard, TransformedLinear, fast_hadamard
+
+from .helpers import INPUT_IDS, last_json_line, run_python
+
+
+@pytest.mark.parametrize("n", [1, 2, 32, 256])
+def test_fast_hadamard_is_sylvesters_matrix(n):
+    x = torch.randn(3, n, dtype=torch.float64)
+    reference = torch.from_numpy(scipy.linalg.hadamard(n)).double() / n**0.5
+    torch.testing.assert_close(fast_hadamard(x), x @ reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("size, block_size", [(96, 32), (96, 96), (576, 32), (576, 576), (64, None)])
+def test_randomized_hadamard_is_orthogonal_block_diagonal_and_rebuilds_exactly(size, block_size):
+    transform = RandomizedHadamard(size, block_size, seed=5)
+    matrix = transform.matrix()
+    torch.testing.assert_close(matrix @ matrix.T, torch.eye(size, dtype=torch.float64), rtol=0, atol=1e-12)
+    block = block_size or size
+    assert ((matrix != 0).sum(dim=1) == block).all()  # every row mixes exactly one block
+    x = torch.randn(4, 7, size)
+    torch.testing.assert_close(transform(x), (x.double() @ matrix).float(), rtol=0, atol=1e-5)
+    rebuilt = RandomizedHadamard.from_dict(json.loads(json.dumps(transform.to_dict())))
+    assert torch.equal(rebuilt.matrix(), matrix)
+    assert not torch.equal(RandomizedHadamard(size, block_size, seed=6).matrix(), matrix)
+
+
+def test_randomized_hadamard_rejects_bad_sizes():
+    with pytest.raises(ValueError, match="block_size=48"):
+        RandomizedHadamard(64, 48)
+    with pytest.raises(ValueError, match="unknown input transform"):
+        RandomizedHadamard.from_dict({"type": "givens", "size": 4})
+
+
+def _tiny(kind: str, tied: bool, dtype: torch.dtype = torch.float32) -> nn.Module:
+    common = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=8))
+    with torch.no_grad():  # norms away from their initial identity, so that folding them is tested
+        for name, parameter in model.named_parameters():
+            if "norm" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return model.to(dtype).eval()
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("rotation", ["hadamard", "block_hadamard"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotation_preserves_the_models_function(kind, rotation, dtype):
+    dtype = getattr(torch, dtype)
+    model = _tiny(kind, tied=True, dtype=dtype)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits.float()
+    rotated = copy.deepcopy(model)
+    quantized = linear_modules_to_quantize(rotated, ["lm_head"])
+    transforms = rotate_model(rotated, rotation, quantized, block_size=32, seed=0)
+    with torch.no_grad():
+        logits = rotated(ids).logits.float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.08 * reference.abs().max().item()
+    assert (logits - reference).abs().max().item() < tolerance
+    assert sorted(transforms) == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    assert all(isinstance(rotated.get_submodule(name), TransformedLinear) for name in transforms)
+    assert all(spec["block_size"] == (192 if rotation == "hadamard" else 32) for spec in transforms.values())
+    changed = [n for n, p in rotated.named_parameters() if not torch.equal(p, model.get_parameter(n))]
+    assert "model.layers.0.self_attn.v_proj.weight" in changed  # per-head rotation everywhere
+    if kind == "gemma3":  # post-block norms: the residual stream keeps its basis, the embeddings stay tied
+        assert "model.embed_tokens.weight" not in changed
+        assert rotated.lm_head.weight is rotated.model.embed_tokens.weight
+    else:
+        assert "model.embed_tokens.weight" in changed
+        assert rotated.lm_head.weight is not rotated.model.embed_tokens.weight
+        assert rotated.config.tie_word_embeddings is False
+        assert all(torch.all(rotated.get_submodule(f"model.layers.{i}.input_layernorm").weight == 1) for i in range(2))
+
+
+def test_rotation_keeps_float_down_proj_without_online_transform():
+    model = _tiny("llama", tied=False)
+    quantized = linear_modules_to_quantize(model, ["lm_head", "down_proj"])
+    assert rotate_model(model, "block_hadamard", quantized) == {}
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+
+
+def test_rotation_refuses_models_it_cannot_rotate():
+    model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=64))
+    with pytest.raises(ValueError, match="Llama-style decoder layers|decoder-only model"):
+        rotate_model(model, "hadamard", {})
+    with pytest.raises(ValueError, match="rotation='givens' is not supported; allowed: none, hadamard"):
+        rotate_model(_tiny("llama", tied=False), "givens", {})
+    with pytest.raises(ValueError, match="rotation='givens'"):
+        DMXConfig(format_map={}, rotation="givens")
+
+
+def test_mx_and_dmx_linears_apply_the_online_transform():
+    """An MXLinear / DMXLinear built from a TransformedLinear quantizes the transformed input."""
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 16)
+    transform = RandomizedHadamard(64, 32, seed=1)
+    with torch.no_grad():
+        linear.weight.copy_((linear.weight.double() @ transform.matrix()).float())
+    transformed = TransformedLinear(linear, transform)
+    x = torch.randn(3, 64)
+    mx = MXLinear.from_linear(transformed, "mxfp8_e4m3")
+    plain = MXLinear.from_linear(linear, "mxfp8_e4m3")
+    assert mx.input_transform is transform
+    assert torch.equal(mx(x), plain(transform(x)))
+    model = nn.Sequential(transformed)
+    settings = CalibrationSettings(target_bits=6, num_samples=1, seq_len=2, batch_size=1, steps=1,
+                                   modules_to_not_convert=[])
+    with dmx_linears(model, settings) as layers:
+        layer = layers["0"]
+        layer.probe = torch.tensor(2.0)
+        assert torch.equal(layer(x), MXLinear.from_linear(linear, "mxfp8_e4m3", input_transform=transform)(x))
+
+
+def test_calibrating_a_rotated_model_runs_with_the_online_transforms():
+    model = _tiny("llama", tied=True)
+    rotate_model(model, "block_hadamard", linear_modules_to_quantize(model, ["lm_head"]))
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    result = calibrate(model, ids, CalibrationSettings(target_bits=5, num_samples=8, seq_len=16, batch_size=2,
+                                                       steps=4), progress=False)
+    assert abs(result.bits_simple - 5) <= 0.3
+    assert isinstance(model.model.layers[0].mlp.down_proj, TransformedLinear)  # put back after calibration
+
+
+@pytest.fixture(scope="module")
+def rotated_dmx(tmp_path_factory):
+    """A tiny tied-embedding Llama quantized with rotation='block_hadamard' and an explicit map, saved."""
+    root = tmp_path_factory.mktemp("rotated")
+    _tiny("llama", tied=True).save_pretrained(root / "float")
+    names = [f"model.layers.{i}.{m}" for i in range(2) for m in
+             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+              "mlp.up_proj", "mlp.down_proj")]
+    format_map = {name: ("mxfp8_e4m3", "mxfp4_e2m1", "mxfp6_e2m3")[i % 3] for i, name in enumerate(names)}
+    config = DMXConfig(format_map=format_map, rotation="block_hadamard")
+    model = AutoModelForCausalLM.from_pretrained(root / "float", quantization_config=config)
+    model.save_pretrained(root / "dmx")
+    with torch.no_grad():
+        logits = model(INPUT_IDS).logits
+    return root, format_map, logits
+
+
+def test_rotated_checkpoint_records_its_transforms_and_reloads_exactly(rotated_dmx):
+    root, format_map, logits = rotated_dmx
+    config = json.loads((root / "dmx" / "config.json").read_text())
+    quantization = config["quantization_config"]
+    assert quantization["rotation"] == "block_hadamard"
+    assert sorted(quantization["input_transforms"]) == ["model.layers.0.mlp.down_proj", "model.layers.1.mlp.down_proj"]
+    assert config["tie_word_embeddings"] is False  # untied: lm_head holds its own rotated matrix
+    code = f"""
+import json, torch
+from transformers import AutoModelForCausalLM
+import optimum_dmx
+model = AutoModelForCausalLM.from_pretrained({str(root / "dmx")!r})
+with torch.no_grad():
+    torch.save(model(torch.tensor({INPUT_IDS.tolist()})).logits, {str(root / "reloaded.pt")!r})
+transforms = {{n: m.input_transform.to_dict() for n, m in model.named_modules()
+              if isinstance(m, optimum_dmx.MXLinear) and m.input_transform is not None}}
+print(json.dumps({{"transforms": transforms}}))
+"""
+    result = last_json_line(run_python(code))
+    assert result["transforms"] == quantization["input_transforms"]
+    assert torch.equal(torch.load(root / "reloaded.pt"), logits)
+
+
+def test_rotated_model_stays_close_to_the_float_model_and_dequantizes(rotated_dmx):
+    root, _, logits = rotated_dmx
+    model = AutoModelForCausalLM.from_pretrained(root / "dmx")
+    model.dequantize()
+    down = model.model.layers[0].mlp.down_proj
+    assert isinstance(down, TransformedLinear)  # the float model keeps the online transform it needs
+    with torch.no_grad():
+        dequantized = model(INPUT_IDS).logits
+    float_logits = AutoModelForCausalLM.from_pretrained(root / "float")(INPUT_IDS).logits
+    # MX weights without activation quantization: nearer the float model than the quantized logits are
+    assert (dequantized - float_logits).abs().mean() < (logits - float_logits).abs().mean()
+
+
+@pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
+def test_export_refuses_online_transforms(rotated_dmx, tmp_path, target):
+    root, _, _ = rotated_dmx
+    with pytest.raises(ExportError, match="online input transforms.*model.layers.0.mlp.down_proj"):
+        export_checkpoint(root / "dmx", tmp_path / "out", target, force=True)
