@@ -10,6 +10,8 @@ lm_head in float) on the held-out texts. Methods:
 * `dmx`: this package's default recipe (`recipe="dmx"`: sampled format maps at the budget);
 * `dmx_path`: the default recipe reading each low layer's derivative at a random point of its format path
   (`offset_probe="path"`) instead of at the low format;
+* `dmx_swap`: the default recipe estimating each layer's whole format swap to first order from both ends
+  (`offset_probe="swap"`);
 * `dmx_paper`: the dMX paper's procedure (`recipe="paper"`: relaxed offsets, SGD at `--lr`, `beta_hat >= 1`);
 * `dmx_paper_budget`: the paper's procedure with the budget discretization;
 * `dmx_uniform_context`: the default recipe without its sharpening phase (`t_warmup_ratio=1`: every map drawn
@@ -63,9 +65,9 @@ from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
 
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
-LEARNED = ["dmx", "dmx_path", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
+LEARNED = ["dmx", "dmx_path", "dmx_swap", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
 METHODS = ["float", "uniform", "kl", "kl_fused", *LEARNED]
-OURS = ["dmx", "dmx_path"]  # the default recipe and its variants, compared with the baselines in the report
+OURS = ["dmx", "dmx_path", "dmx_swap"]  # the default recipe and its variants, compared with the baselines in the report
 # Settings that change a learned run (and so its CSV key); KL depends on the scan's tokens only, every method on
 # the evaluation and the rotation. Rows written before a column existed hold its default.
 SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples", "eval_tokens", "eval_seq_len",
@@ -123,7 +125,7 @@ class Benchmark:
             reg_lambda=self.reg_lambda,
             t_warmup_ratio=1.0 if method == "dmx_uniform_context" else CalibrationSettings.t_warmup_ratio,
             offset_groups="fused" if method.endswith("_fused") else "none",
-            offset_probe="path" if method == "dmx_path" else CalibrationSettings.offset_probe,
+            offset_probe={"dmx_path": "path", "dmx_swap": "swap"}.get(method, CalibrationSettings.offset_probe),
             seed=seed,
         )
 
@@ -379,7 +381,7 @@ def _plot(rows: list[dict], texts: list[str], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, len(texts), figsize=(6.5 * len(texts), 4.8), squeeze=False)
-    styles = {"dmx": ("o", "-"), "dmx_path": ("D", "-"), "kl": ("s", "--"), "round_ste": ("^", ":"), "dmx_paper": ("v", "-.")}
+    styles = {"dmx": ("o", "-"), "dmx_path": ("D", "-"), "dmx_swap": ("P", "-"), "kl": ("s", "--"), "round_ste": ("^", ":"), "dmx_paper": ("v", "-.")}
     colors = {"mxfp8-mxfp4": "tab:blue", "mxfp6-mxfp4": "tab:orange"}
     for ax, t in zip(axes[0], texts):
         rows = [r for r in rows if _setting(r, "rotation") == "none"]  # rotated rows: in the table only

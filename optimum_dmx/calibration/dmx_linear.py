@@ -7,7 +7,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..continuous import FormatPair, get_format_pair, quantize_mx_continuous_fused, weight_block_max
-from ..formats import MXFormat
+from ..formats import MXFormat, quantize_mx
 from .schedule import discrete_offset, temperature_sigmoid
 
 
@@ -27,6 +27,11 @@ class DMXLinear(nn.Module):
 
     `probe`, when set, replaces `beta` altogether: the sampling estimator sets it to a format endpoint each step
     (a 0-dim tensor, requiring grad when the loss's derivative there is wanted) and reads that derivative.
+
+    `drawn_high`, when set (`True`/`False`), runs the layer in that discrete format of the pair instead (exact MX
+    casts, straight-through for the input) and records in `swap` its output `y` (in the autograd graph) and
+    `y_other - y`, the change of output the other format would make: the swap estimator's first-order
+    estimate of what swapping the format changes in the loss is `<dL/dy, y_other - y>`.
     """
 
     def __init__(
@@ -55,6 +60,9 @@ class DMXLinear(nn.Module):
         self.straight_through = straight_through
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
         self.probe: torch.Tensor | None = None
+        self.drawn_high: bool | None = None
+        self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._discrete_weights: dict[str, torch.Tensor] = {}
         self.input_transform = getattr(linear, "input_transform", None)  # a `TransformedLinear`'s online rotation
         # The weight is frozen: its per-block maxima are constant, so compute them once.
         self.register_buffer("_weight_block_max", weight_block_max(linear.weight, block_size), persistent=False)
@@ -77,13 +85,35 @@ class DMXLinear(nn.Module):
         """The format this layer gets when discretized by its own offset (`discrete_offset`)."""
         return self.pair.high if discrete_offset(self.beta_hat).item() > 0 else self.pair.low
 
+    def discrete_weight(self, fmt: MXFormat) -> torch.Tensor:
+        """The weight cast to `fmt` (float32), cached: the weight is frozen during calibration."""
+        if fmt.name not in self._discrete_weights:
+            self._discrete_weights[fmt.name] = quantize_mx(self.weight.detach().float(), fmt, self.block_size,
+                                                           self.scale_rule)
+        return self._discrete_weights[fmt.name]
+
+    def _forward_swap(self, x: torch.Tensor) -> torch.Tensor:
+        fmt, other = (self.pair.high, self.pair.low) if self.drawn_high else (self.pair.low, self.pair.high)
+        bias = None if self.bias is None else self.bias.float()
+        x = x.float()
+        quantized = quantize_mx(x.detach(), fmt, self.block_size, self.scale_rule) if self.quantize_activations else x
+        y = F.linear(x + (quantized - x).detach(), self.discrete_weight(fmt), bias)
+        if not y.requires_grad:  # nothing upstream needs a gradient: start the graph here
+            y.requires_grad_(True)
+        with torch.no_grad():
+            x_other = quantize_mx(x, other, self.block_size, self.scale_rule) if self.quantize_activations else x
+            self.swap = (y, F.linear(x_other, self.discrete_weight(other), bias) - y)
+        return y
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.input_transform is not None:
+            x = self.input_transform(x)
+        if self.drawn_high is not None:
+            return self._forward_swap(x).to(x.dtype)
         beta = self.beta()
         weight = quantize_mx_continuous_fused(
             self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
         )
-        if self.input_transform is not None:
-            x = self.input_transform(x)
         if self.quantize_activations:
             x = quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

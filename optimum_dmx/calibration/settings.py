@@ -18,7 +18,7 @@ from .regularizers import REGULARIZERS
 
 RECIPES = ("dmx", "paper")
 DISCRETIZATIONS = ("budget", "threshold")
-OFFSET_PROBES = ("low", "path")
+OFFSET_PROBES = ("low", "path", "swap")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -63,7 +63,9 @@ class CalibrationSettings:
         offset_probe: where the `"dmx"` recipe reads the derivative of a layer drawn in its low format: `"low"`
             (at `beta = 0`: the first-order gain of leaving the low format) or `"path"` (at a point drawn
             uniformly on `[0, 2]` each step: its mean is `(L(low) - L(high)) / 2`, the whole gain of the high
-            format integrated along the continuous path).
+            format integrated along the continuous path) or `"swap"` (every layer, in the discrete format it was
+            drawn in, estimates `L(low) - L(high)` to first order from the change of its output the other format
+            would make; the means from the two ends are averaged, the trapezoid rule).
         offset_groups: layers that share one offset, and so one format: `"none"` (every layer its own),
             `"fused"` (q/k/v and gate/up of each decoder layer, which serving engines run as one matmul with one
             format; found from module names) or explicit lists of module names.

@@ -211,13 +211,19 @@ def _relaxed_offsets(
 def _sampled_offsets(
     model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1
 ) -> tuple[dict[str, float], list[dict]]:
-    """The `"dmx"` recipe's loop. Each step draws a format map at the budget, runs the model in it, and every
-    layer drawn in its low format adds `-dL/dbeta` at `beta = 0` to its running mean, its offset.
+    """The `"dmx"` recipe's loop. Each step draws a format map at the budget, runs the model in it, and adds to
+    each layer's running means an estimate of the loss decrease its high format buys (its offset):
+
+    * `offset_probe="low"` / `"path"`: `-dL/dbeta` at `beta = 0` (or at a random point of the path) for every
+      layer drawn in its low format;
+    * `offset_probe="swap"`: for every layer, `-<dL/dy, y_high - y_low>` measured at the format it was drawn
+      in: a first-order estimate of the whole swap from the low end and from the high end, whose average (the
+      trapezoid rule) is exact for a loss quadratic in the layer's output.
 
     The draw is Gumbel top-k on the standardized offsets scaled by `(T - t_start) / t_start`: uniform over
     the maps at the budget while `T` stays at `t_start` (the layers' effects are measured in contexts with the
     budget's share of high layers), then concentrating on the budget's highest offsets as `T` rises (the last
-    decisions are measured in the context of the final map). A layer never drawn low keeps an infinite offset:
+    decisions are measured in the context of the final map). A layer never measured keeps an infinite offset:
     nothing said its high format could go.
     """
     names = list(layers)
@@ -226,37 +232,28 @@ def _sampled_offsets(
     pair = get_format_pair(settings.format_pair)
     shapes = {name: tuple(m.weight.shape) for name, m in layers.items()}
     sizes = tensor_sizes(list(shapes.values()), settings.quantize_activations)
-    total = torch.zeros(len(names), dtype=torch.float64)
-    count = torch.zeros(len(names), dtype=torch.float64)
+    means = _EndMeans(len(names))
     generator = torch.Generator().manual_seed(settings.seed)
-    high_offset, low_offset = (torch.tensor(v, device=device) for v in (MAX_OFFSET, 0.0))
     groups = offset_groups(settings.offset_groups, names)
+    measure = _swap_gains if settings.offset_probe == "swap" else _probe_gains
     history = []
     try:
         for step, batch in enumerate(batches):
             temperature = temperature_at(step, settings.steps, settings.t_start, settings.t_end, settings.t_warmup_ratio)
             sharpness = (temperature - settings.t_start) / settings.t_start
-            offsets = _running_mean(total, count, missing=0.0)
+            offsets = means.offsets(missing=0.0)
             spread = offsets.std() if len(offsets) > 1 and offsets.std() > 0 else torch.tensor(1.0, dtype=torch.float64)
             uniform = torch.rand(len(names), generator=generator, dtype=torch.float64)
             gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-12)))
             draw = sharpness * (offsets - offsets.mean()) / spread + gumbel
             drawn = budget_format_map(dict(zip(names, draw.tolist())), shapes, pair, settings.target_bits,
                                       settings.bit_average, settings.quantize_activations, groups=groups)
-            low = [i for i, name in enumerate(names) if drawn[name] == pair.low.name]
-            points = _probe_points(len(low), settings.offset_probe, generator)
-            probes = {i: (low_offset + point).requires_grad_(True) for i, point in zip(low, points.to(device))}
-            for i, m in enumerate(modules):
-                m.probe = probes.get(i, high_offset)
-            batch = batch.to(device)
-            loss = model(input_ids=batch, labels=batch, use_cache=False).loss
-            if probes:
-                grads = torch.stack(torch.autograd.grad(loss, list(probes.values()))).double().cpu()
-                total[list(probes)] -= average_across_processes(grads, world_size)
-                count[list(probes)] += 1
+            high = torch.tensor([drawn[n] != pair.low.name for n in names])
+            loss, measured, gains = measure(model, modules, batch.to(device), high, settings, generator)
+            if len(measured):
+                means.add(measured, high[measured], average_across_processes(gains, world_size))
             loss = average_across_processes(loss.detach().float(), world_size)
-            bits = torch.tensor([pair.high.bits if drawn[n] != pair.low.name else pair.low.bits for n in names],
-                                dtype=torch.float64)
+            bits = torch.where(high, float(pair.high.bits), float(pair.low.bits)).double()
             history.append({
                 "step": step,
                 "loss": loss.item(),
@@ -270,8 +267,67 @@ def _sampled_offsets(
             bar.set_postfix(loss=f"{loss.item():.4f}", T=f"{temperature:.1f}")
     finally:
         for m in modules:
-            m.probe = None
-    return dict(zip(names, _running_mean(total, count, missing=math.inf).tolist())), history
+            m.probe = m.drawn_high = m.swap = None
+    return dict(zip(names, means.offsets(missing=math.inf).tolist())), history
+
+
+def _probe_gains(
+    model: nn.Module, modules: list[DMXLinear], batch: torch.Tensor, high: torch.Tensor,
+    settings: CalibrationSettings, generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`offset_probe` `"low"` / `"path"`: the loss, the layers drawn low, and `-dL/dbeta` at their probe."""
+    device = batch.device
+    low = torch.nonzero(~high).flatten()
+    points = _probe_points(len(low), settings.offset_probe, generator).to(device)
+    probes = {int(i): point.clone().requires_grad_(True) for i, point in zip(low, points)}
+    high_offset = torch.tensor(MAX_OFFSET, device=device)
+    for i, m in enumerate(modules):
+        m.probe = probes.get(i, high_offset)
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    if not probes:
+        return loss, low, torch.zeros(0, dtype=torch.float64)
+    grads = torch.autograd.grad(loss, list(probes.values()))
+    return loss, low, -torch.stack(grads).double().cpu()
+
+
+def _swap_gains(
+    model: nn.Module, modules: list[DMXLinear], batch: torch.Tensor, high: torch.Tensor,
+    settings: CalibrationSettings, generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`offset_probe="swap"`: the loss, every layer, and `L(low) - L(high)` to first order from its drawn end."""
+    for m, is_high in zip(modules, high.tolist()):
+        m.drawn_high = is_high
+    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    outputs, changes = zip(*(m.swap for m in modules))
+    grads = torch.autograd.grad(loss, outputs, allow_unused=True)
+    swap = torch.stack([
+        torch.zeros((), dtype=torch.float64) if g is None else (g.double() * change.double()).sum().cpu()
+        for g, change in zip(grads, changes)
+    ])  # L(other format) - L(drawn format), to first order
+    for m in modules:
+        m.swap = None
+    return loss, torch.arange(len(modules)), torch.where(high, swap, -swap)
+
+
+class _EndMeans:
+    """Running means of each layer's gain, kept apart by the format it was measured in; a layer's offset is the
+    mean of its two ends' means (the trapezoid rule), or of the one it has."""
+
+    def __init__(self, size: int):
+        self.total = torch.zeros(2, size, dtype=torch.float64)
+        self.count = torch.zeros(2, size, dtype=torch.float64)
+
+    def add(self, indices: torch.Tensor, at_high: torch.Tensor, gains: torch.Tensor) -> None:
+        end = at_high.long()
+        self.total.index_put_((end, indices), gains, accumulate=True)
+        self.count.index_put_((end, indices), torch.ones_like(gains), accumulate=True)
+
+    def offsets(self, missing: float) -> torch.Tensor:
+        means = self.total / self.count.clamp_min(1)
+        measured = self.count > 0
+        ends = measured.sum(dim=0)
+        combined = (means * measured).sum(dim=0) / ends.clamp_min(1)
+        return torch.where(ends > 0, combined, torch.full_like(combined, missing))
 
 
 def _probe_points(count: int, offset_probe: str, generator: torch.Generator) -> torch.Tensor:
@@ -280,10 +336,6 @@ def _probe_points(count: int, offset_probe: str, generator: torch.Generator) -> 
     if offset_probe == "low":
         return torch.zeros(count)
     return torch.rand(count, generator=generator) * MAX_OFFSET
-
-
-def _running_mean(total: torch.Tensor, count: torch.Tensor, missing: float) -> torch.Tensor:
-    return torch.where(count > 0, total / count.clamp_min(1), torch.full_like(total, missing))
 
 
 def calibrate_on_text(
