@@ -38,6 +38,16 @@ def test_default_recipe_keeps_the_budget_in_20_steps(deep, pair, target, bit_ave
     assert set(result.format_map.values()) <= {FORMAT_PAIRS[pair].low.name, FORMAT_PAIRS[pair].high.name}
 
 
+@pytest.mark.parametrize("offset_probe", ["path", "swap"])
+@pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 6.0), ("mxfp6-mxfp4", 4.5)])
+def test_every_offset_probe_keeps_the_budget(deep, offset_probe, pair, target):
+    model, ids = deep
+    settings = CalibrationSettings(target_bits=target, format_pair=pair, steps=20, batch_size=2, seq_len=16,
+                                   num_samples=40, offset_probe=offset_probe)
+    result = calibrate(model, ids, settings, progress=False)
+    assert target - BUDGET_TOLERANCE - 1e-9 <= result.bits_simple <= target + BUDGET_TOLERANCE + 1e-9
+
+
 @pytest.mark.parametrize("steps", [20, 60])
 @pytest.mark.parametrize("trainer", ["paper_budget", "round_ste"])
 def test_the_paper_trainer_and_round_ste_keep_it_too_with_the_budget_rule(deep, steps, trainer):
@@ -72,12 +82,14 @@ def test_the_simple_regularizer_has_no_target_it_reaches_what_lambda_gives(deep)
     assert free.bits_simple > 4.0 and {h["reg_loss"] for h in free.history} == {0.0}
 
 
-def test_learned_offsets_carry_the_signal():
+@pytest.mark.parametrize("offset_probe", ["low", "swap"])
+def test_learned_offsets_carry_the_signal(offset_probe):
     """The default recipe's map has a lower task loss than the map its offsets rank last (same budget)."""
     from optimum_dmx.nn import emulate_format_map
 
     model, ids = sensitive_llama_and_data(num_samples=24)
-    settings = CalibrationSettings(target_bits=6.0, steps=40, batch_size=4, seq_len=32, num_samples=16)
+    settings = CalibrationSettings(target_bits=6.0, steps=40, batch_size=4, seq_len=32, num_samples=16,
+                                   offset_probe=offset_probe)
     result = calibrate(model, ids[:16], settings, progress=False)
     shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in result.format_map}
     reversed_map = budget_format_map({n: -v for n, v in result.beta_hat.items()}, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 6.0)

@@ -149,3 +149,55 @@ def test_invalid_inputs():
         calibrate(model, torch.zeros(2, 8, dtype=torch.long), settings(modules_to_not_convert=["model", "lm_head"]))
     with pytest.raises(ValueError, match="no nn.Linear left"):
         calibrate(nn.Sequential(nn.Embedding(4, 4)), torch.zeros(2, 8, dtype=torch.long), settings())
+
+
+def test_swap_estimate_is_the_directional_derivative_of_the_loss():
+    """`offset_probe="swap"`: a layer's gain is `-<dL/dy, y_other - y>`, the derivative of the loss along the change
+    of its output that the other format makes: checked against a central finite difference of the real loss
+    (weights only: quantized activations make the loss piecewise constant, their straight-through derivative is
+    the identity's)."""
+    from optimum_dmx.calibration.trainer import _swap_gains, dmx_linears
+
+    model, ids = sensitive_llama_and_data(num_samples=4, seq_len=16)
+    model.double()
+    s = settings(target_bits=6.0, seq_len=16, num_samples=4, quantize_activations=False)
+    with dmx_linears(model, s) as layers:
+        modules = list(layers.values())
+        high = torch.tensor([i % 2 == 1 for i in range(len(modules))])
+        _, measured, gains = _swap_gains(model, modules, ids, high, s, torch.Generator())
+        assert measured.tolist() == list(range(len(modules)))
+        for index in (0, 3, len(modules) - 1):
+            layer = modules[index]
+            with torch.no_grad():
+                for m, is_high in zip(modules, high.tolist()):
+                    m.drawn_high = is_high
+                model(input_ids=ids, labels=ids)
+                change = layer.swap[1].clone()
+
+                def loss_at(epsilon):
+                    handle = layer.register_forward_hook(lambda mod, args, out: out + epsilon * change)
+                    try:
+                        return model(input_ids=ids, labels=ids).loss.item()
+                    finally:
+                        handle.remove()
+
+                derivative = (loss_at(1e-2) - loss_at(-1e-2)) / 2e-2
+            gain = -derivative if not high[index] else derivative  # the high format's gain over the low one
+            assert gains[index].item() == pytest.approx(gain, rel=2e-3)
+        for m in modules:
+            m.drawn_high = m.swap = None
+
+
+def test_swap_mode_runs_each_layer_in_its_drawn_discrete_format():
+    from optimum_dmx.nn import MXLinear
+
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 8)
+    layer = DMXLinear(linear, "mxfp8-mxfp4")
+    x = torch.randn(3, 64)
+    for drawn_high, fmt, other in ((False, "mxfp4_e2m1", "mxfp8_e4m3"), (True, "mxfp8_e4m3", "mxfp4_e2m1")):
+        layer.drawn_high = drawn_high
+        y = layer(x)
+        torch.testing.assert_close(y, MXLinear.from_linear(linear, fmt)(x), rtol=0, atol=1e-6)
+        torch.testing.assert_close(layer.swap[1], MXLinear.from_linear(linear, other)(x) - y, rtol=0, atol=1e-6)
+        assert layer.swap[0].requires_grad
