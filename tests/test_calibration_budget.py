@@ -140,3 +140,42 @@ def test_budget_rule_prefers_priority_and_skips_what_does_not_fit():
     shapes = {"big": (512, 64), "small": (16, 64), "rest": (512, 64)}
     fmap = budget_format_map({"big": 0.9, "small": 0.5, "rest": 0.1}, shapes, p, 4.2, "weighted")
     assert fmap == {"big": "mxfp4_e2m1", "small": "mxfp8_e4m3", "rest": "mxfp4_e2m1"}
+
+
+# --- blending the learned ranking with KL pre-selection's --------------------------------------------------
+
+
+def test_blended_priority_averages_ranks():
+    from optimum_dmx.calibration.budget import blended_priority
+
+    offsets = {"a": 10.0, "b": -1.0, "c": 0.5}
+    sensitivities = {"a": 0.001, "b": 0.3, "c": 0.2}
+    assert blended_priority(offsets, sensitivities, 0.0) == {"a": 1.0, "b": 0.0, "c": 0.5}
+    assert blended_priority(offsets, sensitivities, 1.0) == {"a": 0.0, "b": 1.0, "c": 0.5}
+    assert blended_priority(offsets, sensitivities, 0.5) == {"a": 0.5, "b": 0.5, "c": 0.5}
+    with pytest.raises(ValueError, match="same layers"):
+        blended_priority(offsets, {"a": 1.0}, 0.5)
+
+
+def test_kl_weight_one_is_kl_preselection_and_the_blend_keeps_the_budget(deep):
+    """kl_weight=1 ranks by the KL scan alone (the map KL pre-selection gives); 0.5 lands on the budget too."""
+    from optimum_dmx.calibration import kl_preselection
+
+    model, ids = deep
+    common = dict(target_bits=5.5, steps=20, batch_size=2, seq_len=16, num_samples=40, kl_samples=4)
+    kl_only = calibrate(model, ids, CalibrationSettings(**common, kl_weight=1.0), progress=False)
+    reference = kl_preselection(model, ids[:4], CalibrationSettings(**common), progress=False)
+    assert kl_only.format_map == reference.format_map
+    assert kl_only.kl_sensitivities and set(kl_only.kl_sensitivities) == set(kl_only.format_map)
+    blended = calibrate(model, ids, CalibrationSettings(**common, kl_weight=0.5), progress=False)
+    learned = calibrate(model, ids, CalibrationSettings(**common), progress=False)
+    assert blended.beta_hat == learned.beta_hat  # the blend changes the ranking only
+    assert abs(blended.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
+    assert not learned.kl_sensitivities
+
+
+def test_kl_weight_is_validated():
+    with pytest.raises(ValueError, match=r"kl_weight=1.5 must lie in \[0, 1\]"):
+        CalibrationSettings(kl_weight=1.5)
+    with pytest.raises(ValueError, match="discretization='threshold' has none"):
+        CalibrationSettings(recipe="paper", kl_weight=0.5)

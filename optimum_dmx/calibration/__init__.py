@@ -20,7 +20,7 @@ _EXPORTS = {
     "discrete_offset": "schedule",
     "dmx_linears": "trainer",
     "kl_preselection": "baselines",
-    "kl_sensitivities": "baselines",
+    "kl_sensitivities": "sensitivity",
     "load_calibration_dataset": "data",
     "result_from_format_map": "result",
     "temperature_at": "schedule",

@@ -14,17 +14,18 @@ import time
 
 import torch
 from torch import nn
-from torch.nn import functional as F
-from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
 from ..formats import get_format
-from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
+from ..nn.surgery import linear_modules_to_quantize
 from .budget import budget_format_map
 from .groups import offset_groups
 from .result import CalibrationResult, result_from_format_map
+from .sensitivity import kl_sensitivities
 from .settings import CalibrationSettings
 from .trainer import calibrate
+
+__all__ = ["calibrate_round_ste", "kl_preselection", "kl_sensitivities", "uniform", "uniform_format_map"]
 
 
 def uniform_format_map(model: nn.Module, fmt: str, modules_to_not_convert: list[str] | None = None) -> dict[str, str]:
@@ -38,39 +39,6 @@ def uniform(model: nn.Module, fmt: str, settings: CalibrationSettings) -> Calibr
     format_map = uniform_format_map(model, fmt, settings.modules_to_not_convert)
     linears = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     return result_from_format_map(format_map, linears, settings, method="uniform")
-
-
-@torch.no_grad()
-def kl_sensitivities(
-    model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
-) -> dict[str, float]:
-    """Per-layer KL(float || only this layer in the pair's low format), in nats per token.
-
-    One float forward pass over `input_ids` gives the reference distributions; then one pass per layer,
-    in batches of `settings.batch_size`. The low format is the same for both pairs (MXFP4), so the result
-    can be reused across pairs and targets.
-    """
-    low = get_format_pair(settings.format_pair).low.name
-    targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
-    device = next(model.parameters()).device
-    batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
-    tokens = input_ids.numel()
-
-    def log_probs(batch: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
-
-    with emulate_format_map(model, {}):
-        reference = [log_probs(b) for b in batches]
-    sensitivities = {}
-    for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
-        with emulate_format_map(model, {name: low}, settings.block_size, settings.quantize_activations,
-                                settings.scale_rule):
-            kl = sum(
-                F.kl_div(log_probs(b), ref, log_target=True, reduction="sum").item()
-                for b, ref in zip(batches, reference)
-            )
-        sensitivities[name] = kl / tokens
-    return sensitivities
 
 
 def kl_preselection(

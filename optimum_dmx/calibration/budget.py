@@ -69,3 +69,21 @@ def budget_format_map(
         if torch.equal(bits, before):
             break  # nothing more fits in the band
     return {name: (pair.high if b == pair.high.bits else pair.low).name for name, b in zip(names, bits.tolist())}
+
+
+def blended_priority(
+    offsets: Mapping[str, float], sensitivities: Mapping[str, float], kl_weight: float
+) -> dict[str, float]:
+    """`(1 - kl_weight) * rank(offset) + kl_weight * rank(sensitivity)` per layer, ranks as fractions in `[0, 1]`
+    (0: lowest). Ranks, not values: the two signals have unrelated scales (nats per token vs loss per offset)."""
+    names = list(offsets)
+    if set(sensitivities) != set(names):
+        raise ValueError("offsets and sensitivities must name the same layers")
+    denominator = max(len(names) - 1, 1)
+
+    def ranks(values: Mapping[str, float]) -> dict[str, float]:
+        order = sorted(names, key=lambda name: values[name])
+        return {name: index / denominator for index, name in enumerate(order)}
+
+    by_offset, by_sensitivity = ranks(offsets), ranks(sensitivities)
+    return {name: (1 - kl_weight) * by_offset[name] + kl_weight * by_sensitivity[name] for name in names}

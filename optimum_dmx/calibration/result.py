@@ -25,6 +25,7 @@ class CalibrationResult:
         history: one record per step: `step`, `loss`, `task_loss`, `reg_loss`, `bits` (the average the
             regularizer uses), `bits_simple`, `bits_weighted`, `temperature`.
         beta_hat: final raw offset per module (empty for methods without offsets).
+        kl_sensitivities: the KL scan's per-module sensitivity when the ranking blended it in (`kl_weight`).
         method: which procedure produced the assignment (`"dmx"`, `"round_ste"`, `"kl"`, `"uniform"`).
         seconds: wall time of the procedure.
     """
@@ -35,6 +36,7 @@ class CalibrationResult:
     storage_bits: float
     history: list[dict] = field(default_factory=list)
     beta_hat: dict[str, float] = field(default_factory=dict)
+    kl_sensitivities: dict[str, float] = field(default_factory=dict)
     method: str = "dmx"
     seconds: float = 0.0
 

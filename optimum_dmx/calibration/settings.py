@@ -66,6 +66,12 @@ class CalibrationSettings:
             format integrated along the continuous path) or `"swap"` (every layer, in the discrete format it was
             drawn in, estimates `L(low) - L(high)` to first order from the change of its output the other format
             would make; the means from the two ends are averaged, the trapezoid rule).
+        kl_weight: weight in `[0, 1]` of KL pre-selection's ranking in the final ranking (`discretization="budget"`
+            only): each layer's priority is `(1 - kl_weight) * rank(offset) + kl_weight * rank(KL sensitivity)`,
+            ranks as fractions of the layer count (`calibration.budget.blended_priority`). 0 ranks by the learned
+            offsets alone; the KL scan (one forward pass per layer on `kl_samples` sequences) runs only when it is
+            above 0.
+        kl_samples: calibration sequences the KL scan reads (the first ones).
         offset_groups: layers that share one offset, and so one format: `"none"` (every layer its own),
             `"fused"` (q/k/v and gate/up of each decoder layer, which serving engines run as one matmul with one
             format; found from module names) or explicit lists of module names.
@@ -95,6 +101,8 @@ class CalibrationSettings:
     t_end: float = 400.0
     t_warmup_ratio: float = 0.6
     offset_probe: str = "low"
+    kl_weight: float = 0.0
+    kl_samples: int = 4
     offset_groups: str | list[list[str]] = "none"
     block_size: int = 32
     quantize_activations: bool = True
@@ -117,13 +125,22 @@ class CalibrationSettings:
             f"target_bits={self.target_bits!r} is outside the range of format pair {pair.name!r}: "
             f"allowed {pair.min_bits} to {pair.max_bits}.",
         )
-        for name in ("num_samples", "seq_len", "batch_size", "steps", "block_size"):
+        for name in ("num_samples", "seq_len", "batch_size", "steps", "block_size", "kl_samples"):
             value = getattr(self, name)
             _require(
                 isinstance(value, int) and not isinstance(value, bool) and value > 0,
                 f"{name}={value!r} must be a positive integer.",
             )
         validate_scale_rule(self.scale_rule)
+        _require(
+            isinstance(self.kl_weight, (int, float)) and 0.0 <= self.kl_weight <= 1.0,
+            f"kl_weight={self.kl_weight!r} must lie in [0, 1].",
+        )
+        _require(
+            self.kl_weight == 0 or self.discretization == "budget",
+            f"kl_weight={self.kl_weight!r} blends rankings for the budget rule; discretization="
+            f"{self.discretization!r} has none (use kl_weight=0).",
+        )
         _require(
             self.offset_probe in OFFSET_PROBES,
             f"offset_probe={self.offset_probe!r} is not supported; allowed: {', '.join(OFFSET_PROBES)}.",

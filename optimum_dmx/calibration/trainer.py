@@ -28,7 +28,7 @@ from tqdm.auto import tqdm
 from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
-from .budget import budget_format_map
+from .budget import blended_priority, budget_format_map
 from .data import build_calibration_batches
 from .distributed import average_across_processes, process_share, world
 from .dmx_linear import DMXLinear
@@ -36,6 +36,7 @@ from .groups import offset_groups
 from .regularizers import bit_regularizer
 from .result import CalibrationResult, result_from_format_map
 from .schedule import temperature_at
+from .sensitivity import kl_sensitivities
 from .settings import CalibrationSettings
 
 
@@ -132,16 +133,23 @@ def calibrate(
         batches = (input_ids[process_share(rows, rank, world_size)] for rows in bar)
         learn = _sampled_offsets if sampled else _relaxed_offsets
         offsets, history = learn(model, layers, batches, settings, bar, world_size)
-        format_map = _discretize(layers, offsets, settings)
-        result = result_from_format_map(
-            format_map,
-            layers,
-            settings,
-            history=history,
-            beta_hat=offsets,
-            method="round_ste" if straight_through else "dmx",
-            seconds=time.perf_counter() - start,
-        )
+        shapes = {name: tuple(layer.weight.shape) for name, layer in layers.items()}
+        threshold_map = {name: layer.discrete_format.name for name, layer in layers.items()}
+    # The KL scan swaps modules itself: it runs on the restored model.
+    blend = settings.kl_weight > 0 and not straight_through
+    sensitivities = kl_sensitivities(model, input_ids[: settings.kl_samples], settings, progress) if blend else {}
+    priority = blended_priority(offsets, sensitivities, settings.kl_weight) if blend else offsets
+    format_map = threshold_map if settings.discretization == "threshold" else _budget_map(priority, shapes, settings)
+    result = result_from_format_map(
+        format_map,
+        linear_modules_to_quantize(model, settings.modules_to_not_convert),
+        settings,
+        history=history,
+        beta_hat=offsets,
+        kl_sensitivities=sensitivities,
+        method="round_ste" if straight_through else "dmx",
+        seconds=time.perf_counter() - start,
+    )
     logger.info(
         "Calibrated %d layers: %.3f bits (simple), %.3f bits (weighted), %.3f storage bits.",
         len(format_map), result.bits_simple, result.bits_weighted, result.storage_bits,
@@ -149,18 +157,16 @@ def calibrate(
     return result
 
 
-def _discretize(layers: dict[str, DMXLinear], offsets: dict[str, float], settings: CalibrationSettings) -> dict[str, str]:
-    """The format map: the budget's highest offsets (`"budget"`) or each layer's own `beta_hat >= 1`."""
-    if settings.discretization == "threshold":
-        return {name: layer.discrete_format.name for name, layer in layers.items()}
+def _budget_map(priority: dict[str, float], shapes: dict[str, tuple], settings: CalibrationSettings) -> dict[str, str]:
+    """The budget's highest priorities get the high format (`calibration.budget`), groups moving as one."""
     return budget_format_map(
-        offsets,
-        {name: tuple(layer.weight.shape) for name, layer in layers.items()},
+        priority,
+        shapes,
         get_format_pair(settings.format_pair),
         settings.target_bits,
         settings.bit_average,
         settings.quantize_activations,
-        groups=offset_groups(settings.offset_groups, list(layers)),
+        groups=offset_groups(settings.offset_groups, list(shapes)),
     )
 
 

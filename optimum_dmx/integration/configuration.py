@@ -60,6 +60,8 @@ class DMXConfig(QuantizationConfigMixin):
         the default.
         offset_probe: where the default recipe reads each layer's loss derivative: `"low"` (default) or `"path"`
             (`CalibrationSettings`).
+        kl_weight, kl_samples: the final ranking blends the learned offsets' rank with KL pre-selection's (weight
+            `kl_weight`, scan on the first `kl_samples` calibration sequences); `CalibrationSettings`.
         rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/method.md`):
             `"none"` (default), `"hadamard"` (full-size randomized Hadamard transforms) or `"block_hadamard"`
             (block-diagonal ones aligned to the MX blocks). Merged rotations change the saved weights (tied
@@ -105,6 +107,8 @@ class DMXConfig(QuantizationConfigMixin):
         t_end: float | None = None,
         t_warmup_ratio: float | None = None,
         offset_probe: str | None = None,
+        kl_weight: float | None = None,
+        kl_samples: int | None = None,
         rotation: str | None = None,
         offset_groups: str | list[list[str]] | None = None,
         block_size: int | None = None,
@@ -136,6 +140,8 @@ class DMXConfig(QuantizationConfigMixin):
             "t_end": t_end,
             "t_warmup_ratio": t_warmup_ratio,
             "offset_probe": offset_probe,
+            "kl_weight": kl_weight,
+            "kl_samples": kl_samples,
             "offset_groups": offset_groups,
             "block_size": block_size,
             "quantize_activations": quantize_activations,

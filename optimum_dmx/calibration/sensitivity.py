@@ -1,0 +1,48 @@
+"""KL sensitivity: how much each layer alone in the pair's low format moves the model's next-token distribution.
+
+Used by KL pre-selection (a baseline) and by the default recipe's `kl_weight` (the scan's ranking blended with
+the learned offsets)."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+from tqdm.auto import tqdm
+
+from ..continuous import get_format_pair
+from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
+from .settings import CalibrationSettings
+
+
+@torch.no_grad()
+def kl_sensitivities(
+    model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
+) -> dict[str, float]:
+    """Per-layer KL(float || only this layer in the pair's low format), in nats per token.
+
+    One float forward pass over `input_ids` gives the reference distributions; then one pass per layer,
+    in batches of `settings.batch_size`. The low format is the same for both pairs (MXFP4), so the result
+    can be reused across pairs and targets.
+    """
+    low = get_format_pair(settings.format_pair).low.name
+    targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
+    tokens = input_ids.numel()
+
+    def log_probs(batch: torch.Tensor) -> torch.Tensor:
+        return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+
+    with emulate_format_map(model, {}):
+        reference = [log_probs(b) for b in batches]
+    sensitivities = {}
+    for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
+        with emulate_format_map(model, {name: low}, settings.block_size, settings.quantize_activations,
+                                settings.scale_rule):
+            kl = sum(
+                F.kl_div(log_probs(b), ref, log_target=True, reduction="sum").item()
+                for b, ref in zip(batches, reference)
+            )
+        sensitivities[name] = kl / tokens
+    return sensitivities
