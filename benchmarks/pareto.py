@@ -7,8 +7,9 @@ lm_head in float) on the held-out texts. Methods:
 
 * `float`, `uniform` (MXFP4, MXFP6 E2M3, MXFP8 E4M3): references;
 * `kl`: KL pre-selection (its scan on the first `--kl-samples` calibration sequences, timed with it);
-* `dmx`: this package's default recipe (`recipe="dmx"`: sampled format maps at the budget);
-* `dmx_kl`: the default recipe with `kl_weight=0.5` (final ranking: the mean of the learned offsets' rank and
+* `dmx`: the default recipe's learned offsets alone (`recipe="dmx"`, `kl_weight=0`: sampled format maps at the
+  budget, the highest offsets kept);
+* `dmx_kl`: the default recipe (`kl_weight=0.5`: final ranking: the mean of the learned offsets' rank and
   the KL scan's rank). Its offsets are those of `dmx` (the blend only changes the ranking at the end), so when the
   `dmx` run of the same settings is in `runs/` its offsets are blended with the cached scan instead of being
   learned again; the time is the `dmx` run's plus the scan's either way;
@@ -63,6 +64,7 @@ from optimum_dmx.calibration import (
     uniform,
 )
 from optimum_dmx.calibration.budget import blended_priority, budget_format_map
+from optimum_dmx.calibration.settings import DEFAULT_KL_WEIGHT
 from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.nn import emulate_format_map, linear_modules_to_quantize
@@ -131,7 +133,7 @@ class Benchmark:
             t_warmup_ratio=1.0 if method == "dmx_uniform_context" else CalibrationSettings.t_warmup_ratio,
             offset_groups="fused" if method.endswith("_fused") else "none",
             offset_probe={"dmx_path": "path", "dmx_swap": "swap"}.get(method, CalibrationSettings.offset_probe),
-            kl_weight=0.5 if method == "dmx_kl" else 0.0,
+            kl_weight=DEFAULT_KL_WEIGHT if method == "dmx_kl" else 0.0,
             kl_samples=self.kl_samples,
             seed=seed,
         )

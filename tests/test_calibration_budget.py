@@ -168,10 +168,15 @@ def test_kl_weight_one_is_kl_preselection_and_the_blend_keeps_the_budget(deep):
     assert kl_only.format_map == reference.format_map
     assert kl_only.kl_sensitivities and set(kl_only.kl_sensitivities) == set(kl_only.format_map)
     blended = calibrate(model, ids, CalibrationSettings(**common, kl_weight=0.5), progress=False)
-    learned = calibrate(model, ids, CalibrationSettings(**common), progress=False)
+    learned = calibrate(model, ids, CalibrationSettings(**common, kl_weight=0.0), progress=False)
     assert blended.beta_hat == learned.beta_hat  # the blend changes the ranking only
     assert abs(blended.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
     assert not learned.kl_sensitivities
+
+
+def test_kl_weight_defaults_to_the_blend_for_the_default_recipe_only():
+    assert CalibrationSettings().kl_weight == 0.5
+    assert CalibrationSettings(recipe="paper").kl_weight == 0.0  # the paper's procedure, exactly
 
 
 def test_kl_weight_is_validated():

@@ -19,6 +19,7 @@ from .regularizers import REGULARIZERS
 RECIPES = ("dmx", "paper")
 DISCRETIZATIONS = ("budget", "threshold")
 OFFSET_PROBES = ("low", "path", "swap")
+DEFAULT_KL_WEIGHT = 0.5  # the default recipe's blend of its learned ranking with KL pre-selection's
 
 
 def _require(condition: bool, message: str) -> None:
@@ -70,7 +71,8 @@ class CalibrationSettings:
             only): each layer's priority is `(1 - kl_weight) * rank(offset) + kl_weight * rank(KL sensitivity)`,
             ranks as fractions of the layer count (`calibration.budget.blended_priority`). 0 ranks by the learned
             offsets alone; the KL scan (one forward pass per layer on `kl_samples` sequences) runs only when it is
-            above 0.
+            above 0. Default: 0.5 for the `"dmx"` recipe (the two rankings are complementary: measured in
+            `benchmarks/results/README.md`), 0 for `"paper"` (the paper's procedure, exactly).
         kl_samples: calibration sequences the KL scan reads (the first ones).
         offset_groups: layers that share one offset, and so one format: `"none"` (every layer its own),
             `"fused"` (q/k/v and gate/up of each decoder layer, which serving engines run as one matmul with one
@@ -101,7 +103,7 @@ class CalibrationSettings:
     t_end: float = 400.0
     t_warmup_ratio: float = 0.6
     offset_probe: str = "low"
-    kl_weight: float = 0.0
+    kl_weight: float | None = None
     kl_samples: int = 4
     offset_groups: str | list[list[str]] = "none"
     block_size: int = 32
@@ -114,6 +116,8 @@ class CalibrationSettings:
         _require(self.recipe in RECIPES, f"recipe={self.recipe!r} is not supported; allowed: {', '.join(RECIPES)}.")
         if self.discretization is None:
             self.discretization = "budget" if self.recipe == "dmx" else "threshold"
+        if self.kl_weight is None:
+            self.kl_weight = DEFAULT_KL_WEIGHT if self.recipe == "dmx" else 0.0
         _require(
             self.discretization in DISCRETIZATIONS,
             f"discretization={self.discretization!r} is not supported; allowed: {', '.join(DISCRETIZATIONS)}.",
