@@ -58,7 +58,7 @@ class DMXConfig(QuantizationConfigMixin):
         num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, discretization, t_start,
         t_end, t_warmup_ratio, seed: calibration settings (`CalibrationSettings`, `docs/method.md`); `None` takes
         the default.
-        offset_probe: where the default recipe reads each layer's loss derivative: `"low"` (default) or `"path"`
+        offset_probe: where the default recipe reads each layer's loss derivative: `"low"` (default), `"path"` or `"swap"`
             (`CalibrationSettings`).
         kl_weight, kl_samples: the final ranking blends the learned offsets' rank with KL pre-selection's (weight
             `kl_weight`, scan on the first `kl_samples` calibration sequences); `CalibrationSettings`.

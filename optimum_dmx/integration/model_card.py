@@ -149,14 +149,15 @@ def _size_row(info: ModelCardInfo) -> str:
 
 _RECIPE_TEXT = {
     "dmx": "recipe `dmx`: format maps sampled at the bit budget each step, per-layer offsets learned from the task "
-           "loss's derivative at the low format, highest offsets kept within the budget",
+           "loss's derivative, their ranking blended with KL pre-selection's (`kl_weight`), highest-ranked layers "
+           "kept within the budget",
     "paper": "recipe `paper`: the dMX paper's procedure (relaxed offsets through fractional formats, SGD on task loss "
              "+ bit regularizer)",
 }
 # Settings that take part in each recipe; the others are stored in config.json but unused by it.
 _RECIPE_SETTINGS = {
     "dmx": ("steps", "batch_size", "seq_len", "num_samples", "discretization", "bit_average", "t_start", "t_end",
-            "t_warmup_ratio", "offset_probe", "offset_groups", "seed"),
+            "t_warmup_ratio", "offset_probe", "kl_weight", "kl_samples", "offset_groups", "seed"),
     "paper": ("steps", "batch_size", "seq_len", "num_samples", "lr", "regularizer", "reg_lambda", "discretization",
               "bit_average", "t_start", "t_end", "t_warmup_ratio", "seed"),
 }
