@@ -107,6 +107,26 @@ def test_rotation_preserves_the_models_function(kind, rotation, dtype):
         assert all(torch.all(rotated.get_submodule(f"model.layers.{i}.input_layernorm").weight == 1) for i in range(2))
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_online_block_rotation_transforms_every_quantized_input_and_preserves_the_function(kind, dtype):
+    dtype = getattr(torch, dtype)
+    model = _tiny(kind, tied=True, dtype=dtype)
+    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        reference = model(ids).logits.float()
+    rotated = copy.deepcopy(model)
+    quantized = linear_modules_to_quantize(rotated, ["lm_head"])
+    transforms = rotate_model(rotated, "online_block_hadamard", quantized, block_size=32, seed=0)
+    with torch.no_grad():
+        logits = rotated(ids).logits.float()
+    tolerance = 1e-4 if dtype == torch.float32 else 0.08 * reference.abs().max().item()
+    assert (logits - reference).abs().max().item() < tolerance
+    assert sorted(transforms) == sorted(quantized) and all(s["block_size"] == 32 for s in transforms.values())
+    assert rotated.lm_head.weight is rotated.model.embed_tokens.weight  # nothing merged into the residual stream
+    assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
 def test_rotation_keeps_float_down_proj_without_online_transform():
     model = _tiny("llama", tied=False)
     quantized = linear_modules_to_quantize(model, ["lm_head", "down_proj"])

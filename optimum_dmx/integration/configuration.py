@@ -63,8 +63,9 @@ class DMXConfig(QuantizationConfigMixin):
         kl_weight, kl_samples: the final ranking blends the learned offsets' rank with KL pre-selection's (weight
             `kl_weight`, scan on the first `kl_samples` calibration sequences); `CalibrationSettings`.
         rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/method.md`):
-            `"none"` (default), `"hadamard"` (full-size randomized Hadamard transforms) or `"block_hadamard"`
-            (block-diagonal ones aligned to the MX blocks). Merged rotations change the saved weights (tied
+            `"none"` (default), `"hadamard"` (full-size randomized Hadamard transforms), `"block_hadamard"`
+            (block-diagonal ones aligned to the MX blocks) or `"online_block_hadamard"` (a block-diagonal transform of
+            every quantized linear's input at run time, nothing merged into the residual stream). Merged rotations change the saved weights (tied
             embeddings are untied); the online transform of each `down_proj` input is recorded in
             `input_transforms` and rebuilt on load.
         offset_groups: layers that share one offset and so one format: `"none"` (default), `"fused"` (q/k/v and

@@ -168,6 +168,8 @@ _ROTATION_TEXT = {
     "hadamard": "full-size randomized Hadamard (merged into the weights; online on each `down_proj` input)",
     "block_hadamard": "block-diagonal randomized Hadamard aligned to the MX blocks (merged into the weights; online on "
                       "each `down_proj` input)",
+    "online_block_hadamard": "block-diagonal randomized Hadamard aligned to the MX blocks on every quantized linear's "
+                             "input, at run time (inverse merged into the weights)",
 }
 
 

@@ -17,8 +17,14 @@
 
 `rotation="hadamard"` uses full-size randomized Hadamard transforms (hidden size, head size, intermediate size);
 `rotation="block_hadamard"` uses block-diagonal ones aligned to the MX blocks (`block_size`, normally 32), which
-mix values only within the blocks that share a scale. All rotations are computed in float64 and written back in
-each weight's dtype.
+mix values only within the blocks that share a scale.
+
+`rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets its own
+online block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale.
+Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
+each quantized linear's input per call.
+
+All rotations are computed in float64 and written back in each weight's dtype.
 """
 
 from __future__ import annotations
@@ -31,7 +37,7 @@ from torch import nn
 
 from .transforms import RandomizedHadamard, TransformedLinear
 
-ROTATIONS = ("none", "hadamard", "block_hadamard")
+ROTATIONS = ("none", "hadamard", "block_hadamard", "online_block_hadamard")
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -62,6 +68,8 @@ def rotate_model(
     """
     if validate_rotation(rotation) == "none":
         return {}
+    if rotation == "online_block_hadamard":
+        return _transform_every_input(model, quantized, block_size, seed)
     layers = _decoder_layers(model)
     seeds = iter(torch.randint(0, 2**31 - 1, (3 * len(layers) + 1,), generator=torch.Generator().manual_seed(seed)).tolist())
 
@@ -84,6 +92,24 @@ def rotate_model(
             _merge_input_side(mlp.down_proj, online.matrix())
             mlp.down_proj = TransformedLinear(mlp.down_proj, online)
             transforms[name] = online.to_dict()
+    return transforms
+
+
+def _transform_every_input(model: nn.Module, quantized: Collection[str], block_size: int, seed: int) -> dict[str, dict[str, Any]]:
+    """An online block-diagonal randomized Hadamard transform on the input of every quantized linear."""
+    generator = torch.Generator().manual_seed(seed)
+    transforms = {}
+    for name in quantized:
+        linear = model.get_submodule(name)
+        if not isinstance(linear, nn.Linear) or isinstance(linear, TransformedLinear):
+            raise ValueError(f"rotation='online_block_hadamard' needs {name!r} to be a plain nn.Linear")
+        if linear.in_features % block_size:
+            raise ValueError(f"rotation='online_block_hadamard' needs in_features divisible by {block_size}; "
+                             f"{name!r} has {linear.in_features}")
+        transform = RandomizedHadamard(linear.in_features, block_size, int(torch.randint(0, 2**31 - 1, (), generator=generator)))
+        _merge_input_side(linear, transform.matrix())
+        model.set_submodule(name, TransformedLinear(linear, transform))
+        transforms[name] = transform.to_dict()
     return transforms
 
 
