@@ -5,7 +5,8 @@ import torch
 from torch.nn import functional as F
 
 from optimum_dmx.calibration import DMXLinear
-from optimum_dmx.continuous import FORMAT_PAIRS, quantize_mx_continuous, quantize_mx_continuous_fused, weight_block_max
+from optimum_dmx.continuous import FORMAT_PAIRS, FrozenQuantization, quantize_mx_continuous, quantize_mx_continuous_fused
+from optimum_dmx.continuous import weight_block_max
 from optimum_dmx.formats import SCALE_RULES, quantize_mx
 
 BETAS = [0.0, 0.2, 0.5, 0.999, 1.0, 1.37, 1.8, 2.0]
@@ -132,3 +133,29 @@ def test_dmx_linear_discrete_format_and_straight_through():
     assert layer.beta_hat.grad.item() == pytest.approx(8.0 / 4)  # dF/dbeta_hat at 1 is T / 4 (T = 8)
     x = torch.randn(3, 32)
     assert torch.equal(layer(x), F.linear(quantize_mx(x, "mxfp6_e2m3"), quantize_mx(layer.weight, "mxfp6_e2m3"), layer.bias))
+
+
+@pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 0.7, 2.0])
+def test_frozen_quantization_reuses_values_and_beta_gradient(pair, dtype, offset):
+    w = sample((16, 96), dtype)
+    grad_out = torch.randn(w.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+    beta = torch.tensor(offset, requires_grad=True)
+    expected = quantize_mx_continuous_fused(w, beta, pair, block_amax=weight_block_max(w))
+    (expected_grad,) = torch.autograd.grad((expected * grad_out).sum(), beta)
+    frozen = FrozenQuantization.compute(w, offset, pair, block_amax=weight_block_max(w))
+    for _ in range(2):  # the same tensors on every use
+        beta = torch.tensor(offset, requires_grad=True)
+        y = frozen(beta)
+        (grad,) = torch.autograd.grad((y * grad_out).sum(), beta)
+        assert torch.equal(y, expected) and y.dtype == dtype
+        assert grad.item() == expected_grad.item()
+    assert torch.equal(frozen(torch.tensor(offset)), expected)
+
+
+def test_frozen_quantization_without_beta_gradient_refuses_a_gradient():
+    frozen = FrozenQuantization.compute(sample((4, 64), torch.float32), 2.0, "mxfp8-mxfp4", with_beta_grad=False)
+    assert frozen.d_beta is None
+    with pytest.raises(RuntimeError, match="with_beta_grad"):
+        frozen(torch.tensor(2.0, requires_grad=True))

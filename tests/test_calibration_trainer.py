@@ -7,6 +7,7 @@ from torch import nn
 
 from .helpers import sensitive_llama_and_data, tiny_llama
 from optimum_dmx.calibration import CalibrationSettings, DMXLinear, calibrate
+from optimum_dmx.continuous import FrozenQuantization, quantize_mx_continuous_fused
 from optimum_dmx.nn import linear_modules_to_quantize
 
 
@@ -70,6 +71,29 @@ def test_deterministic_for_a_seed(sensitive):
     c = calibrate(model, ids, settings(seed=2), progress=False)
     assert a.history == b.history and a.beta_hat == b.beta_hat and a.format_map == b.format_map
     assert [h["task_loss"] for h in a.history] != [h["task_loss"] for h in c.history]
+
+
+def test_weights_quantized_once_per_endpoint_with_the_same_result(sensitive, monkeypatch):
+    """The default recipe reuses each frozen weight's quantization at its probe endpoints: same offsets, bit for
+    bit, as recomputing it every step, with at most two computations per layer (one per endpoint)."""
+    model, ids = sensitive
+    computed = []
+    original = FrozenQuantization.compute.__func__
+
+    def counting(cls, *args, **kwargs):
+        computed.append(args[1])
+        return original(cls, *args, **kwargs)
+
+    monkeypatch.setattr(FrozenQuantization, "compute", classmethod(counting))
+    cached = calibrate(model, ids, settings(steps=8), progress=False)
+    layers = len(cached.format_map)
+    assert 0 < len(computed) <= 2 * layers and set(computed) <= {0.0, 2.0}
+
+    monkeypatch.setattr(DMXLinear, "quantized_weight", lambda self, beta: quantize_mx_continuous_fused(
+        self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max))
+    recomputed = calibrate(model, ids, settings(steps=8), progress=False)
+    assert cached.beta_hat == recomputed.beta_hat and cached.history == recomputed.history
+    assert cached.format_map == recomputed.format_map
 
 
 def test_bits_move_up_toward_a_high_target(sensitive):

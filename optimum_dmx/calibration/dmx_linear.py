@@ -6,7 +6,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..continuous import FormatPair, get_format_pair, quantize_mx_continuous_fused, weight_block_max
+from ..continuous import MAX_OFFSET, FormatPair, FrozenQuantization, get_format_pair, quantize_mx_continuous_fused
+from ..continuous import weight_block_max
 from ..formats import MXFormat, quantize_mx
 from .schedule import discrete_offset, temperature_sigmoid
 
@@ -27,6 +28,9 @@ class DMXLinear(nn.Module):
 
     `probe`, when set, replaces `beta` altogether: the sampling estimator sets it to a format endpoint each step
     (a 0-dim tensor, requiring grad when the loss's derivative there is wanted) and reads that derivative.
+    `probe_offset` is the probe's value as a Python number, when the caller knows it: at an endpoint (0 or 2) the
+    frozen weight's quantization (values and `dy/dbeta`) is then computed once and reused every later step
+    (`FrozenQuantization`; one to three float32 copies of the weight, freed with the module).
 
     `drawn_high`, when set (`True`/`False`), runs the layer in that discrete format of the pair instead (exact MX
     casts, straight-through for the input) and records in `swap` its output `y` (in the autograd graph) and
@@ -60,6 +64,8 @@ class DMXLinear(nn.Module):
         self.straight_through = straight_through
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
         self.probe: torch.Tensor | None = None
+        self.probe_offset: float | None = None
+        self._frozen_weights: dict[float, FrozenQuantization] = {}
         self.drawn_high: bool | None = None
         self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
         self._discrete_weights: dict[str, torch.Tensor] = {}
@@ -92,6 +98,20 @@ class DMXLinear(nn.Module):
                                                            self.scale_rule)
         return self._discrete_weights[fmt.name]
 
+    def quantized_weight(self, beta: torch.Tensor) -> torch.Tensor:
+        """The weight quantized at `beta`; reused from an earlier step when `beta` is a probe at an endpoint."""
+        offset = self.probe_offset if self.probe is not None else None
+        if offset not in (0.0, MAX_OFFSET):
+            return quantize_mx_continuous_fused(
+                self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
+            )
+        frozen = self._frozen_weights.get(offset)
+        if frozen is None or (beta.requires_grad and frozen.d_beta is None):
+            frozen = FrozenQuantization.compute(self.weight, offset, self.pair, self.block_size, self.scale_rule,
+                                                self._weight_block_max, with_beta_grad=beta.requires_grad)
+            self._frozen_weights[offset] = frozen
+        return frozen(beta)
+
     def _forward_swap(self, x: torch.Tensor) -> torch.Tensor:
         fmt, other = (self.pair.high, self.pair.low) if self.drawn_high else (self.pair.low, self.pair.high)
         bias = None if self.bias is None else self.bias.float()
@@ -111,9 +131,7 @@ class DMXLinear(nn.Module):
         if self.drawn_high is not None:
             return self._forward_swap(x).to(x.dtype)
         beta = self.beta()
-        weight = quantize_mx_continuous_fused(
-            self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
-        )
+        weight = self.quantized_weight(beta)
         if self.quantize_activations:
             x = quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))

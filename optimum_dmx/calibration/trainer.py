@@ -273,7 +273,7 @@ def _sampled_offsets(
             bar.set_postfix(loss=f"{loss.item():.4f}", T=f"{temperature:.1f}")
     finally:
         for m in modules:
-            m.probe = m.drawn_high = m.swap = None
+            m.probe = m.probe_offset = m.drawn_high = m.swap = None
     return dict(zip(names, means.offsets(missing=math.inf).tolist())), history
 
 
@@ -284,11 +284,12 @@ def _probe_gains(
     """`offset_probe` `"low"` / `"path"`: the loss, the layers drawn low, and `-dL/dbeta` at their probe."""
     device = batch.device
     low = torch.nonzero(~high).flatten()
-    points = _probe_points(len(low), settings.offset_probe, generator).to(device)
-    probes = {int(i): point.clone().requires_grad_(True) for i, point in zip(low, points)}
+    points = _probe_points(len(low), settings.offset_probe, generator)
+    offsets = dict(zip(low.tolist(), points.tolist()))
+    probes = {i: torch.tensor(offset, device=device, requires_grad=True) for i, offset in offsets.items()}
     high_offset = torch.tensor(MAX_OFFSET, device=device)
     for i, m in enumerate(modules):
-        m.probe = probes.get(i, high_offset)
+        m.probe, m.probe_offset = probes.get(i, high_offset), offsets.get(i, MAX_OFFSET)
     loss = model(input_ids=batch, labels=batch, use_cache=False).loss
     if not probes:
         return loss, low, torch.zeros(0, dtype=torch.float64)

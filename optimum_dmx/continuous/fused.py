@@ -11,12 +11,15 @@ pass. Calibration needs two gradients, and both have closed forms (``docs/method
   value saturates.
 
 Weights are frozen during calibration, so their block maxima can be computed once and passed back in
-(``block_amax``), and no input gradient is computed for them.
+(``block_amax``), and no input gradient is computed for them. At a fixed offset (the endpoints the default
+recipe probes) a frozen weight's whole quantization is constant: ``FrozenQuantization`` computes its values and
+``dy/dbeta`` once and reuses them every step.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -26,7 +29,7 @@ from ..formats.blocks import validate_input
 from ..formats.spec import grid_exponent, validate_block_size, validate_scale_rule
 from .pairs import FormatPair, get_format_pair
 
-__all__ = ["quantize_mx_continuous_fused", "weight_block_max"]
+__all__ = ["FrozenQuantization", "quantize_mx_continuous_fused", "weight_block_max"]
 
 _LN2 = math.log(2.0)
 
@@ -87,9 +90,62 @@ class _FusedContinuousMX(torch.autograd.Function):
         d_x, d_beta = ctx.saved_tensors
         want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
         grad = grad_y.float()
-        grad_beta = torch.dot(grad.reshape(-1), d_beta.reshape(-1)) if want_beta_grad else None
+        grad_beta = _beta_gradient(grad, d_beta) if want_beta_grad else None
         grad_x = (grad * d_x).to(grad_y.dtype) if want_x_grad else None
         return grad_x, grad_beta, None, None, None, None
+
+
+def _beta_gradient(grad_y: torch.Tensor, d_beta: torch.Tensor) -> torch.Tensor:
+    """``dL/dbeta = sum(dL/dy * dy/dbeta)``: the chain rule for a scalar offset shared by every element."""
+    return torch.dot(grad_y.reshape(-1), d_beta.reshape(-1))
+
+
+class _PrecomputedContinuousMX(torch.autograd.Function):
+    """Attaches precomputed values and ``dy/dbeta`` of a frozen tensor to the graph of ``beta``."""
+
+    @staticmethod
+    def forward(ctx, beta, values, d_beta):
+        ctx.save_for_backward(d_beta)
+        return values.view_as(values)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (d_beta,) = ctx.saved_tensors
+        return _beta_gradient(grad_y.float(), d_beta), None, None
+
+
+@dataclass(frozen=True)
+class FrozenQuantization:
+    """A frozen tensor's continuous quantization at one offset, computed once and reused.
+
+    ``values`` equal ``quantize_mx_continuous_fused(x, beta, ...)`` bit for bit, and calling the object with a
+    ``beta`` tensor of the same value returns them with the same gradient with respect to ``beta`` (from the stored
+    ``d_beta``, kept only when built ``with_beta_grad``). It trades memory (one or two float32 copies of the
+    tensor) for the quantizer's whole cost on every later use, which is what calibration wants for its frozen
+    weights at the offsets it revisits.
+    """
+
+    offset: float
+    values: torch.Tensor
+    d_beta: torch.Tensor | None
+
+    @classmethod
+    def compute(
+        cls, x: torch.Tensor, offset: float, pair: str | FormatPair, block_size: int = 32, scale_rule: str = "ocp",
+        block_amax: torch.Tensor | None = None, with_beta_grad: bool = True,
+    ) -> "FrozenQuantization":
+        pair = get_format_pair(pair)
+        beta = torch.tensor(float(offset), device=x.device)
+        with torch.no_grad():
+            values, _, d_beta = _quantize(x.detach(), beta, pair, block_size, scale_rule, block_amax, False, with_beta_grad)
+        return cls(float(offset), values, d_beta)
+
+    def __call__(self, beta: torch.Tensor) -> torch.Tensor:
+        if torch.is_grad_enabled() and beta.requires_grad:
+            if self.d_beta is None:
+                raise RuntimeError("this FrozenQuantization was computed without dy/dbeta (with_beta_grad=False).")
+            return _PrecomputedContinuousMX.apply(beta, self.values, self.d_beta)
+        return self.values
 
 
 def weight_block_max(weight: torch.Tensor, block_size: int = 32) -> torch.Tensor:
