@@ -6,7 +6,8 @@ For each batch size the script alternates, `--repeats` times:
 * the reference: a forward + backward pass of the float model with every weight trainable;
 * dMX, default recipe: two runs of the real trainer (`calibrate`) that differ only in their step count, 1 and
   `1 + --steps`; their time difference divided by `--steps` is the cost of one step, without the one-time
-  setup (wrapping the linears, computing the weights' block maxima);
+  setup (wrapping the linears, computing the weights' block maxima; `kl_weight=0`, since the default recipe's
+  KL scan runs once per calibration, not per step: the scan's own cost is the KL baseline's, in `pareto.py`);
 * dMX, paper recipe: the same with `recipe="paper"`;
 * ROUND+STE: the same with `calibrate_round_ste`.
 
@@ -44,7 +45,7 @@ def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: s
     def run(num_steps: int) -> float:
         settings = CalibrationSettings(
             recipe=recipe, target_bits=5.0, format_pair=pair, num_samples=len(batch), seq_len=batch.shape[1],
-            batch_size=len(batch), steps=num_steps, discretization="budget",
+            batch_size=len(batch), steps=num_steps, discretization="budget", kl_weight=0.0,
         )
         return trainer(model, batch, settings, progress=False).seconds
 

@@ -9,13 +9,16 @@ Measures, in one run:
 2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
    `common.py`): forward time of the float model vs the dMX model (cached and packed-only), `from_pretrained`
    time and checkpoint bytes, float vs dMX. The dMX model uses a fixed mixed map (every fourth decoder
-   linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration.
+   linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration. With `--rotation NAME` a
+   third dMX model, rotated by `DMXConfig(rotation=NAME)` with the same map, is timed beside them (the cost of
+   an online transform such as `online_block_hadamard`).
 
 Times are median CPU times (one torch thread by default) over `--repeats` runs after a warm-up: the
 linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32.
 Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
 
-usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--repeats N] [--threads N] [--output FILE]
+usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--rotation NAME] [--repeats N] [--threads N]
+                                           [--output FILE]
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ from torch import nn
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, get_format
 from optimum_dmx.integration.model_card import checkpoint_bytes
+from optimum_dmx.nn.rotation import ROTATIONS
 
 from common import benchmark_model, median_seconds
 
@@ -76,7 +80,7 @@ def mixed_format_map(model: nn.Module) -> dict[str, str]:
     return {name: "mxfp8_e4m3" if i % 4 == 0 else "mxfp4_e2m1" for i, name in enumerate(names)}
 
 
-def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[str]]:
+def bench_model(model_dir: Path, repeats: int, rotation: str = "none") -> tuple[list[list[str]], list[str]]:
     from transformers import AutoModelForCausalLM
 
     rows, notes = [], []
@@ -89,6 +93,11 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
         )
         dmx.save_pretrained(dmx_dir)
         del dmx
+        rotated_dir = Path(tmp) / "rotated"
+        if rotation != "none":
+            AutoModelForCausalLM.from_pretrained(
+                model_dir, dtype=torch.bfloat16, quantization_config=DMXConfig(format_map=format_map, rotation=rotation)
+            ).save_pretrained(rotated_dir)
 
         load_float, load_dmx = median_seconds(
             [lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16) for path in (model_dir, dmx_dir)],
@@ -112,10 +121,11 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
             f"{(rest_bytes + linear_float_bytes * storage_bits / 16) / float_bytes:.3f})",
         ]
         load_ratio, size_ratio = load_dmx / load_float, dmx_bytes / float_bytes
+        extra = [""] if rotation != "none" else []
         rows.append(["load time (from_pretrained, wall)", "bf16", "", f"{load_float:.2f} s",
-                     f"{load_dmx:.2f} s ({load_ratio:.2f}x)", ""])
+                     f"{load_dmx:.2f} s ({load_ratio:.2f}x)", "", *extra])
         rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB",
-                     f"{dmx_bytes / 2**20:.1f} MiB ({size_ratio:.3f}x)", ""])
+                     f"{dmx_bytes / 2**20:.1f} MiB ({size_ratio:.3f}x)", "", *extra])
 
         for dtype in MODEL_DTYPES:
             float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -124,18 +134,20 @@ def bench_model(model_dir: Path, repeats: int) -> tuple[list[list[str]], list[st
             for module in dmx_packed.modules():
                 if isinstance(module, MXLinear):
                     module.cache_weight = False
+            models = [float_model, dmx, dmx_packed]
+            if rotation != "none":
+                models.append(AutoModelForCausalLM.from_pretrained(rotated_dir, dtype=dtype))
             for batch, seq in SHAPES:
                 generator = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
                 with torch.inference_mode():
-                    base, cached, packed = median_seconds(
-                        [lambda: float_model(ids), lambda: dmx(ids), lambda: dmx_packed(ids)], repeats, time.process_time
+                    base, *others = median_seconds(
+                        [lambda m=m: m(ids) for m in models], repeats, time.process_time
                     )
-                log(f"model {dtype} {batch}x{seq}: {base:.2f} / {cached:.2f} / {packed:.2f} s")
+                log(f"model {dtype} {batch}x{seq}: " + " / ".join(f"{t:.2f}" for t in (base, *others)) + " s")
                 rows.append([
-                    "SmolLM2-135M forward", str(dtype).removeprefix("torch."), f"{batch}x{seq}",
-                    f"{base * 1e3:.0f}", f"{cached * 1e3:.0f} ({cached / base:.2f}x)",
-                    f"{packed * 1e3:.0f} ({packed / base:.2f}x)",
+                    "SmolLM2-135M forward", str(dtype).removeprefix("torch."), f"{batch}x{seq}", f"{base * 1e3:.0f}",
+                    *(f"{t * 1e3:.0f} ({t / base:.2f}x)" for t in others),
                 ])
     return rows, notes
 
@@ -149,6 +161,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model folder (default: the de-gridded SmolLM2-135M, fetched once)")
     parser.add_argument("--skip-model", action="store_true", help="only the single-linear part")
+    parser.add_argument("--rotation", default="none", choices=list(ROTATIONS),
+                        help="also time a dMX model with this rotation (same map)")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
@@ -170,9 +184,11 @@ def main() -> None:
               bench_linear(args.repeats)),
     ]
     if not args.skip_model:
-        rows, notes = bench_model(args.model or benchmark_model(), args.repeats)
-        parts += ["", "### Whole model (SmolLM2-135M)",
-                  table(["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only"], rows), ""]
+        rows, notes = bench_model(args.model or benchmark_model(), args.repeats, args.rotation)
+        header = ["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only"]
+        if args.rotation != "none":
+            header.append(f"dMX cached, rotation {args.rotation}")
+        parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]
         parts += [f"- {note}" for note in notes]
     report = "\n".join(parts) + "\n"
     print(report)
