@@ -5,7 +5,7 @@ import torch
 from torch.nn import functional as F
 
 from optimum_dmx.calibration import DMXLinear
-from optimum_dmx.continuous import FORMAT_PAIRS, FrozenQuantization, quantize_mx_continuous, quantize_mx_continuous_fused
+from optimum_dmx.continuous import FORMAT_PAIRS, ContinuousQuantization, quantize_mx_continuous, quantize_mx_continuous_fused
 from optimum_dmx.continuous import weight_block_max
 from optimum_dmx.formats import SCALE_RULES, quantize_mx
 
@@ -138,24 +138,36 @@ def test_dmx_linear_discrete_format_and_straight_through():
 @pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("offset", [0.0, 0.7, 2.0])
-def test_frozen_quantization_reuses_values_and_beta_gradient(pair, dtype, offset):
-    w = sample((16, 96), dtype)
-    grad_out = torch.randn(w.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+def test_a_computed_quantization_attaches_the_same_values_and_gradients(pair, dtype, offset):
+    """`ContinuousQuantization` computed once and attached twice gives what the fused quantizer gives each time:
+    the same values, `dL/dx` and `dL/dbeta`, bit for bit (frozen weight: no `x`; activation: with `x`)."""
+    x = sample((16, 96), dtype)
+    grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
+
+    def values_and_grads(quantize):
+        xi, beta = x.clone().requires_grad_(True), torch.tensor(offset, requires_grad=True)
+        y = quantize(xi, beta)
+        return (y.detach(), *torch.autograd.grad((y * grad_out).sum(), (xi, beta)))
+
+    expected = values_and_grads(lambda xi, beta: quantize_mx_continuous_fused(xi, beta, pair))
+    once = ContinuousQuantization.compute(x, offset, pair, with_x_grad=True)
+    for _ in range(2):
+        got = values_and_grads(once.attach)
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)) and got[0].dtype == dtype
+
+    frozen = ContinuousQuantization.compute(x, offset, pair, block_amax=weight_block_max(x))
     beta = torch.tensor(offset, requires_grad=True)
-    expected = quantize_mx_continuous_fused(w, beta, pair, block_amax=weight_block_max(w))
-    (expected_grad,) = torch.autograd.grad((expected * grad_out).sum(), beta)
-    frozen = FrozenQuantization.compute(w, offset, pair, block_amax=weight_block_max(w))
-    for _ in range(2):  # the same tensors on every use
-        beta = torch.tensor(offset, requires_grad=True)
-        y = frozen(beta)
-        (grad,) = torch.autograd.grad((y * grad_out).sum(), beta)
-        assert torch.equal(y, expected) and y.dtype == dtype
-        assert grad.item() == expected_grad.item()
-    assert torch.equal(frozen(torch.tensor(offset)), expected)
+    y = frozen.attach(None, beta)
+    (grad,) = torch.autograd.grad((y * grad_out).sum(), beta)
+    assert torch.equal(y, expected[0]) and grad.item() == expected[2].item() and frozen.d_x is None
+    assert torch.equal(frozen.attach(None, torch.tensor(offset)), expected[0])
 
 
-def test_frozen_quantization_without_beta_gradient_refuses_a_gradient():
-    frozen = FrozenQuantization.compute(sample((4, 64), torch.float32), 2.0, "mxfp8-mxfp4", with_beta_grad=False)
+def test_a_quantization_without_a_derivative_refuses_that_gradient():
+    x = sample((4, 64), torch.float32)
+    frozen = ContinuousQuantization.compute(x, 2.0, "mxfp8-mxfp4", with_beta_grad=False)
     assert frozen.d_beta is None
     with pytest.raises(RuntimeError, match="with_beta_grad"):
-        frozen(torch.tensor(2.0, requires_grad=True))
+        frozen.attach(None, torch.tensor(2.0, requires_grad=True))
+    with pytest.raises(RuntimeError, match="with_x_grad"):
+        frozen.attach(x.clone().requires_grad_(True), torch.tensor(2.0))

@@ -7,7 +7,8 @@ from torch import nn
 
 from .helpers import sensitive_llama_and_data, tiny_llama
 from optimum_dmx.calibration import CalibrationSettings, DMXLinear, calibrate
-from optimum_dmx.continuous import FrozenQuantization, quantize_mx_continuous_fused
+from optimum_dmx.calibration.dmx_linear import SharedInputs
+from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuous_fused
 from optimum_dmx.nn import linear_modules_to_quantize
 
 
@@ -73,27 +74,56 @@ def test_deterministic_for_a_seed(sensitive):
     assert [h["task_loss"] for h in a.history] != [h["task_loss"] for h in c.history]
 
 
-def test_weights_quantized_once_per_endpoint_with_the_same_result(sensitive, monkeypatch):
-    """The default recipe reuses each frozen weight's quantization at its probe endpoints: same offsets, bit for
-    bit, as recomputing it every step, with at most two computations per layer (one per endpoint)."""
+def test_reused_quantizations_give_the_same_result_bit_for_bit(sensitive, monkeypatch):
+    """The default recipe quantizes each frozen weight once per probe endpoint and each input shared by q/k/v or
+    gate/up once per endpoint and step: the same offsets and losses, bit for bit, as quantizing everything in every
+    layer at every step, with far fewer quantizations."""
     model, ids = sensitive
     computed = []
-    original = FrozenQuantization.compute.__func__
+    original = ContinuousQuantization.compute.__func__
 
-    def counting(cls, *args, **kwargs):
-        computed.append(args[1])
-        return original(cls, *args, **kwargs)
+    def counting(cls, x, beta, *args, **kwargs):
+        computed.append(beta)
+        return original(cls, x, beta, *args, **kwargs)
 
-    monkeypatch.setattr(FrozenQuantization, "compute", classmethod(counting))
-    cached = calibrate(model, ids, settings(steps=8), progress=False)
-    layers = len(cached.format_map)
-    assert 0 < len(computed) <= 2 * layers and set(computed) <= {0.0, 2.0}
+    monkeypatch.setattr(ContinuousQuantization, "compute", classmethod(counting))
+    reused = calibrate(model, ids, settings(steps=8), progress=False)
+    layers, steps = len(reused.format_map), 8
+    # weights: at most once per endpoint; inputs: q/k/v and gate/up share theirs whenever probed at the same end
+    assert len(computed) < 2 * layers + layers * steps
 
+    computed.clear()
     monkeypatch.setattr(DMXLinear, "quantized_weight", lambda self, beta: quantize_mx_continuous_fused(
         self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max))
+    monkeypatch.setattr(SharedInputs, "quantize", lambda self, x, beta, key: quantize_mx_continuous_fused(
+        x, beta, key[1], key[2], key[3]))
     recomputed = calibrate(model, ids, settings(steps=8), progress=False)
-    assert cached.beta_hat == recomputed.beta_hat and cached.history == recomputed.history
-    assert cached.format_map == recomputed.format_map
+    assert len(computed) == 2 * layers * steps  # every weight and every input, every step
+    assert reused.beta_hat == recomputed.beta_hat and reused.history == recomputed.history
+    assert reused.format_map == recomputed.format_map
+
+
+def test_shared_inputs_quantize_one_input_once_per_endpoint():
+    shared = SharedInputs()
+    x = torch.randn(4, 64, requires_grad=True)
+    low = [torch.tensor(0.0, requires_grad=True) for _ in range(3)]
+    key = (0.0, "mxfp8-mxfp4", 32, "ocp")
+    outputs = [shared.quantize(x, beta, key) for beta in low]  # q, k and v at the low end
+    high = shared.quantize(x, torch.tensor(2.0), (2.0, "mxfp8-mxfp4", 32, "ocp"))
+    other = shared.quantize(x.detach().clone().requires_grad_(True), low[0], key)  # another tensor: not shared
+    assert len(shared._entries) == 3
+    expected = quantize_mx_continuous_fused(x, torch.tensor(0.0), "mxfp8-mxfp4")
+    assert all(torch.equal(y, expected) for y in outputs) and torch.equal(other, expected)
+    assert torch.equal(high, quantize_mx_continuous_fused(x, torch.tensor(2.0), "mxfp8-mxfp4"))
+    grads = torch.autograd.grad(sum(y.sum() * (i + 1) for i, y in enumerate(outputs)), [x, *low])
+    beta = torch.tensor(0.0, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_(True)
+    y_ref = quantize_mx_continuous_fused(x_ref, beta, "mxfp8-mxfp4")
+    g_x, g_beta = torch.autograd.grad(y_ref.sum(), [x_ref, beta])
+    assert torch.allclose(grads[0], 6 * g_x)
+    assert [g.item() for g in grads[1:]] == pytest.approx([g_beta.item() * k for k in (1, 2, 3)], rel=1e-6)
+    shared.clear()
+    assert not shared._entries
 
 
 def test_bits_move_up_toward_a_high_target(sensitive):

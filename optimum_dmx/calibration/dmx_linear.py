@@ -6,8 +6,43 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..continuous import MAX_OFFSET, FormatPair, FrozenQuantization, get_format_pair, quantize_mx_continuous_fused
+from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, get_format_pair, quantize_mx_continuous_fused
 from ..continuous import weight_block_max
+
+ENDPOINTS = (0.0, MAX_OFFSET)  # the offsets at which quantizations are reused (the probes of the default recipe)
+
+
+class SharedInputs:
+    """Input quantizations shared by the layers that read the same input tensor at the same offset within a step.
+
+    q/k/v read one normalized hidden state, gate/up another: when they are probed at the same endpoint their
+    input quantizations are identical, so the first layer computes it and the others attach the same values
+    and derivatives (`ContinuousQuantization`). Entries hold their input tensor, so an entry can only match that
+    very tensor; `clear()` after each step's backward pass frees them.
+    """
+
+    def __init__(self) -> None:
+        self._entries: list[tuple[torch.Tensor, tuple, ContinuousQuantization]] = []
+
+    def quantize(self, x: torch.Tensor, beta: torch.Tensor, key: tuple) -> torch.Tensor:
+        """``x`` quantized at ``beta`` (whose value, pair and block settings ``key`` names), computed once per key."""
+        want_x_grad, want_beta_grad = x.requires_grad, beta.requires_grad
+        for i, (seen, seen_key, quantization) in enumerate(self._entries):
+            if seen is x and seen_key == key:
+                if (want_x_grad and quantization.d_x is None) or (want_beta_grad and quantization.d_beta is None):
+                    break
+                return quantization.attach(x, beta)
+        else:
+            i = len(self._entries)
+            self._entries.append(None)
+        offset, pair, block_size, scale_rule = key
+        quantization = ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule,
+                                                      with_x_grad=want_x_grad, with_beta_grad=want_beta_grad)
+        self._entries[i] = (x, key, quantization)
+        return quantization.attach(x, beta)
+
+    def clear(self) -> None:
+        self._entries.clear()
 from ..formats import MXFormat, quantize_mx
 from .schedule import discrete_offset, temperature_sigmoid
 
@@ -30,7 +65,8 @@ class DMXLinear(nn.Module):
     (a 0-dim tensor, requiring grad when the loss's derivative there is wanted) and reads that derivative.
     `probe_offset` is the probe's value as a Python number, when the caller knows it: at an endpoint (0 or 2) the
     frozen weight's quantization (values and `dy/dbeta`) is then computed once and reused every later step
-    (`FrozenQuantization`; one to three float32 copies of the weight, freed with the module).
+    (`ContinuousQuantization`; one to three float32 copies of the weight, freed with the module), and, with
+    `shared_inputs` set, an input that other layers quantize at the same endpoint is quantized once per step.
 
     `drawn_high`, when set (`True`/`False`), runs the layer in that discrete format of the pair instead (exact MX
     casts, straight-through for the input) and records in `swap` its output `y` (in the autograd graph) and
@@ -65,7 +101,8 @@ class DMXLinear(nn.Module):
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
         self.probe: torch.Tensor | None = None
         self.probe_offset: float | None = None
-        self._frozen_weights: dict[float, FrozenQuantization] = {}
+        self.shared_inputs: SharedInputs | None = None
+        self._frozen_weights: dict[float, ContinuousQuantization] = {}
         self.drawn_high: bool | None = None
         self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
         self._discrete_weights: dict[str, torch.Tensor] = {}
@@ -98,19 +135,31 @@ class DMXLinear(nn.Module):
                                                            self.scale_rule)
         return self._discrete_weights[fmt.name]
 
+    def _reusable_offset(self) -> float | None:
+        """The probe's value when it is an endpoint, whose quantizations can be reused; else None."""
+        offset = self.probe_offset if self.probe is not None else None
+        return offset if offset in ENDPOINTS else None
+
     def quantized_weight(self, beta: torch.Tensor) -> torch.Tensor:
         """The weight quantized at `beta`; reused from an earlier step when `beta` is a probe at an endpoint."""
-        offset = self.probe_offset if self.probe is not None else None
-        if offset not in (0.0, MAX_OFFSET):
+        offset = self._reusable_offset()
+        if offset is None:
             return quantize_mx_continuous_fused(
                 self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
             )
         frozen = self._frozen_weights.get(offset)
         if frozen is None or (beta.requires_grad and frozen.d_beta is None):
-            frozen = FrozenQuantization.compute(self.weight, offset, self.pair, self.block_size, self.scale_rule,
-                                                self._weight_block_max, with_beta_grad=beta.requires_grad)
+            frozen = ContinuousQuantization.compute(self.weight, offset, self.pair, self.block_size, self.scale_rule,
+                                                    self._weight_block_max, with_beta_grad=beta.requires_grad)
             self._frozen_weights[offset] = frozen
-        return frozen(beta)
+        return frozen.attach(None, beta)
+
+    def quantized_input(self, x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The input quantized at `beta`; shared with the other layers reading `x` at the same endpoint."""
+        offset = self._reusable_offset()
+        if offset is None or self.shared_inputs is None:
+            return quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
+        return self.shared_inputs.quantize(x, beta, (offset, self.pair.name, self.block_size, self.scale_rule))
 
     def _forward_swap(self, x: torch.Tensor) -> torch.Tensor:
         fmt, other = (self.pair.high, self.pair.low) if self.drawn_high else (self.pair.low, self.pair.high)
@@ -133,7 +182,7 @@ class DMXLinear(nn.Module):
         beta = self.beta()
         weight = self.quantized_weight(beta)
         if self.quantize_activations:
-            x = quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
+            x = self.quantized_input(x, beta)
         return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
     def extra_repr(self) -> str:

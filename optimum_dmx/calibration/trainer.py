@@ -31,7 +31,7 @@ from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .budget import blended_priority, budget_format_map
 from .data import build_calibration_batches
 from .distributed import average_across_processes, process_share, world
-from .dmx_linear import DMXLinear
+from .dmx_linear import DMXLinear, SharedInputs
 from .groups import offset_groups
 from .regularizers import bit_regularizer
 from .result import CalibrationResult, result_from_format_map
@@ -242,6 +242,9 @@ def _sampled_offsets(
     generator = torch.Generator().manual_seed(settings.seed)
     groups = offset_groups(settings.offset_groups, names)
     measure = _swap_gains if settings.offset_probe == "swap" else _probe_gains
+    shared_inputs = SharedInputs()  # q/k/v and gate/up quantize their common input once per endpoint and step
+    for m in modules:
+        m.shared_inputs = shared_inputs
     history = []
     try:
         for step, batch in enumerate(batches):
@@ -256,6 +259,7 @@ def _sampled_offsets(
                                       settings.bit_average, settings.quantize_activations, groups=groups)
             high = torch.tensor([drawn[n] != pair.low.name for n in names])
             loss, measured, gains = measure(model, modules, batch.to(device), high, settings, generator)
+            shared_inputs.clear()
             if len(measured):
                 means.add(measured, high[measured], average_across_processes(gains, world_size))
             loss = average_across_processes(loss.detach().float(), world_size)
@@ -273,7 +277,7 @@ def _sampled_offsets(
             bar.set_postfix(loss=f"{loss.item():.4f}", T=f"{temperature:.1f}")
     finally:
         for m in modules:
-            m.probe = m.probe_offset = m.drawn_high = m.swap = None
+            m.probe = m.probe_offset = m.drawn_high = m.swap = m.shared_inputs = None
     return dict(zip(names, means.offsets(missing=math.inf).tolist())), history
 
 

@@ -4,21 +4,21 @@
   largest normal and element bits;
 * ``reference``: ``quantize_mx_continuous``, the autograd reference;
 * ``fused``: ``quantize_mx_continuous_fused``, the same values with closed-form gradients (what calibration
-  runs), and ``FrozenQuantization``, a frozen tensor's quantization at one offset computed once.
+  runs), and ``ContinuousQuantization``, one such quantization computed once and attached to the graph many times.
 
 At the integer endpoints of a pair both equal the exact ``quantize_mx`` bit for bit. This package knows
 nothing about models or transformers.
 """
 
-from .fused import FrozenQuantization, quantize_mx_continuous_fused, weight_block_max
+from .fused import ContinuousQuantization, quantize_mx_continuous_fused, weight_block_max
 from .pairs import FORMAT_PAIRS, MAX_OFFSET, FormatPair, get_format_pair
 from .reference import float_quantize, quantize_mx_continuous
 
 __all__ = [
+    "ContinuousQuantization",
     "FORMAT_PAIRS",
     "MAX_OFFSET",
     "FormatPair",
-    "FrozenQuantization",
     "float_quantize",
     "get_format_pair",
     "quantize_mx_continuous",

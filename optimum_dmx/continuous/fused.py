@@ -11,9 +11,10 @@ pass. Calibration needs two gradients, and both have closed forms (``docs/method
   value saturates.
 
 Weights are frozen during calibration, so their block maxima can be computed once and passed back in
-(``block_amax``), and no input gradient is computed for them. At a fixed offset (the endpoints the default
-recipe probes) a frozen weight's whole quantization is constant: ``FrozenQuantization`` computes its values and
-``dy/dbeta`` once and reuses them every step.
+(``block_amax``), and no input gradient is computed for them. The values and both derivatives are computed once
+(``ContinuousQuantization``) and attached to the graph by a small autograd function, so work that does not change
+between uses (a frozen weight at an offset revisited every step, an input several layers quantize alike) can be
+done once and attached many times.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from ..formats.blocks import validate_input
 from ..formats.spec import grid_exponent, validate_block_size, validate_scale_rule
 from .pairs import FormatPair, get_format_pair
 
-__all__ = ["FrozenQuantization", "quantize_mx_continuous_fused", "weight_block_max"]
+__all__ = ["ContinuousQuantization", "quantize_mx_continuous_fused", "weight_block_max"]
 
 _LN2 = math.log(2.0)
 
@@ -76,76 +77,70 @@ def _quantize(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad, wa
     return from_blocks(y.mul_(scale), x.shape).to(x.dtype), d_x, d_beta
 
 
-class _FusedContinuousMX(torch.autograd.Function):
+def _beta_gradient(grad_y: torch.Tensor, d_beta: torch.Tensor) -> torch.Tensor:
+    """``dL/dbeta = sum(dL/dy * dy/dbeta)``: the chain rule for a scalar offset shared by every element."""
+    return torch.dot(grad_y.reshape(-1), d_beta.reshape(-1))
+
+
+class _AttachContinuousMX(torch.autograd.Function):
+    """Returns precomputed quantized values, attached to the graphs of ``x`` and ``beta`` by their stored
+    derivatives ``dy/dx`` and ``dy/dbeta`` (elementwise): the backward pass is one product and one dot product."""
+
     @staticmethod
-    def forward(ctx, x, beta, pair, block_size, scale_rule, block_amax):
+    def forward(ctx, x, beta, values, d_x, d_beta):
         want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
-        y, d_x, d_beta = _quantize(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad, want_beta_grad)
-        empty = torch.empty(0)
+        empty = values.new_empty(0)
         ctx.save_for_backward(d_x if want_x_grad else empty, d_beta if want_beta_grad else empty)
-        return y
+        return values.view_as(values)
 
     @staticmethod
     def backward(ctx, grad_y):
         d_x, d_beta = ctx.saved_tensors
         want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
         grad = grad_y.float()
-        grad_beta = _beta_gradient(grad, d_beta) if want_beta_grad else None
         grad_x = (grad * d_x).to(grad_y.dtype) if want_x_grad else None
-        return grad_x, grad_beta, None, None, None, None
-
-
-def _beta_gradient(grad_y: torch.Tensor, d_beta: torch.Tensor) -> torch.Tensor:
-    """``dL/dbeta = sum(dL/dy * dy/dbeta)``: the chain rule for a scalar offset shared by every element."""
-    return torch.dot(grad_y.reshape(-1), d_beta.reshape(-1))
-
-
-class _PrecomputedContinuousMX(torch.autograd.Function):
-    """Attaches precomputed values and ``dy/dbeta`` of a frozen tensor to the graph of ``beta``."""
-
-    @staticmethod
-    def forward(ctx, beta, values, d_beta):
-        ctx.save_for_backward(d_beta)
-        return values.view_as(values)
-
-    @staticmethod
-    def backward(ctx, grad_y):
-        (d_beta,) = ctx.saved_tensors
-        return _beta_gradient(grad_y.float(), d_beta), None, None
+        grad_beta = _beta_gradient(grad, d_beta) if want_beta_grad else None
+        return grad_x, grad_beta, None, None, None
 
 
 @dataclass(frozen=True)
-class FrozenQuantization:
-    """A frozen tensor's continuous quantization at one offset, computed once and reused.
+class ContinuousQuantization:
+    """One tensor's continuous quantization at one offset, computed once and attachable to the graph many times.
 
-    ``values`` equal ``quantize_mx_continuous_fused(x, beta, ...)`` bit for bit, and calling the object with a
-    ``beta`` tensor of the same value returns them with the same gradient with respect to ``beta`` (from the stored
-    ``d_beta``, kept only when built ``with_beta_grad``). It trades memory (one or two float32 copies of the
-    tensor) for the quantizer's whole cost on every later use, which is what calibration wants for its frozen
-    weights at the offsets it revisits.
+    ``values`` equal ``quantize_mx_continuous_fused(x, beta, ...)`` bit for bit, and ``attach(x, beta)`` returns them
+    with the same gradients with respect to ``x`` and ``beta`` (from the stored ``d_x`` and ``d_beta``, kept only
+    when computed ``with_x_grad`` / ``with_beta_grad``). Calibration uses it for work that does not change between
+    uses: a frozen weight at an offset it revisits every step, and one input read by several layers (q/k/v,
+    gate/up) at the same offset.
     """
 
-    offset: float
     values: torch.Tensor
+    d_x: torch.Tensor | None
     d_beta: torch.Tensor | None
 
     @classmethod
     def compute(
-        cls, x: torch.Tensor, offset: float, pair: str | FormatPair, block_size: int = 32, scale_rule: str = "ocp",
-        block_amax: torch.Tensor | None = None, with_beta_grad: bool = True,
-    ) -> "FrozenQuantization":
+        cls, x: torch.Tensor, beta: torch.Tensor | float, pair: str | FormatPair, block_size: int = 32,
+        scale_rule: str = "ocp", block_amax: torch.Tensor | None = None, with_x_grad: bool = False,
+        with_beta_grad: bool = True,
+    ) -> "ContinuousQuantization":
         pair = get_format_pair(pair)
-        beta = torch.tensor(float(offset), device=x.device)
+        beta = torch.as_tensor(beta, dtype=torch.float32, device=x.device)
         with torch.no_grad():
-            values, _, d_beta = _quantize(x.detach(), beta, pair, block_size, scale_rule, block_amax, False, with_beta_grad)
-        return cls(float(offset), values, d_beta)
+            values, d_x, d_beta = _quantize(x.detach(), beta.detach(), pair, block_size, scale_rule, block_amax,
+                                            with_x_grad, with_beta_grad)
+        return cls(values, d_x, d_beta)
 
-    def __call__(self, beta: torch.Tensor) -> torch.Tensor:
-        if torch.is_grad_enabled() and beta.requires_grad:
-            if self.d_beta is None:
-                raise RuntimeError("this FrozenQuantization was computed without dy/dbeta (with_beta_grad=False).")
-            return _PrecomputedContinuousMX.apply(beta, self.values, self.d_beta)
-        return self.values
+    def attach(self, x: torch.Tensor | None, beta: torch.Tensor) -> torch.Tensor:
+        """The values, in the autograd graph of ``x`` (None: a frozen tensor) and ``beta`` where they need grad."""
+        want_x_grad = x is not None and x.requires_grad and torch.is_grad_enabled()
+        want_beta_grad = beta.requires_grad and torch.is_grad_enabled()
+        for wanted, stored, name in ((want_x_grad, self.d_x, "with_x_grad"), (want_beta_grad, self.d_beta, "with_beta_grad")):
+            if wanted and stored is None:
+                raise RuntimeError(f"this ContinuousQuantization was computed without that derivative ({name}=False).")
+        if not (want_x_grad or want_beta_grad):
+            return self.values
+        return _AttachContinuousMX.apply(x if want_x_grad else None, beta, self.values, self.d_x, self.d_beta)
 
 
 def weight_block_max(weight: torch.Tensor, block_size: int = 32) -> torch.Tensor:
@@ -178,6 +173,7 @@ def quantize_mx_continuous_fused(
     validate_input(x)
     if not isinstance(beta, torch.Tensor) or beta.dim() != 0:
         raise ValueError(f"beta must be a 0-dim tensor, got {beta!r}.")
-    if torch.is_grad_enabled() and (x.requires_grad or beta.requires_grad):
-        return _FusedContinuousMX.apply(x, beta, pair, block_size, scale_rule, block_amax)
-    return _quantize(x, beta, pair, block_size, scale_rule, block_amax, False, False)[0]
+    want_x_grad = torch.is_grad_enabled() and x.requires_grad
+    want_beta_grad = torch.is_grad_enabled() and beta.requires_grad
+    return ContinuousQuantization.compute(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad,
+                                          want_beta_grad).attach(x, beta)
