@@ -17,7 +17,8 @@ machine from favouring one of them.
 
 usage: python benchmarks/bench_calibration_step.py [--model DIR] [--calibration FILE ...] [--batch-sizes 2,4]
                                                    [--seq-len 128] [--pair mxfp8-mxfp4] [--steps 2]
-                                                   [--repeats 3] [--threads 1] [--output FILE]
+                                                   [--repeats 3] [--threads 1] [--trainers dMX,...]
+                                                   [--output FILE]
 """
 
 from __future__ import annotations
@@ -52,12 +53,14 @@ def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: s
     return (run(1 + steps) - run(1)) / steps
 
 
-def measure(model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int, repeats: int) -> dict[str, float]:
+def measure(
+    model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int, repeats: int, trainers: list[str]
+) -> dict[str, float]:
     """Median seconds of the reference step and of each trainer's step, measured alternately."""
-    times: dict[str, list[float]] = {"unquantized": [], **{name: [] for name in TRAINERS}}
+    times: dict[str, list[float]] = {"unquantized": [], **{name: [] for name in trainers}}
     for _ in range(repeats):
         times["unquantized"].append(fwd_bwd_seconds(model, batch, repeats=1))
-        for name in TRAINERS:
+        for name in trainers:
             times[name].append(step_seconds(name, model, batch, pair, steps))
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -72,8 +75,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=2, help="extra steps whose time is divided out")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma list of {', '.join(TRAINERS)}")
     p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
     a = p.parse_args()
+    trainers = a.trainers.split(",")
+    unknown = [name for name in trainers if name not in TRAINERS]
+    if unknown:
+        p.error(f"unknown trainer {unknown}; allowed: {', '.join(TRAINERS)}")
     torch.set_num_threads(a.threads)
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -90,13 +98,13 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}; medians of {a.repeats} alternated repeats.",
         "",
         "| batch x seq | unquantized fwd+bwd ms | "
-        + " | ".join(f"{name} step ms | {name} / unquantized" for name in TRAINERS) + " |",
-        "|---|---|" + "---|---|" * len(TRAINERS),
+        + " | ".join(f"{name} step ms | {name} / unquantized" for name in trainers) + " |",
+        "|---|---|" + "---|---|" * len(trainers),
     ]
     for batch_size in batch_sizes:
-        t = measure(model, ids[:batch_size], a.pair, a.steps, a.repeats)
+        t = measure(model, ids[:batch_size], a.pair, a.steps, a.repeats, trainers)
         ref = t["unquantized"]
-        cells = " | ".join(f"{t[name] * 1e3:.1f} | {t[name] / ref:.2f}x" for name in TRAINERS)
+        cells = " | ".join(f"{t[name] * 1e3:.1f} | {t[name] / ref:.2f}x" for name in trainers)
         lines.append(f"| {batch_size} x {a.seq_len} | {ref * 1e3:.1f} | {cells} |")
         print(lines[-1], file=sys.stderr, flush=True)
     text = "\n".join(lines) + "\n"

@@ -32,6 +32,20 @@ def test_calibration_step_benchmark(tiny_text_model_dir, tmp_path):
     assert output.read_text().startswith(f"# Calibration step cost\n\n{command}")
 
 
+def test_calibration_time_benchmark(tiny_text_model_dir, tmp_path):
+    root = tiny_text_model_dir
+    output = tmp_path / "time.md"
+    stdout = run_benchmark("bench_calibration_time.py", "--model", root / "model", "--calibration",
+                           root / "calibration.txt", "--steps", 3, "--batch-size", 2, "--seq-len", 16,
+                           "--output", output)
+    rows = re.findall(r"^\| (KL pre-selection|dMX default recipe)[^|]*\| ([\d.]+) \| ([\d.]+)x \|", stdout, re.MULTILINE)
+    assert [r[0] for r in rows] == ["KL pre-selection", "dMX default recipe"]
+    (_, kl, kl_ratio), (_, dmx, ratio) = rows
+    assert float(kl) > 0 and float(kl_ratio) == 1.0
+    assert abs(float(ratio) - float(dmx) / float(kl)) <= 0.01 * float(dmx) / float(kl) + 0.01
+    assert output.read_text().startswith("# Calibration wall time\n\nCommand: `python benchmarks/bench_calibration_time.py")
+
+
 def run_benchmark(script: str, *args) -> str:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
