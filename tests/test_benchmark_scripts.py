@@ -46,6 +46,16 @@ def test_calibration_time_benchmark(tiny_text_model_dir, tmp_path):
     assert output.read_text().startswith("# Calibration wall time\n\nCommand: `python benchmarks/bench_calibration_time.py")
 
 
+def test_calibration_step_profile(tiny_text_model_dir, tmp_path):
+    root = tiny_text_model_dir
+    stdout = run_benchmark("profile_calibration_step.py", "--model", root / "model", "--calibration",
+                           root / "calibration.txt", "--steps", 2, "--batch-size", 2, "--seq-len", 16)
+    rows = dict(re.findall(r"^\| ([^|]+?) \| [\d.]+ \| ([\d.-]+)% \|", stdout, re.MULTILINE))
+    assert len(rows) == 5 and abs(sum(map(float, rows.values())) - 100) < 0.5
+    assert float(rows["input-activation quantization (forward)"]) > 0
+    assert float(rows["quantizers' backward (dL/dx, dL/dbeta)"]) > 0
+
+
 def run_benchmark(script: str, *args) -> str:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)
