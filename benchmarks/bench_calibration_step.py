@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from optimum_dmx.calibration import CalibrationSettings, build_calibration_batches, calibrate, calibrate_round_ste
+from optimum_dmx.calibration import CalibrationSettings, calibrate, calibrate_round_ste
 
-from common import benchmark_model, benchmark_texts, fwd_bwd_seconds
+from common import fwd_bwd_seconds, load_model_and_calibration, write_report
 
 # name -> (trainer, recipe)
 TRAINERS = {"dMX": (calibrate, "dmx"), "dMX paper": (calibrate, "paper"), "ROUND+STE": (calibrate_round_ste, "paper")}
@@ -84,14 +84,8 @@ def main() -> None:
         p.error(f"unknown trainer {unknown}; allowed: {', '.join(TRAINERS)}")
     torch.set_num_threads(a.threads)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    a.model = a.model or benchmark_model()
-    a.calibration = a.calibration or benchmark_texts().calibration
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    ids = build_calibration_batches(a.calibration, tokenizer, a.seq_len, max(batch_sizes), seed=0)
+    model, a.model, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, max(batch_sizes))
 
     lines = [
         f"Model `{a.model.name}` (float32), pair {a.pair}, {a.threads} torch thread(s), "
@@ -108,10 +102,7 @@ def main() -> None:
         lines.append(f"| {batch_size} x {a.seq_len} | {ref * 1e3:.1f} | {cells} |")
         print(lines[-1], file=sys.stderr, flush=True)
     text = "\n".join(lines) + "\n"
-    print(text)
-    if a.output:
-        command = "python benchmarks/bench_calibration_step.py " + " ".join(sys.argv[1:])
-        a.output.write_text(f"# Calibration step cost\n\nCommand: `{command}`\n\n{text}")
+    write_report(text, a.output, "Calibration step cost")
 
 
 if __name__ == "__main__":

@@ -22,9 +22,9 @@ from pathlib import Path
 
 import torch
 
-from optimum_dmx.calibration import CalibrationSettings, build_calibration_batches, calibrate, kl_preselection
+from optimum_dmx.calibration import CalibrationSettings, calibrate, kl_preselection
 
-from common import benchmark_model, benchmark_texts
+from common import load_model_and_calibration, write_report
 
 
 def main() -> None:
@@ -42,13 +42,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    a.model = a.model or benchmark_model()
-    a.calibration = a.calibration or benchmark_texts().calibration
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
-    ids = build_calibration_batches(a.calibration, tokenizer, a.seq_len, a.steps * a.batch_size, seed=0)
+    model, a.model, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, a.steps * a.batch_size)
     settings = CalibrationSettings(target_bits=a.target, format_pair=a.pair, num_samples=len(ids), seq_len=a.seq_len,
                                    batch_size=a.batch_size, steps=a.steps)
     runs = {"KL pre-selection (scan + budget rule)": lambda: kl_preselection(model, ids, settings, progress=False),
@@ -69,13 +63,10 @@ def main() -> None:
         "",
         "| method | seconds | / KL pre-selection |",
         "|---|---|---|",
-        *(f"| {name} | {seconds:.1f} | {seconds / reference:.2f}x |" for name, seconds in medians.items()),
+        *(f"| {name} | {seconds:.2f} | {seconds / reference:.2f}x |" for name, seconds in medians.items()),
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if a.output:
-        command = "python benchmarks/bench_calibration_time.py " + " ".join(sys.argv[1:])
-        a.output.write_text(f"# Calibration wall time\n\nCommand: `{command}`\n\n{text}")
+    write_report(text, a.output, "Calibration wall time")
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ path).
 from __future__ import annotations
 
 import io
+import sys
 import statistics
 import tarfile
 import time
@@ -243,3 +244,26 @@ def fwd_bwd_seconds(model: torch.nn.Module, batch: torch.Tensor, repeats: int = 
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
+
+
+def load_model_and_calibration(model_dir: Path | None, calibration: list[Path] | None, seq_len: int, count: int,
+                               seed: int = 0) -> tuple[torch.nn.Module, Path, torch.Tensor]:
+    """The float32 model (default: the de-gridded SmolLM2-135M), its folder, and ``count`` calibration sequences
+    of ``seq_len`` tokens (default texts: the Austen novels)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_dmx.calibration import build_calibration_batches
+
+    model_dir = model_dir or benchmark_model()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    ids = build_calibration_batches(calibration or benchmark_texts().calibration, tokenizer, seq_len, count, seed=seed)
+    return model, Path(model_dir), ids
+
+
+def write_report(text: str, output: Path | None, title: str) -> None:
+    """Print a benchmark's table and, with ``output``, write it under ``title`` with the command that made it."""
+    print(text)
+    if output:
+        command = "python benchmarks/" + Path(sys.argv[0]).name + " " + " ".join(sys.argv[1:])
+        output.write_text(f"# {title}\n\nCommand: `{command}`\n\n{text}")

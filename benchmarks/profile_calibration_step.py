@@ -23,15 +23,14 @@ from __future__ import annotations
 import argparse
 import functools
 import platform
-import sys
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from optimum_dmx.calibration import CalibrationSettings, DMXLinear, build_calibration_batches, calibrate
+from optimum_dmx.calibration import CalibrationSettings, DMXLinear, calibrate
 
-from common import benchmark_model, benchmark_texts
+from common import load_model_and_calibration, write_report
 
 LABELS = {"quantized_weight": "weight quantization (forward)",
           "quantized_input": "input-activation quantization (forward)"}
@@ -60,13 +59,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    a.model = a.model or benchmark_model()
-    a.calibration = a.calibration or benchmark_texts().calibration
-    model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32).eval()
-    tokenizer = AutoTokenizer.from_pretrained(a.model)
-    ids = build_calibration_batches(a.calibration, tokenizer, a.seq_len, a.steps * a.batch_size, seed=0)
+    model, a.model, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, a.steps * a.batch_size)
     settings = CalibrationSettings(target_bits=5.0, num_samples=len(ids), seq_len=a.seq_len,
                                    batch_size=a.batch_size, steps=a.steps, kl_weight=0.0)
     for name, label in LABELS.items():  # label the two quantizer entry points for the profiler
@@ -93,10 +86,7 @@ def main() -> None:
         *(f"| {name} | {us / 1e6 / a.steps:.2f} | {100 * us / total:.1f}% |" for name, us in parts.items()),
     ]
     text = "\n".join(lines) + "\n"
-    print(text)
-    if a.output:
-        command = "python benchmarks/profile_calibration_step.py " + " ".join(sys.argv[1:])
-        a.output.write_text(f"# Calibration step profile\n\nCommand: `{command}`\n\n{text}")
+    write_report(text, a.output, "Calibration step profile")
 
 
 if __name__ == "__main__":
