@@ -11,6 +11,7 @@ from optimum_dmx.calibration import (
     uniform,
     uniform_format_map,
 )
+from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
 from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
 from optimum_dmx.formats import quantize_mx
 
@@ -69,7 +70,9 @@ def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target
     s = settings(format_pair=pair, target_bits=target, bit_average=bit_average)
     result = kl_preselection(model, ids, s, sensitivities=sensitivities)
     achieved = result.bits_simple if bit_average == "simple" else result.bits_weighted
-    assert achieved <= target + 1e-9
+    assert achieved <= target + BUDGET_TOLERANCE  # 14 layers: the simple average moves in steps of 2/14 or 4/14
+    if achieved > target:  # the rule's top-up step (few, unequal layers): one unit at a time while still short
+        return
     # Greedy is tight: promoting any remaining low layer would break the budget.
     names = list(result.format_map)
     sizes = tensor_sizes([tuple(model.get_submodule(n).weight.shape) for n in names])
@@ -83,6 +86,15 @@ def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target
     # The most sensitive layer is in the high format.
     assert result.format_map[max(sensitivities, key=sensitivities.get)] != "mxfp4_e2m1"
     assert result.method == "kl"
+
+
+def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
+    """`kl_samples` bounds the scan wherever it runs (KL pre-selection, the default recipe's blend), so a caller
+    passing the whole calibration set does not pay one pass per layer over all of it."""
+    model, ids = sensitive
+    assert kl_sensitivities(model, ids[:4], CalibrationSettings(batch_size=4), progress=False) == sensitivities
+    more = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4, kl_samples=8), progress=False)
+    assert more != sensitivities and set(more) == set(sensitivities)
 
 
 def test_kl_preselection_computes_sensitivities_itself(sensitive, sensitivities):

@@ -21,10 +21,11 @@ def kl_sensitivities(
 ) -> dict[str, float]:
     """Per-layer KL(float || only this layer in the pair's low format), in nats per token.
 
-    One float forward pass over `input_ids` gives the reference distributions; then one pass per layer,
-    in batches of `settings.batch_size`. The low format is the same for both pairs (MXFP4), so the result
-    can be reused across pairs and targets.
+    The scan reads the first `settings.kl_samples` sequences of `input_ids`: one float forward pass gives the
+    reference distributions, then one pass per layer, in batches of `settings.batch_size`. The low format is the
+    same for both pairs (MXFP4), so the result can be reused across pairs and targets.
     """
+    input_ids = input_ids[: settings.kl_samples]
     low = get_format_pair(settings.format_pair).low.name
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     device = next(model.parameters()).device

@@ -137,7 +137,7 @@ def calibrate(
         threshold_map = {name: layer.discrete_format.name for name, layer in layers.items()}
     # The KL scan swaps modules itself: it runs on the restored model.
     blend = settings.kl_weight > 0 and not straight_through
-    sensitivities = kl_sensitivities(model, input_ids[: settings.kl_samples], settings, progress) if blend else {}
+    sensitivities = kl_sensitivities(model, input_ids, settings, progress) if blend else {}
     priority = blended_priority(offsets, sensitivities, settings.kl_weight) if blend else offsets
     format_map = threshold_map if settings.discretization == "threshold" else _budget_map(priority, shapes, settings)
     result = result_from_format_map(
