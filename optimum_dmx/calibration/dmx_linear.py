@@ -8,6 +8,8 @@ from torch.nn import functional as F
 
 from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, get_format_pair, quantize_mx_continuous_fused
 from ..continuous import weight_block_max
+from ..formats import MXFormat, quantize_mx
+from .schedule import discrete_offset, temperature_sigmoid
 
 ENDPOINTS = (0.0, MAX_OFFSET)  # the offsets at which quantizations are reused (the probes of the default recipe)
 
@@ -22,29 +24,24 @@ class SharedInputs:
     """
 
     def __init__(self) -> None:
-        self._entries: list[tuple[torch.Tensor, tuple, ContinuousQuantization]] = []
+        # (id of the input, key) -> (the input, its quantization); holding the input keeps its id unique
+        self._entries: dict[tuple[int, tuple], tuple[torch.Tensor, ContinuousQuantization]] = {}
 
     def quantize(self, x: torch.Tensor, beta: torch.Tensor, key: tuple) -> torch.Tensor:
         """``x`` quantized at ``beta`` (whose value, pair and block settings ``key`` names), computed once per key."""
-        want_x_grad, want_beta_grad = x.requires_grad, beta.requires_grad
-        for i, (seen, seen_key, quantization) in enumerate(self._entries):
-            if seen is x and seen_key == key:
-                if (want_x_grad and quantization.d_x is None) or (want_beta_grad and quantization.d_beta is None):
-                    break
-                return quantization.attach(x, beta)
-        else:
-            i = len(self._entries)
-            self._entries.append(None)
-        offset, pair, block_size, scale_rule = key
-        quantization = ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule,
-                                                      with_x_grad=want_x_grad, with_beta_grad=want_beta_grad)
-        self._entries[i] = (x, key, quantization)
+        entry = self._entries.get((id(x), key))
+        quantization = None if entry is None else entry[1]
+        if quantization is None or (x.requires_grad and quantization.d_x is None) or (
+            beta.requires_grad and quantization.d_beta is None
+        ):
+            offset, pair, block_size, scale_rule = key
+            quantization = ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule,
+                                                          with_x_grad=x.requires_grad, with_beta_grad=beta.requires_grad)
+            self._entries[(id(x), key)] = (x, quantization)
         return quantization.attach(x, beta)
 
     def clear(self) -> None:
         self._entries.clear()
-from ..formats import MXFormat, quantize_mx
-from .schedule import discrete_offset, temperature_sigmoid
 
 
 class DMXLinear(nn.Module):
