@@ -9,7 +9,12 @@ For each batch size the script alternates, `--repeats` times:
   setup (wrapping the linears, computing the weights' block maxima; `kl_weight=0`, since the default recipe's
   KL scan runs once per calibration, not per step: the scan's own cost is the KL baseline's, in `pareto.py`);
 * dMX, paper recipe: the same with `recipe="paper"`;
-* ROUND+STE: the same with `calibrate_round_ste`.
+* ROUND+STE: the same with `calibrate_round_ste`;
+* "dMX eager": the default recipe with the compiled MX kernels off (`set_compile_enabled(False)`), to show what
+  compilation (`optimum_dmx.formats.compilation`) buys in the same run.
+
+Before the repeats, each trainer runs once untimed for the step count it is measured at: that first run pays the
+kernels' compilation (once per format, dtype and layer width), reported separately as "warm-up s".
 
 Medians over the repeats are reported with the ratio to the reference: the issue's speed bar is a dMX step
 at most 2x the unquantized forward + backward. Alternating the three measurements keeps a noisy, shared
@@ -27,42 +32,58 @@ import argparse
 import platform
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
 
+from optimum_dmx import set_compile_enabled
 from optimum_dmx.calibration import CalibrationSettings, calibrate, calibrate_round_ste
 
 from common import fwd_bwd_seconds, load_model_and_calibration, write_report
 
-# name -> (trainer, recipe)
-TRAINERS = {"dMX": (calibrate, "dmx"), "dMX paper": (calibrate, "paper"), "ROUND+STE": (calibrate_round_ste, "paper")}
+# name -> (trainer, recipe, compiled kernels)
+TRAINERS = {"dMX": (calibrate, "dmx", True), "dMX eager": (calibrate, "dmx", False),
+            "dMX paper": (calibrate, "paper", True), "ROUND+STE": (calibrate_round_ste, "paper", True)}
 
 
 def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> float:
     """Marginal wall time of one step of trainer `name` on `batch` (every step sees the whole batch)."""
-    trainer, recipe = TRAINERS[name]
+    trainer, recipe, compiled = TRAINERS[name]
 
     def run(num_steps: int) -> float:
         settings = CalibrationSettings(
             recipe=recipe, target_bits=5.0, format_pair=pair, num_samples=len(batch), seq_len=batch.shape[1],
             batch_size=len(batch), steps=num_steps, discretization="budget", kl_weight=0.0,
         )
-        return trainer(model, batch, settings, progress=False).seconds
+        set_compile_enabled(None if compiled else False)
+        try:
+            return trainer(model, batch, settings, progress=False).seconds
+        finally:
+            set_compile_enabled(None)
 
     return (run(1 + steps) - run(1)) / steps
 
 
+def warm_up_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> float:
+    """Wall time of one untimed measurement of trainer `name`: it compiles the kernels the timed ones reuse."""
+    start = time.perf_counter()
+    step_seconds(name, model, batch, pair, steps)
+    return time.perf_counter() - start
+
+
 def measure(
     model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int, repeats: int, trainers: list[str]
-) -> dict[str, float]:
-    """Median seconds of the reference step and of each trainer's step, measured alternately."""
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median seconds of the reference step and of each trainer's step, measured alternately, and each trainer's
+    warm-up seconds."""
     times: dict[str, list[float]] = {"unquantized": [], **{name: [] for name in trainers}}
+    warm_up = {name: warm_up_seconds(name, model, batch, pair, steps) for name in trainers}
     for _ in range(repeats):
         times["unquantized"].append(fwd_bwd_seconds(model, batch, repeats=1))
         for name in trainers:
             times[name].append(step_seconds(name, model, batch, pair, steps))
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {name: statistics.median(values) for name, values in times.items()}, warm_up
 
 
 def main() -> None:
@@ -92,13 +113,15 @@ def main() -> None:
         f"{platform.processor() or platform.machine()}; medians of {a.repeats} alternated repeats.",
         "",
         "| batch x seq | unquantized fwd+bwd ms | "
-        + " | ".join(f"{name} step ms | {name} / unquantized" for name in trainers) + " |",
-        "|---|---|" + "---|---|" * len(trainers),
+        + " | ".join(f"{name} step ms | {name} / unquantized" for name in trainers)
+        + " | " + " | ".join(f"{name} warm-up s" for name in trainers) + " |",
+        "|---|---|" + "---|---|" * len(trainers) + "---|" * len(trainers),
     ]
     for batch_size in batch_sizes:
-        t = measure(model, ids[:batch_size], a.pair, a.steps, a.repeats, trainers)
+        t, warm_up = measure(model, ids[:batch_size], a.pair, a.steps, a.repeats, trainers)
         ref = t["unquantized"]
         cells = " | ".join(f"{t[name] * 1e3:.1f} | {t[name] / ref:.2f}x" for name in trainers)
+        cells += " | " + " | ".join(f"{warm_up[name]:.1f}" for name in trainers)
         lines.append(f"| {batch_size} x {a.seq_len} | {ref * 1e3:.1f} | {cells} |")
         print(lines[-1], file=sys.stderr, flush=True)
     text = "\n".join(lines) + "\n"

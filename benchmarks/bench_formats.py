@@ -1,11 +1,14 @@
-"""Speed of MX quantize-dequantize: optimum-dmx vs torchao (eager), against a memory-copy floor.
+"""Speed of MX quantize-dequantize: optimum-dmx (compiled and eager) vs torchao (eager), against a memory-copy floor.
 
-For each MX format, quantize-dequantize one float32 tensor (default 4096 x 4096) with ``quantize_mx`` and with
-torchao's ``to_mx`` + ``to_dtype`` (FLOOR scaling, the OCP rule), check that the two agree bit for bit, and
-report the median time per element over interleaved repetitions (the two run alternately, so machine noise
-hits both alike) with the ratio ours / torchao. A ``clone`` of the same tensor is the memory-bound floor.
-The continuous dMX quantizer's forward + backward (gradients for the input and beta) is timed on the same
-tensor, at beta 0.5 of each pair: the autograd reference and the fused version calibration uses.
+For each MX format, quantize-dequantize one float32 tensor (default 4096 x 4096) with ``quantize_mx`` (its
+compiled kernel, ``formats.compilation``, and its eager cast) and with torchao's ``to_mx`` + ``to_dtype`` (FLOOR
+scaling, the OCP rule), check that they agree bit for bit, and report the median time per element over
+interleaved repetitions (they run alternately, so machine noise hits all alike) with the ratio ours / torchao.
+A ``clone`` of the same tensor is the memory-bound floor. The time of the first compiled call (compilation) is
+reported separately. The continuous dMX quantizer's forward + backward (gradients for the input and beta) is
+timed on the same tensor: the autograd reference and the fused version at beta 0.5 (a fractional offset: the
+eager kernel), and the fused version at beta 2 (a format endpoint, what the default recipe probes), compiled and
+eager.
 
     python benchmarks/bench_formats.py [--size 4096] [--repeats 7] [--threads N] [--output results/formats.md]
 """
@@ -14,12 +17,13 @@ from __future__ import annotations
 
 import argparse
 import platform
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
-from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous
+from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous, set_compile_enabled
 from optimum_dmx.continuous import quantize_mx_continuous_fused
 
 from common import median_seconds
@@ -43,9 +47,29 @@ def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
     return quantize
 
 
-def continuous_step(x: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous) -> Callable[[], None]:
-    """Forward + backward of a continuous quantizer at beta 0.5, with gradients for the input and beta."""
-    beta = torch.tensor(0.5, requires_grad=True)
+def eager(fn: Callable[[], object]) -> Callable[[], None]:
+    """``fn`` run with compiled kernels off."""
+
+    def run() -> None:
+        set_compile_enabled(False)
+        try:
+            fn()
+        finally:
+            set_compile_enabled(None)
+
+    return run
+
+
+def first_call_seconds(fn: Callable[[], object]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+def continuous_step(x: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous,
+                    offset: float = 0.5) -> Callable[[], None]:
+    """Forward + backward of a continuous quantizer at beta ``offset``, with gradients for the input and beta."""
+    beta = torch.tensor(offset, requires_grad=True)
     x = x.clone().requires_grad_()
 
     def step() -> None:
@@ -71,15 +95,26 @@ def main() -> None:
     rows = []
     (floor,) = median_seconds([x.clone], args.repeats)
     rows.append(("memory copy (`clone`)", "-", floor / n * 1e9, None, None, "-"))
+    compile_seconds = {}
     for name in MX_FORMATS:
-        ours, theirs = quantize_mx(x, name), reference(x, name)
-        exact = torch.equal(ours.view(torch.int32), theirs.view(torch.int32))
-        ours_s, theirs_s = median_seconds([lambda: quantize_mx(x, name), lambda: reference(x, name)], args.repeats)
-        rows.append((f"`quantize_mx` {name}", "yes" if exact else "NO", ours_s / n * 1e9,
-                     theirs_s / n * 1e9, ours_s / theirs_s, f"{ours_s / floor:.1f}"))
+        compile_seconds[f"`quantize_mx` {name}"] = first_call_seconds(lambda: quantize_mx(x, name))
+        compiled, theirs = quantize_mx(x, name), reference(x, name)
+        set_compile_enabled(False)
+        eager_out = quantize_mx(x, name)
+        set_compile_enabled(None)
+        times = median_seconds([lambda: quantize_mx(x, name), eager(lambda: quantize_mx(x, name)),
+                                lambda: reference(x, name)], args.repeats)
+        for label, out, t in (("compiled", compiled, times[0]), ("eager", eager_out, times[1])):
+            exact = torch.equal(out.view(torch.int32), theirs.view(torch.int32))
+            rows.append((f"`quantize_mx` {name}, {label}", "yes" if exact else "NO", t / n * 1e9,
+                         times[2] / n * 1e9, t / times[2], f"{t / floor:.1f}"))
     for pair in FORMAT_PAIRS:
-        for label, quantize in (("autograd reference", quantize_mx_continuous), ("fused", quantize_mx_continuous_fused)):
-            (t,) = median_seconds([continuous_step(x, pair, quantize)], args.repeats)
+        endpoint = continuous_step(x, pair, quantize_mx_continuous_fused, offset=2.0)
+        compile_seconds[f"continuous {pair}, fused, beta 2"] = first_call_seconds(endpoint)
+        steps = {"autograd reference, beta 0.5": continuous_step(x, pair, quantize_mx_continuous),
+                 "fused, beta 0.5 (eager kernel)": continuous_step(x, pair, quantize_mx_continuous_fused),
+                 "fused, beta 2, compiled": endpoint, "fused, beta 2, eager": eager(endpoint)}
+        for label, t in zip(steps, median_seconds(list(steps.values()), args.repeats)):
             rows.append((f"continuous {pair}, {label}, forward+backward", "-", t / n * 1e9, None, None,
                          f"{t / floor:.1f}"))
 
@@ -94,6 +129,9 @@ def main() -> None:
         theirs = f"{theirs_ns:.2f}" if theirs_ns is not None else "-"
         ratio_s = f"**{ratio:.2f}**" if ratio is not None else "-"
         lines.append(f"| {label} | {exact} | {ours_ns:.2f} | {theirs} | {ratio_s} | {vs_floor} |")
+    lines += ["", "First compiled call (compilation, paid once per format, dtype and device; 0 when compilation is off):",
+              "", "| kernel | first call s |", "|---|---|"]
+    lines += [f"| {label} | {seconds:.2f} |" for label, seconds in compile_seconds.items()]
     table = "\n".join(lines)
     print(table)
     if args.output:

@@ -82,8 +82,12 @@ def linear_names(model: torch.nn.Module, skip: tuple[str, ...] = ("lm_head",)) -
 
 
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
-    """Run `code` in a fresh interpreter (the repository importable); raise with its output if it fails."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRANSFORMERS_VERBOSITY": "warning", **(env or {})}
+    """Run `code` in a fresh interpreter (the repository importable); raise with its output if it fails.
+
+    The interpreter runs torch on one thread, like the tests (conftest's `single_thread`): the float reduction
+    order, and so the last bit of a matmul, depends on the thread count, and tests compare results exactly."""
+    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRANSFORMERS_VERBOSITY": "warning",
+                "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")

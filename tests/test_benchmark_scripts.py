@@ -58,6 +58,18 @@ def test_calibration_step_profile(tiny_text_model_dir, tmp_path):
     assert float(rows["quantizers' backward (dL/dx, dL/dbeta)"]) > 0
 
 
+def test_calibration_memory_benchmark(tiny_text_model_dir, tmp_path):
+    root = tiny_text_model_dir
+    output = tmp_path / "memory.md"
+    stdout = run_benchmark("bench_calibration_memory.py", "--model", root / "model", "--calibration",
+                           root / "calibration.txt", "--batch-sizes", 2, "--seq-len", 16, "--output", output)
+    (row,) = re.findall(r"^\| 2 x 16 \| (\d+) \| (\d+) \| (\d+) \| ([\d.]+)x \|", stdout, re.MULTILINE)
+    unquantized, dmx, _, ratio = map(float, row)
+    assert unquantized > 100 and dmx > 100  # whole-process peaks: torch alone is hundreds of MiB
+    assert abs(ratio - dmx / unquantized) <= 0.01 + 0.01 * dmx / unquantized  # ratio of rounded peaks
+    assert output.read_text().startswith("# Calibration step memory\n\nCommand: `python benchmarks/bench_calibration_memory.py")
+
+
 def run_benchmark(script: str, *args) -> str:
     result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
                             capture_output=True, text=True, timeout=600, cwd=ROOT)

@@ -27,6 +27,8 @@ import torch
 from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent
 from ..formats.blocks import to_blocks
 from ..formats.blocks import validate_input
+from ..formats.cast import compiles
+from ..formats.compilation import CompiledKernel
 from ..formats.spec import grid_exponent, validate_block_size, validate_scale_rule
 from .pairs import FormatPair, get_format_pair
 
@@ -48,12 +50,29 @@ def _format_parameters(pair: FormatPair, beta: torch.Tensor) -> tuple[torch.Tens
 
 def _quantize(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad, want_beta_grad):
     """Forward values ``y`` and, when asked for, the per-element derivatives ``dy/dx`` and ``dy/dbeta``."""
-    e, m, e_min, qmax, scale_offset, de, dm, dqmax = _format_parameters(pair, beta)
+    _, m, e_min, qmax, scale_offset, de, dm, dqmax = _format_parameters(pair, beta)
+    rounding_bits = pair.scale_rounding_bits(beta.detach().float(), scale_rule)
+    # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
+    # formats (integer offsets, the default recipe's probes) run the compiled kernel, so results never depend on it.
+    if not (compiles(x, block_size) and float(beta) == round(float(beta))):
+        return _quantize_elements.fn(x, block_amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits,
+                                     block_size, want_x_grad, want_beta_grad)
+    # As a matrix of rows: one kernel serves every number of rows (tokens) of a width.
+    rows = x.reshape(-1, x.shape[-1])
+    amax = None if block_amax is None else block_amax.reshape(rows.shape[0], -1, 1)
+    outputs = _quantize_elements(rows, amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits, block_size,
+                                 want_x_grad, want_beta_grad)
+    return tuple(None if t is None else t.view(x.shape) for t in outputs)
 
+
+@CompiledKernel
+def _quantize_elements(x, block_amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits, block_size,
+                       want_x_grad, want_beta_grad):
+    """The element-wise part of ``_quantize`` at given format parameters (0-dim tensors): one fused kernel when
+    compiled (``formats.compilation``), the same bits eagerly."""
     blocks = to_blocks(x, block_size)
     amax = block_amax if block_amax is not None else block_max(blocks)
-    exponent = block_max_exponent(amax, pair.scale_rounding_bits(beta.detach().float(), scale_rule))
-    scale = block_scale(shared_exponent(*exponent, scale_offset))
+    scale = block_scale(shared_exponent(*block_max_exponent(amax, rounding_bits), scale_offset))
     v = blocks / scale
 
     normal_exponent = floor_log2(v).float()

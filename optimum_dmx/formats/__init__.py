@@ -5,12 +5,15 @@ scales and bit packing.
   bits) and the table ``MX_FORMATS``;
 * ``blocks``: blocks along the last dimension and their shared E8M0 scales;
 * ``cast``: ``quantize_mx``, bit-exact with the specification;
+* ``compilation``: the casts compiled into fused kernels by ``torch.compile``, with the eager path as fallback
+  (``set_compile_enabled``, ``$OPTIMUM_DMX_COMPILE``);
 * ``packing``: ``pack_mx`` / ``unpack_mx``, the uint8 storage form.
 
 This package knows nothing about models or transformers.
 """
 
 from .cast import quantize_mx
+from .compilation import compile_enabled, set_compile_enabled
 from .packing import MXPackedTensor, pack_mx, packed_shapes, unpack_mx
 from .spec import E8M0_BIAS, E8M0_NAN, FORMAT_ALIASES, MX_FORMATS, SCALE_RULES, MXFormat, get_format
 
@@ -22,9 +25,11 @@ __all__ = [
     "MXFormat",
     "MXPackedTensor",
     "SCALE_RULES",
+    "compile_enabled",
     "get_format",
     "pack_mx",
     "packed_shapes",
     "quantize_mx",
+    "set_compile_enabled",
     "unpack_mx",
 ]

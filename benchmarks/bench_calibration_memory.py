@@ -1,0 +1,137 @@
+#!/usr/bin/env python
+"""Peak memory of a calibration step against an unquantized training step on the same batch (CPU, Linux).
+
+Each measurement runs in a process of its own (this script started again with `--measure`), so that no
+allocation of one lingers in the next, with glibc's `MALLOC_MMAP_THRESHOLD_=65536`: every tensor buffer above
+64 KiB is its own mapping, returned to the system when freed, so the resident set follows the live tensors
+instead of keeping freed memory. The process loads the model and the batch, runs one untimed warm-up of
+what it measures (kernel compilation, the trainer's setup, the optimizer state), resets the kernel's resident-set
+high-water mark (`/proc/self/clear_refs`), runs the measured work and reads the peak (`VmHWM`):
+
+* `unquantized`: a forward + backward of the float model with every weight trainable (the reference);
+* `dMX`: a default-recipe calibration of `--steps` steps (`kl_weight=0`: the KL scan is a once-per-run forward
+  pass, not a step), which includes the trainer's one-time setup (wrapping the linears, the frozen weights'
+  block maxima and their quantizations at the probe endpoints);
+* `dMX eager`: the same with the compiled MX kernels off.
+
+Reported: the peak resident memory of the process during the work, and the same less the memory held before it
+(the model, the batch, Python and torch), with ratios to the reference.
+
+usage: python benchmarks/bench_calibration_memory.py [--model DIR] [--calibration FILE ...] [--batch-sizes 2,4]
+                                                     [--seq-len 128] [--steps 2] [--threads 1] [--output FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from common import load_model_and_calibration, write_report
+
+WORKLOADS = ("unquantized", "dMX", "dMX eager")
+
+
+def resident_kib(field: str) -> int:
+    """A `/proc/self/status` memory field (`VmRSS`, `VmHWM`) in KiB."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(f"/proc/self/status has no {field} field: this benchmark needs Linux.")
+
+
+def measure(workload: str, model_dir: Path | None, calibration: list[Path] | None, batch_size: int, seq_len: int,
+            steps: int) -> dict[str, float]:
+    """Peak and peak-over-baseline resident memory (MiB) of `workload`, measured in this process."""
+    from optimum_dmx import set_compile_enabled
+    from optimum_dmx.calibration import CalibrationSettings, calibrate
+
+    model, _, ids = load_model_and_calibration(model_dir, calibration, seq_len, batch_size)
+
+    if workload == "unquantized":
+        for p in model.parameters():
+            p.requires_grad_(True)
+
+        def work() -> None:
+            model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
+            model.zero_grad(set_to_none=True)
+    else:
+        set_compile_enabled(False if workload == "dMX eager" else None)
+        settings = CalibrationSettings(target_bits=5.0, num_samples=len(ids), seq_len=seq_len, batch_size=batch_size,
+                                       steps=steps, kl_weight=0.0)
+
+        def work() -> None:
+            calibrate(model, ids, settings, progress=False)
+
+    work()  # warm-up: compilation, allocator pools
+    baseline = resident_kib("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+    work()
+    peak = resident_kib("VmHWM")
+    return {"peak_mib": peak / 1024, "over_baseline_mib": (peak - baseline) / 1024}
+
+
+def ratio(value: float, reference: float) -> str:
+    return f"{value / reference:.2f}x" if reference > 0 else "-"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
+    p.add_argument("--calibration", type=Path, nargs="+", help="text files (default: the Austen novels)")
+    p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--steps", type=int, default=2, help="calibration steps in a dMX measurement")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
+    p.add_argument("--measure", choices=WORKLOADS, help=argparse.SUPPRESS)  # internal: one measurement
+    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+
+    if a.measure:
+        print(json.dumps(measure(a.measure, a.model, a.calibration, a.batch_size, a.seq_len, a.steps)))
+        return
+
+    lines = [
+        f"Model `{a.model.name if a.model else 'smollm2-135m-degridded'}` (float32), {a.threads} torch thread(s), "
+        f"{platform.processor() or platform.machine()}, torch {torch.__version__}; one process per measurement; "
+        f"dMX: {a.steps} default-recipe steps.",
+        "",
+        "| batch x seq | " + " | ".join(f"{w} peak MiB" for w in WORKLOADS) + " | dMX / unquantized | "
+        + " | ".join(f"{w} over baseline MiB" for w in WORKLOADS) + " | dMX / unquantized (over baseline) |",
+        "|---|" + "---|" * (2 * len(WORKLOADS) + 2),
+    ]
+    for batch_size in [int(b) for b in a.batch_sizes.split(",")]:
+        results = {}
+        for workload in WORKLOADS:
+            command = [sys.executable, __file__, "--measure", workload, "--batch-size", str(batch_size),
+                       "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--threads", str(a.threads)]
+            if a.model:
+                command += ["--model", str(a.model)]
+            if a.calibration:
+                command += ["--calibration", *map(str, a.calibration)]
+            env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
+            out = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
+            if out.returncode:
+                raise SystemExit(f"measuring {workload} failed:\n{out.stderr[-3000:]}")
+            results[workload] = json.loads(out.stdout.strip().splitlines()[-1])
+        peak = {w: r["peak_mib"] for w, r in results.items()}
+        over = {w: r["over_baseline_mib"] for w, r in results.items()}
+        lines.append(
+            f"| {batch_size} x {a.seq_len} | " + " | ".join(f"{peak[w]:.0f}" for w in WORKLOADS)
+            + f" | {ratio(peak['dMX'], peak['unquantized'])} | " + " | ".join(f"{over[w]:.0f}" for w in WORKLOADS)
+            + f" | {ratio(over['dMX'], over['unquantized'])} |"
+        )
+        print(lines[-1], file=sys.stderr, flush=True)
+    write_report("\n".join(lines) + "\n", a.output, "Calibration step memory")
+
+
+if __name__ == "__main__":
+    main()

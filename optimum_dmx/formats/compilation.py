@@ -1,0 +1,126 @@
+"""Compiled MX kernels: ``torch.compile`` (inductor: C++ on CPU, Triton on GPU) with the eager path as fallback.
+
+The MX casts are chains of cheap element-wise operations and one block reduction. Run eagerly, each operation is
+a pass over memory; compiled, the chain fuses into one kernel that reads each block once and writes it once. The
+eager functions stay the reference: a compiled kernel is the same function, so its results are bit-identical
+(tested).
+
+Compilation is on by default. It is skipped, and the eager function runs instead, when:
+
+* the environment variable ``OPTIMUM_DMX_COMPILE`` is ``0`` (or ``set_compile_enabled(False)`` was called);
+* the caller is itself being traced by ``torch.compile`` (the outer compilation then fuses the kernel itself);
+* compiling any kernel failed once in this process (no C++ compiler, no Triton, an unsupported device): one
+  warning says so and every later call of every kernel runs eagerly, with the same results, more slowly.
+
+Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
+a kernel of its own, with the number of rows (tokens) left dynamic: a calibration step, a last short batch or a
+generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling, and a model's
+many formats, widths and dtypes never reach ``torch.compile``'s recompilation limit. (A kernel with every size
+dynamic would need no width key, but the inductor C++ backend then stops vectorising it: 3-4x slower.)
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import sys
+import types
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+__all__ = ["COMPILE_ENV_VAR", "CompiledKernel", "compile_enabled", "set_compile_enabled"]
+
+COMPILE_ENV_VAR = "OPTIMUM_DMX_COMPILE"
+_FALSE_VALUES = ("0", "false", "no", "off")
+
+_enabled_override: bool | None = None
+_compilation_failed = False  # set by the first failure of any kernel: a missing compiler fails them all
+
+
+def compile_enabled() -> bool:
+    """Whether the MX kernels are compiled: ``set_compile_enabled``'s setting, else ``$OPTIMUM_DMX_COMPILE``
+    (compiled unless it is ``0``, ``false``, ``no`` or ``off``)."""
+    if _enabled_override is not None:
+        return _enabled_override
+    return os.environ.get(COMPILE_ENV_VAR, "1").strip().lower() not in _FALSE_VALUES
+
+
+def set_compile_enabled(enabled: bool | None) -> None:
+    """Turn compiled MX kernels on or off for this process (``None``: follow ``$OPTIMUM_DMX_COMPILE`` again)."""
+    global _enabled_override
+    if enabled is not None and not isinstance(enabled, bool):
+        raise TypeError(f"set_compile_enabled takes True, False or None, got {enabled!r}.")
+    _enabled_override = enabled
+
+
+class CompiledKernel:
+    """``fn`` run through ``torch.compile`` when compilation is enabled and works here, else run eagerly.
+
+    ``fn`` must be free of host synchronisation (no ``.item()``, no data-dependent Python branches) so that it
+    compiles into one graph; its arguments other than tensors (formats, block sizes) are compile-time
+    constants and must be hashable. Tensors' first dimension (rows, tokens) is dynamic; the other sizes are part
+    of the kernel's key.
+    """
+
+    def __init__(self, fn: Callable[..., Any]):
+        self.fn = fn
+        self._kernels: dict[tuple, Callable[..., Any]] = {}
+        functools.update_wrapper(self, fn)
+
+    @property
+    def active(self) -> bool:
+        """Whether a call now would run a compiled kernel."""
+        return compile_enabled() and not _compilation_failed and not torch.compiler.is_compiling()
+
+    @property
+    def compiled_variants(self) -> int:
+        """How many kernels were compiled (one per constant arguments and tensor dtypes, devices and widths)."""
+        return len(self._kernels)
+
+    def _kernel(self, args: tuple) -> Callable[..., Any]:
+        key = tuple(_signature(arg) for arg in args)
+        kernel = self._kernels.get(key)
+        if kernel is None:
+            # A copy of fn's code object per key, under a name of its own: torch.compile keeps its cache and
+            # recompilation limit per code object, and its shape history per code name, so each key compiles once
+            # with its own static sizes and never evicts or generalises another key's kernel.
+            name = f"{self.fn.__name__}_{len(self._kernels)}"
+            names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
+            code = self.fn.__code__.replace(**names)
+            copy = types.FunctionType(code, self.fn.__globals__, name, self.fn.__defaults__)
+            kernel = self._kernels[key] = torch.compile(copy)
+        return kernel
+
+    def __call__(self, *args: Any) -> Any:
+        if not self.active:
+            return self.fn(*args)
+        try:
+            kernel = self._kernel(args)
+            for arg in args:
+                if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] > 1:
+                    torch._dynamo.mark_dynamic(arg, 0)  # the rows (tokens): one kernel for every count
+            return kernel(*args)
+        except Exception as error:  # a missing compiler or backend must never break quantization
+            global _compilation_failed
+            _compilation_failed = True
+            message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+            warnings.warn(
+                f"optimum-dmx: torch.compile could not build the MX kernel {self.fn.__name__!r} "
+                f"({type(error).__name__}: {message}); it runs eagerly from now on, with identical results but "
+                f"more slowly. Set {COMPILE_ENV_VAR}=0 to skip compilation and this warning.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+            return self.fn(*args)
+
+
+def _signature(arg: Any) -> Any:
+    """What a kernel is specialised on: a tensor's dtype, device and sizes after the first, and which sizes of it
+    (or of the tensor it views) are 1 (torch.compile specialises a size of 1); any other argument's value."""
+    if isinstance(arg, torch.Tensor):
+        viewed = arg if arg._base is None else arg._base
+        return (arg.dtype, arg.device, tuple(arg.shape[1:]), tuple(size == 1 for size in (*arg.shape, *viewed.shape)))
+    return arg

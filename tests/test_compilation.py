@@ -1,0 +1,185 @@
+"""Compiled MX kernels (`formats.compilation`): bit-identical to the eager casts, compiled once per format and
+dtype (not per shape), and replaced by the eager path with one warning where no compiler works."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from torch._dynamo.utils import counters
+
+from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_max
+from optimum_dmx.continuous.fused import _quantize, _quantize_elements
+from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, quantize_mx, set_compile_enabled
+from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
+from optimum_dmx.formats.compilation import compile_enabled
+
+
+@pytest.fixture
+def compiled():
+    """Compilation on for the test (whatever the environment says), back to the environment's setting after."""
+    set_compile_enabled(True)
+    yield
+    set_compile_enabled(None)
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """The bit pattern of a float tensor, NaNs made canonical (their payload is not part of the format)."""
+    t = t.float()
+    return torch.where(t.isnan(), torch.full_like(t, float("nan")), t).view(torch.int32)
+
+
+def _awkward_tensor(rows: int = 24, cols: int = 128) -> torch.Tensor:
+    """Values across float32's range (tiny, subnormal, huge), a NaN, an Inf and a zero row."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=generator)
+    x = x * torch.exp2(torch.randint(-140, 127, (rows, 1), generator=generator).float())
+    x[0, 3], x[1, 5], x[3, 7] = float("nan"), float("inf"), 3e38
+    x[2] = 0.0
+    x[4, 1:9] = 1e-42
+    return x
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_compiled_cast_is_bit_identical_to_the_eager_cast(compiled, dtype):
+    x = _awkward_tensor().to(dtype).reshape(2, 12, 128)
+    for name in MX_FORMATS:
+        fmt = get_format(name)
+        for rule in SCALE_RULES:
+            eager = cast_mx(x, fmt, 32, rule)  # the native-float8 path where there is one, else the bit pattern
+            assert compiles(x, 32)  # quantize_mx runs the compiled kernel on it
+            assert torch.equal(_bits(quantize_mx(x, fmt, 32, rule)), _bits(eager)), (name, rule, dtype)
+
+
+def test_a_padded_last_block_is_cast_eagerly(compiled):
+    """inductor miscompiles a padded bfloat16 block, so widths that are not whole blocks never compile."""
+    x = _awkward_tensor(8, 100).bfloat16()
+    before = fused_cast_mx.compiled_variants
+    assert torch.equal(_bits(quantize_mx(x, "mxfp8")), _bits(cast_mx(x, get_format("mxfp8"), 32, "ocp")))
+    assert fused_cast_mx.compiled_variants == before
+
+
+def test_quantize_mx_runs_the_compiled_kernel_unless_a_gradient_is_wanted(compiled):
+    fmt = get_format("mxfp6_e3m2")
+    x = torch.randn(3, 128)
+    before = fused_cast_mx.compiled_variants
+    quantize_mx(x, fmt, block_size=64)  # a block size no other test uses: a kernel of its own
+    assert fused_cast_mx.compiled_variants == before + 1
+    x.requires_grad_(True)
+    y = quantize_mx(x, fmt, block_size=16)  # the eager cast, as before compilation existed: its graph is kept
+    assert y.requires_grad and fused_cast_mx.compiled_variants == before + 1
+
+
+def test_disabled_compilation_runs_the_eager_cast():
+    set_compile_enabled(False)
+    try:
+        assert not compile_enabled() and not fused_cast_mx.active
+        before = fused_cast_mx.compiled_variants
+        x = torch.randn(2, 32, 40)
+        assert torch.equal(quantize_mx(x, "mxfp4"), cast_mx(x, get_format("mxfp4"), 32, "ocp"))
+        assert fused_cast_mx.compiled_variants == before
+    finally:
+        set_compile_enabled(None)
+    with pytest.raises(TypeError, match="True, False or None"):
+        set_compile_enabled("yes")
+
+
+@pytest.mark.parametrize("pair_name", list(FORMAT_PAIRS))
+def test_compiled_continuous_quantizer_is_bit_identical_at_the_pairs_formats(compiled, pair_name):
+    pair = get_format_pair(pair_name)
+    x = _awkward_tensor(16, 96).reshape(4, 4, 96) * 1e-30  # keep most blocks finite and in range
+    x[0, 0, 0] = float("nan")
+    for offset in (0.0, 1.0, 2.0):
+        beta = torch.tensor(offset)
+        for rule in ("ocp", "quark"):
+            for amax in (None, weight_block_max(x)):
+                set_compile_enabled(False)
+                eager = _quantize(x, beta, pair, 32, rule, amax, True, True)
+                set_compile_enabled(True)
+                fused = _quantize(x, beta, pair, 32, rule, amax, True, True)
+                for name, a, b in zip(("values", "d_x", "d_beta"), eager, fused):
+                    assert torch.equal(_bits(a), _bits(b)), (pair_name, offset, rule, amax is None, name)
+
+
+def test_fractional_offsets_run_the_eager_continuous_kernel(compiled):
+    """Compiled exp2 differs from eager's in the last bit at fractional exponents: those offsets never compile."""
+    pair = get_format_pair("mxfp8-mxfp4")
+    x = torch.randn(4, 64)
+    before = _quantize_elements.compiled_variants
+    set_compile_enabled(False)
+    eager = _quantize(x, torch.tensor(0.37), pair, 32, "ocp", None, True, True)
+    set_compile_enabled(True)
+    again = _quantize(x, torch.tensor(0.37), pair, 32, "ocp", None, True, True)
+    assert _quantize_elements.compiled_variants == before
+    for a, b in zip(eager, again):
+        assert torch.equal(_bits(a), _bits(b))
+
+
+def test_kernels_do_not_recompile_when_the_number_of_tokens_changes(compiled):
+    """Batch sizes and sequence lengths change from call to call (a generation loop, a last short batch): once a
+    layer width has been seen with batch and sequence sizes of 1 and above 1 (torch.compile specialises a size of
+    1), no token count compiles anything new."""
+    fmt = get_format("mxfp8_e4m3")
+    pair = get_format_pair("mxfp6-mxfp4")
+
+    def run(batch: int, length: int, width: int) -> None:
+        x = torch.randn(batch, length, width)
+        assert torch.equal(_bits(quantize_mx(x, fmt)), _bits(cast_mx(x, fmt, 32, "ocp")))
+        _quantize(x, torch.tensor(2.0), pair, 32, "ocp", None, True, True)
+
+    widths = (64, 128)
+    for width in widths:
+        for batch, length in [(2, 7), (1, 7), (2, 1), (1, 1)]:
+            run(batch, length, width)
+    graphs, kernels = counters["stats"]["unique_graphs"], fused_cast_mx.compiled_variants
+    for batch, length in [(2, 8), (3, 9), (4, 130), (5, 3), (1, 17), (2, 1)]:
+        for width in widths:
+            run(batch, length, width)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert fused_cast_mx.compiled_variants == kernels
+    run(2, 7, 96)  # a new layer width: a kernel of its own
+    assert fused_cast_mx.compiled_variants == kernels + 1
+
+
+def test_without_a_working_compiler_one_warning_and_identical_results(tmp_path):
+    """A real process whose C++ compiler does not exist (and whose inductor cache is empty) warns once and casts
+    eagerly; every result equals the eager cast."""
+    script = textwrap.dedent(
+        """
+        import warnings
+        import torch
+        from optimum_dmx.continuous import get_format_pair
+        from optimum_dmx.continuous.fused import _quantize
+        from optimum_dmx.formats import get_format, quantize_mx
+        from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
+
+        x = torch.randn(4, 96)
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            results = [(quantize_mx(x, name), cast_mx(x, get_format(name), 32, "ocp")) for name in ("mxfp4", "mxfp8")]
+            _quantize(x, torch.tensor(2.0), get_format_pair("mxfp8-mxfp4"), 32, "ocp", None, True, True)
+        messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+        assert len(messages) == 1, messages
+        assert "torch.compile could not build" in messages[0] and "OPTIMUM_DMX_COMPILE=0" in messages[0], messages
+        assert all(torch.equal(a, b) for a, b in results)
+        assert not fused_cast_mx.active
+        print("FELL BACK")
+        """
+    )
+    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "OPTIMUM_DMX_COMPILE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "FELL BACK" in result.stdout
+
+
+def test_environment_variable_turns_compilation_off():
+    script = "from optimum_dmx.formats import compile_enabled; print(compile_enabled())"
+    for value, expected in (("0", "False"), ("off", "False"), ("1", "True")):
+        env = {**os.environ, "OPTIMUM_DMX_COMPILE": value}
+        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300)
+        assert out.stdout.strip().splitlines()[-1] == expected, (value, out.stderr[-2000:])
