@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
                           help="rotate the model before calibration (default none; see docs/method.md)")
     quantize.add_argument("--offset-groups", choices=["none", "fused"],
                           help="fused: q/k/v and gate/up share one format, as vLLM needs to serve the map")
+    quantize.add_argument("--gradient-checkpointing", action="store_const", const=True, default=None,
+                          help="recompute activations in the backward pass: less memory, same result, slower")
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--output", type=Path, help="output folder (default: ./<model>-dmx<bits>)")
     quantize.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -172,7 +174,7 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
 def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The calibration settings given on the command line; the default run fills the rest with DEFAULT_RUN."""
     given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "recipe", "lr",
-                                                "rotation", "offset_groups")}
+                                                "rotation", "offset_groups", "gradient_checkpointing")}
     given = {key: value for key, value in given.items() if value is not None}
     return {**DEFAULT_RUN, **given} if args.model is None and not args.dataset else given
 

@@ -120,6 +120,7 @@ def test_console_script_is_installed():
         (["quantize", "m", "--dataset", "d.txt"], {}),
         (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--recipe", "paper", "--lr", "2"],
          {"seq_len": 64, "recipe": "paper", "lr": 2.0}),
+        (["quantize", "m", "--dataset", "d.txt", "--gradient-checkpointing"], {"gradient_checkpointing": True}),
     ],
 )
 def test_default_run_settings_and_explicit_overrides(argv, expected):

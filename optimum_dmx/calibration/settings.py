@@ -85,6 +85,9 @@ class CalibrationSettings:
             layer's format).
         modules_to_not_convert: module-name patterns left in float (see `linear_modules_to_quantize`).
         seed: seeds data shuffling and the batch order, which makes a run deterministic.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
+            them (transformers' activation checkpointing, non-reentrant; `calibration.checkpointing`): less memory
+            for about one more forward pass per step. The results are the same bit for bit.
     """
 
     recipe: str = "dmx"
@@ -111,6 +114,7 @@ class CalibrationSettings:
     scale_rule: str = "ocp"
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
     seed: int = 0
+    gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
         _require(self.recipe in RECIPES, f"recipe={self.recipe!r} is not supported; allowed: {', '.join(RECIPES)}.")
@@ -150,6 +154,15 @@ class CalibrationSettings:
             f"offset_probe={self.offset_probe!r} is not supported; allowed: {', '.join(OFFSET_PROBES)}.",
         )
         self.offset_groups = validate_offset_groups(self.offset_groups)
+        _require(
+            isinstance(self.gradient_checkpointing, bool),
+            f"gradient_checkpointing={self.gradient_checkpointing!r} must be True or False.",
+        )
+        _require(
+            not (self.gradient_checkpointing and self.recipe == "dmx" and self.offset_probe == "swap"),
+            "offset_probe='swap' records each layer's output in its forward pass, which activation checkpointing "
+            "runs twice; use gradient_checkpointing=False with it.",
+        )
         _require(self.seq_len >= 2, f"seq_len={self.seq_len!r} must be at least 2 to predict a next token.")
         _require(self.lr > 0, f"lr={self.lr!r} must be positive.")
         _require(self.reg_lambda >= 0, f"reg_lambda={self.reg_lambda!r} must be non-negative.")

@@ -29,6 +29,7 @@ from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .budget import blended_priority, budget_format_map
+from .checkpointing import activation_checkpointing
 from .data import build_calibration_batches
 from .distributed import average_across_processes, process_share, world
 from .dmx_linear import DMXLinear, SharedInputs
@@ -127,7 +128,8 @@ def calibrate(
 
     start = time.perf_counter()
     sampled = settings.recipe == "dmx" and not straight_through
-    with dmx_linears(model, settings, straight_through) as layers:
+    with dmx_linears(model, settings, straight_through) as layers, \
+            activation_checkpointing(model, settings.gradient_checkpointing):
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
         bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress or rank > 0)
         batches = (input_ids[process_share(rows, rank, world_size)] for rows in bar)

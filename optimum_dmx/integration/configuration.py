@@ -58,6 +58,8 @@ class DMXConfig(QuantizationConfigMixin):
         num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, discretization, t_start,
         t_end, t_warmup_ratio, seed: calibration settings (`CalibrationSettings`, `docs/method.md`); `None` takes
         the default.
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass of calibration
+            instead of keeping them (less memory, about one more forward pass per step; same results).
         offset_probe: where the default recipe reads each layer's loss derivative: `"low"` (default), `"path"` or `"swap"`
             (`CalibrationSettings`).
         kl_weight, kl_samples: the final ranking blends the learned offsets' rank with KL pre-selection's (weight
@@ -117,6 +119,7 @@ class DMXConfig(QuantizationConfigMixin):
         scale_rule: str | None = None,
         modules_to_not_convert: list[str] | None = None,
         seed: int | None = None,
+        gradient_checkpointing: bool | None = None,
         format_map: Mapping[str, str] | None = None,
         input_transforms: Mapping[str, dict] | None = None,
         bits_simple: float | None = None,
@@ -149,6 +152,7 @@ class DMXConfig(QuantizationConfigMixin):
             "scale_rule": scale_rule,
             "modules_to_not_convert": modules_to_not_convert,
             "seed": seed,
+            "gradient_checkpointing": gradient_checkpointing,
         }
         settings = CalibrationSettings(**{k: v for k, v in given.items() if v is not None})
         for field in dataclasses.fields(settings):
