@@ -19,8 +19,9 @@ path).
 from __future__ import annotations
 
 import io
-import sys
+import shlex
 import statistics
+import sys
 import tarfile
 import time
 import urllib.request
@@ -265,5 +266,5 @@ def write_report(text: str, output: Path | None, title: str) -> None:
     """Print a benchmark's table and, with ``output``, write it under ``title`` with the command that made it."""
     print(text)
     if output:
-        command = "python benchmarks/" + Path(sys.argv[0]).name + " " + " ".join(sys.argv[1:])
+        command = "python benchmarks/" + Path(sys.argv[0]).name + " " + shlex.join(sys.argv[1:])
         output.write_text(f"# {title}\n\nCommand: `{command}`\n\n{text}")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 from torch import nn
 from torch.nn import functional as F
@@ -19,25 +21,27 @@ class SharedInputs:
 
     q/k/v read one normalized hidden state, gate/up another: when they are probed at the same endpoint their
     input quantizations are identical, so the first layer computes it and the others attach the same values
-    and derivatives (`ContinuousQuantization`). Entries hold their input tensor, so an entry can only match that
-    very tensor; `clear()` after each step's backward pass frees them.
+    and derivatives (`ContinuousQuantization`). An entry lives as long as its input tensor (a finalizer drops it
+    when the input is freed, so an id is never matched by a later tensor, and activation checkpointing can free a
+    layer's quantizations with its activations); `clear()` after each step's backward pass drops the rest.
     """
 
     def __init__(self) -> None:
-        # (id of the input, key) -> (the input, its quantization); holding the input keeps its id unique
-        self._entries: dict[tuple[int, tuple], tuple[torch.Tensor, ContinuousQuantization]] = {}
+        self._entries: dict[tuple[int, tuple], ContinuousQuantization] = {}  # (id of the input, key) -> quantization
 
     def quantize(self, x: torch.Tensor, beta: torch.Tensor, key: tuple) -> torch.Tensor:
         """``x`` quantized at ``beta`` (whose value, pair and block settings ``key`` names), computed once per key."""
-        entry = self._entries.get((id(x), key))
-        quantization = None if entry is None else entry[1]
+        entry_key = (id(x), key)
+        quantization = self._entries.get(entry_key)
         if quantization is None or (x.requires_grad and quantization.d_x is None) or (
             beta.requires_grad and quantization.d_beta is None
         ):
             offset, pair, block_size, scale_rule = key
             quantization = ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule,
                                                           with_x_grad=x.requires_grad, with_beta_grad=beta.requires_grad)
-            self._entries[(id(x), key)] = (x, quantization)
+            if entry_key not in self._entries:
+                weakref.finalize(x, self._entries.pop, entry_key, None)
+            self._entries[entry_key] = quantization
         return quantization.attach(x, beta)
 
     def clear(self) -> None:
