@@ -35,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from common import load_model_and_calibration, write_report
+from common import calibration_benchmark_parser, load_model_and_calibration, write_report
 
 WORKLOADS = ("unquantized", "dMX", "dMX eager", "dMX checkpointed")
 
@@ -85,14 +85,8 @@ def ratio(value: float, reference: float) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
-    p.add_argument("--calibration", type=Path, nargs="+", help="text files (default: the Austen novels)")
-    p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
-    p.add_argument("--seq-len", type=int, default=128)
+    p = calibration_benchmark_parser(__doc__)
     p.add_argument("--steps", type=int, default=2, help="calibration steps in a dMX measurement")
-    p.add_argument("--threads", type=int, default=1)
-    p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
     p.add_argument("--measure", choices=WORKLOADS, help=argparse.SUPPRESS)  # internal: one measurement
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()

@@ -11,7 +11,8 @@ For each batch size the script alternates, `--repeats` times:
 * dMX, paper recipe: the same with `recipe="paper"`;
 * ROUND+STE: the same with `calibrate_round_ste`;
 * "dMX eager": the default recipe with the compiled MX kernels off (`set_compile_enabled(False)`), to show what
-  compilation (`optimum_dmx.formats.compilation`) buys in the same run.
+  compilation (`optimum_dmx.formats.compilation`) buys in the same run;
+* "dMX checkpointed": the default recipe with `gradient_checkpointing=True` (what the memory saving costs).
 
 Before the repeats, each trainer runs once untimed for the step count it is measured at: that first run pays the
 kernels' compilation (once per format, dtype and layer width), reported separately as "warm-up s".
@@ -28,33 +29,33 @@ usage: python benchmarks/bench_calibration_step.py [--model DIR] [--calibration 
 
 from __future__ import annotations
 
-import argparse
 import platform
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
 from optimum_dmx import set_compile_enabled
 from optimum_dmx.calibration import CalibrationSettings, calibrate, calibrate_round_ste
 
-from common import fwd_bwd_seconds, load_model_and_calibration, write_report
+from common import calibration_benchmark_parser, fwd_bwd_seconds, load_model_and_calibration, write_report
 
-# name -> (trainer, recipe, compiled kernels)
-TRAINERS = {"dMX": (calibrate, "dmx", True), "dMX eager": (calibrate, "dmx", False),
-            "dMX paper": (calibrate, "paper", True), "ROUND+STE": (calibrate_round_ste, "paper", True)}
+# name -> (trainer, recipe, compiled kernels, gradient checkpointing)
+TRAINERS = {"dMX": (calibrate, "dmx", True, False), "dMX eager": (calibrate, "dmx", False, False),
+            "dMX checkpointed": (calibrate, "dmx", True, True), "dMX paper": (calibrate, "paper", True, False),
+            "ROUND+STE": (calibrate_round_ste, "paper", True, False)}
 
 
 def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> float:
     """Marginal wall time of one step of trainer `name` on `batch` (every step sees the whole batch)."""
-    trainer, recipe, compiled = TRAINERS[name]
+    trainer, recipe, compiled, checkpointing = TRAINERS[name]
 
     def run(num_steps: int) -> float:
         settings = CalibrationSettings(
             recipe=recipe, target_bits=5.0, format_pair=pair, num_samples=len(batch), seq_len=batch.shape[1],
             batch_size=len(batch), steps=num_steps, discretization="budget", kl_weight=0.0,
+            gradient_checkpointing=checkpointing,
         )
         set_compile_enabled(None if compiled else False)
         try:
@@ -87,17 +88,11 @@ def measure(
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
-    p.add_argument("--calibration", type=Path, nargs="+", help="text files (default: the Austen novels)")
-    p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
-    p.add_argument("--seq-len", type=int, default=128)
+    p = calibration_benchmark_parser(__doc__)
     p.add_argument("--pair", default="mxfp8-mxfp4")
     p.add_argument("--steps", type=int, default=2, help="extra steps whose time is divided out")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--threads", type=int, default=1)
     p.add_argument("--trainers", default=",".join(TRAINERS), help=f"comma list of {', '.join(TRAINERS)}")
-    p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
     a = p.parse_args()
     trainers = a.trainers.split(",")
     unknown = [name for name in trainers if name not in TRAINERS]

@@ -14,11 +14,11 @@ Measures, in one run:
    an online transform such as `online_block_hadamard`).
 
 Times are median CPU times (one torch thread by default) over `--repeats` runs after a warm-up: the
-linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32.
+linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32 and, with `--model-bf16`, in bf16 too.
 Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
 
-usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--rotation NAME] [--repeats N] [--threads N]
-                                           [--output FILE]
+usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--model-bf16] [--rotation NAME] [--repeats N]
+                                           [--threads N] [--output FILE]
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from common import benchmark_model, median_seconds
 
 SHAPES = [(1, 512), (8, 128)]
 DTYPES = [torch.bfloat16, torch.float32]
-# Whole-model forwards run in fp32 only: CPUs without native bf16 matmul take ~10x longer in bf16.
-MODEL_DTYPES = [torch.float32]
+# Whole-model forwards run in fp32, and in bf16 with --model-bf16: CPUs without native bf16 matmul take ~10x longer
+# in bf16, so it is opt-in.
 
 
 def log(message: str) -> None:
@@ -80,7 +80,8 @@ def mixed_format_map(model: nn.Module) -> dict[str, str]:
     return {name: "mxfp8_e4m3" if i % 4 == 0 else "mxfp4_e2m1" for i, name in enumerate(names)}
 
 
-def bench_model(model_dir: Path, repeats: int, rotation: str = "none") -> tuple[list[list[str]], list[str]]:
+def bench_model(model_dir: Path, repeats: int, rotation: str = "none",
+                dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[list[list[str]], list[str]]:
     from transformers import AutoModelForCausalLM
 
     rows, notes = [], []
@@ -127,7 +128,7 @@ def bench_model(model_dir: Path, repeats: int, rotation: str = "none") -> tuple[
         rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB",
                      f"{dmx_bytes / 2**20:.1f} MiB ({size_ratio:.3f}x)", "", *extra])
 
-        for dtype in MODEL_DTYPES:
+        for dtype in dtypes:
             float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
             dmx = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
             dmx_packed = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
@@ -163,6 +164,7 @@ def main() -> None:
     parser.add_argument("--skip-model", action="store_true", help="only the single-linear part")
     parser.add_argument("--rotation", default="none", choices=list(ROTATIONS),
                         help="also time a dMX model with this rotation (same map)")
+    parser.add_argument("--model-bf16", action="store_true", help="also time the whole model in bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
@@ -184,7 +186,8 @@ def main() -> None:
               bench_linear(args.repeats)),
     ]
     if not args.skip_model:
-        rows, notes = bench_model(args.model or benchmark_model(), args.repeats, args.rotation)
+        dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)
+        rows, notes = bench_model(args.model or benchmark_model(), args.repeats, args.rotation, dtypes)
         header = ["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only"]
         if args.rotation != "none":
             header.append(f"dMX cached, rotation {args.rotation}")

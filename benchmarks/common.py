@@ -18,6 +18,7 @@ path).
 
 from __future__ import annotations
 
+import argparse
 import io
 import shlex
 import statistics
@@ -260,6 +261,19 @@ def load_model_and_calibration(model_dir: Path | None, calibration: list[Path] |
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = build_calibration_batches(calibration or benchmark_texts().calibration, tokenizer, seq_len, count, seed=seed)
     return model, Path(model_dir), ids
+
+
+def calibration_benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the arguments the calibration benchmarks share: model, texts, batch sizes, sequence length,
+    torch threads and output file; ``doc`` is the script's docstring (its first paragraph describes it)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
+    p.add_argument("--calibration", type=Path, nargs="+", help="text files (default: the Austen novels)")
+    p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
+    return p
 
 
 def write_report(text: str, output: Path | None, title: str) -> None:
