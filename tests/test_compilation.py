@@ -15,9 +15,10 @@ from torch._dynamo.utils import counters
 
 from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_max
 from optimum_dmx.continuous.fused import _quantize, _quantize_elements
-from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, quantize_mx, set_compile_enabled
+from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, pack_mx, quantize_mx, set_compile_enabled, unpack_mx
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import compile_enabled
+from optimum_dmx.formats.packing import fused_dequantize
 
 
 @pytest.fixture
@@ -215,3 +216,18 @@ def test_calibration_and_inference_are_identical_with_and_without_compiled_kerne
     assert compiled_result.beta_hat == eager_result.beta_hat
     assert [h["loss"] for h in compiled_result.history] == [h["loss"] for h in eager_result.history]
     assert torch.equal(_bits(compiled_logits), _bits(eager_logits))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_compiled_unpacking_is_bit_identical(compiled, dtype):
+    """`unpack_mx` (the packed-only `MXLinear`'s weight, every call) runs compiled: the same values."""
+    weight = _awkward_tensor(48, 128) * 1e-30
+    weight[1, 7] = float("nan")
+    for name in MX_FORMATS:
+        packed = pack_mx(weight, name)
+        set_compile_enabled(False)
+        eager = unpack_mx(packed, dtype)
+        set_compile_enabled(True)
+        before = fused_dequantize.compiled_variants
+        assert torch.equal(_bits(unpack_mx(packed, dtype)), _bits(eager)), (name, dtype)
+        assert fused_dequantize.compiled_variants >= max(before, 1)

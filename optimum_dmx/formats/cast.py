@@ -114,6 +114,7 @@ def compiles(x: torch.Tensor, block_size: int) -> bool:
     """Whether ``x`` is cast by a compiled kernel: compilation is on and its rows are whole blocks.
 
     (A padded last block is cast eagerly: inductor (torch 2.13, C++ backend) miscompiles the padded block of a
-    bfloat16 input. Model widths are multiples of 32, so in practice only toy models pad.)
+    bfloat16 input, and a cut last block in ``packing.unpack_mx``. Model widths are multiples of 32, so in practice
+    only toy models pad.)
     """
     return fused_cast_mx.active and x.shape[-1] % block_size == 0

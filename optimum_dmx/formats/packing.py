@@ -14,6 +14,7 @@ import torch
 
 from .blocks import block_scale, to_blocks, validate_input
 from .cast import quantize_blocks
+from .compilation import CompiledKernel
 from .spec import E8M0_BIAS, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_MAX, MXFormat, get_format
 from .spec import packed_row_lengths
 from .spec import validate_block_size, validate_scale_rule
@@ -127,9 +128,21 @@ def unpack_mx(packed: MXPackedTensor, dtype: torch.dtype = torch.float32) -> tor
             f"Packed {fmt.name} tensor of shape {tuple(packed.shape)} needs codes {tuple(codes_shape)} and "
             f"scales {tuple(scales_shape)}, got {tuple(packed.codes.shape)} and {tuple(packed.scales.shape)}."
         )
-    codes = unpack_codes(packed.codes, fmt.bits)[..., : scales_shape[-1] * block_size]
-    elements = code_values(fmt).to(packed.codes.device)[codes]
-    elements = elements.reshape(*scales_shape, block_size)
-    k = packed.scales.to(torch.int32).unsqueeze(-1) - E8M0_BIAS
-    values = elements.mul_(block_scale(k)).reshape(*scales_shape[:-1], -1)
-    return values[..., : packed.shape[-1]].to(dtype)
+    table = code_values(fmt).to(packed.codes.device)
+    # Like the cast (``cast.compiles``): rows of whole blocks only; inductor miscompiles a cut last block.
+    if not fused_dequantize.active or packed.codes.dim() != 2 or packed.shape[-1] % block_size:
+        return dequantize(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)
+    return fused_dequantize(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, bits: int, block_size: int,
+               length: int, dtype: torch.dtype) -> torch.Tensor:
+    """``unpack_mx``'s arithmetic: codes to values (``table``), times their block scales, cut to ``length``."""
+    elements = table[unpack_codes(codes, bits)[..., : scales.shape[-1] * block_size]]
+    elements = elements.reshape(*scales.shape, block_size)
+    k = scales.to(torch.int32).unsqueeze(-1) - E8M0_BIAS
+    values = elements.mul_(block_scale(k)).reshape(*scales.shape[:-1], -1)
+    return values[..., :length].to(dtype)
+
+
+fused_dequantize = CompiledKernel(dequantize)  # one kernel (``compilation``), the same bits
