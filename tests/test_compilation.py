@@ -53,7 +53,7 @@ def test_compiled_cast_is_bit_identical_to_the_eager_cast(compiled, dtype):
         fmt = get_format(name)
         for rule in SCALE_RULES:
             eager = cast_mx(x, fmt, 32, rule)  # the native-float8 path where there is one, else the bit pattern
-            assert compiles(x, 32)  # quantize_mx runs the compiled kernel on it
+            assert compiles(x.shape[-1], 32)  # quantize_mx runs the compiled kernel on it
             assert torch.equal(_bits(quantize_mx(x, fmt, 32, rule)), _bits(eager)), (name, rule, dtype)
 
 
@@ -228,6 +228,6 @@ def test_compiled_unpacking_is_bit_identical(compiled, dtype):
         set_compile_enabled(False)
         eager = unpack_mx(packed, dtype)
         set_compile_enabled(True)
-        before = fused_dequantize.compiled_variants
+        assert compiles(packed.shape[-1], 32) and packed.codes.dim() == 2  # unpack_mx runs the compiled kernel
         assert torch.equal(_bits(unpack_mx(packed, dtype)), _bits(eager)), (name, dtype)
-        assert fused_dequantize.compiled_variants >= max(before, 1)
+    assert fused_dequantize.compiled_variants > 0

@@ -56,7 +56,7 @@ def _quantize(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad, wa
     rounding_bits = pair.scale_rounding_bits(beta.detach().float(), scale_rule)
     # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
     # formats (integer offsets, the default recipe's probes) run the compiled kernel, so results never depend on it.
-    if not (compiles(x, block_size) and float(beta) == round(float(beta))):
+    if not (compiles(x.shape[-1], block_size) and float(beta).is_integer()):
         return _quantize_elements.fn(x, block_amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits,
                                      block_size, want_x_grad, want_beta_grad)
     # As a matrix of rows: one kernel serves every number of rows (tokens) of a width.

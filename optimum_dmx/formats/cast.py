@@ -104,17 +104,18 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
     block_size = validate_block_size(block_size)
     validate_scale_rule(scale_rule)
     validate_input(x)
-    if compiles(x, block_size) and not (x.requires_grad and torch.is_grad_enabled()):
+    if compiles(x.shape[-1], block_size) and not (x.requires_grad and torch.is_grad_enabled()):
         # As a matrix of rows: one kernel serves every number of rows (tokens) of a width.
         return fused_cast_mx(x.reshape(-1, x.shape[-1]), fmt, block_size, scale_rule).view(x.shape)
     return cast_mx(x, fmt, block_size, scale_rule)
 
 
-def compiles(x: torch.Tensor, block_size: int) -> bool:
-    """Whether ``x`` is cast by a compiled kernel: compilation is on and its rows are whole blocks.
+def compiles(width: int, block_size: int) -> bool:
+    """Whether rows of ``width`` elements run a compiled kernel (the cast, the continuous quantizer, unpacking):
+    compilation is on and the rows are whole blocks.
 
-    (A padded last block is cast eagerly: inductor (torch 2.13, C++ backend) miscompiles the padded block of a
-    bfloat16 input, and a cut last block in ``packing.unpack_mx``. Model widths are multiples of 32, so in practice
-    only toy models pad.)
+    (Rows with a padded or cut last block run eagerly: inductor (torch 2.13, C++ backend) miscompiles the padded
+    block of a bfloat16 cast and the cut last block of a bfloat16 or float16 unpacking. Model widths are multiples
+    of 32, so in practice only toy models pad.)
     """
-    return fused_cast_mx.active and x.shape[-1] % block_size == 0
+    return fused_cast_mx.active and width % block_size == 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import block_scale, to_blocks, validate_input
-from .cast import quantize_blocks
+from .cast import compiles, quantize_blocks
 from .compilation import CompiledKernel
 from .spec import E8M0_BIAS, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_MAX, MXFormat, get_format
 from .spec import packed_row_lengths
@@ -129,8 +129,7 @@ def unpack_mx(packed: MXPackedTensor, dtype: torch.dtype = torch.float32) -> tor
             f"scales {tuple(scales_shape)}, got {tuple(packed.codes.shape)} and {tuple(packed.scales.shape)}."
         )
     table = code_values(fmt).to(packed.codes.device)
-    # Like the cast (``cast.compiles``): rows of whole blocks only; inductor miscompiles a cut last block.
-    if not fused_dequantize.active or packed.codes.dim() != 2 or packed.shape[-1] % block_size:
+    if packed.codes.dim() != 2 or not compiles(packed.shape[-1], block_size):
         return dequantize(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)
     return fused_dequantize(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)
 
