@@ -72,3 +72,38 @@ def test_dmx_quantizer_calibrates_with_the_given_tokenizer(tiny_qwen3_dir, token
     assert set(formats) == set(cycling_format_map(tiny_qwen3_dir))
     assert set(formats.values()) <= {"mxfp4_e2m1", "mxfp6_e2m3"}
     assert all(isinstance(model.get_submodule(name), MXLinear) for name in formats)
+
+
+def _calibrating_config(tokenizer) -> DMXConfig:
+    return DMXConfig(target_bits=5.0, dataset=_texts(), tokenizer=tokenizer, **CALIBRATION)
+
+
+def test_device_map_auto_calibrates_like_a_plain_load(tiny_llama_dir, tokenizer):
+    # On this CPU-only machine accelerate places every module on the CPU: what is tested is that a dispatched
+    # load calibrates and ends with the same map and logits as a plain one (several devices are not available)
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=_calibrating_config(tokenizer))
+    dispatched = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, quantization_config=_calibrating_config(tokenizer), device_map="auto"
+    )
+    assert dispatched.config.quantization_config.format_map == plain.config.quantization_config.format_map
+    with torch.no_grad():
+        assert torch.equal(dispatched(INPUT_IDS).logits, plain(INPUT_IDS).logits)
+
+
+def test_an_offloaded_float_model_is_refused_before_calibrating(tmp_path, tiny_llama_dir, tokenizer):
+    with pytest.raises(ValueError, match=r"every weight loaded on a device, but \d+ are offloaded .*max_memory"):
+        AutoModelForCausalLM.from_pretrained(
+            tiny_llama_dir, quantization_config=_calibrating_config(tokenizer),
+            device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=str(tmp_path / "offload"),
+        )
+
+
+def test_a_saved_checkpoint_loads_with_offloaded_weights(tmp_path, tiny_llama_dir, tokenizer):
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=_calibrating_config(tokenizer))
+    model.save_pretrained(tmp_path / "dmx")
+    offloaded = AutoModelForCausalLM.from_pretrained(
+        tmp_path / "dmx", device_map="auto", max_memory={"cpu": "60KB"}, offload_folder=str(tmp_path / "offload")
+    )
+    assert "disk" in offloaded.hf_device_map.values()
+    with torch.no_grad():
+        assert torch.equal(offloaded(INPUT_IDS).logits, model(INPUT_IDS).logits)

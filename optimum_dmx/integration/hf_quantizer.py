@@ -75,6 +75,7 @@ class DMXHfQuantizer(HfQuantizer):
         """Calibrate (or take the explicit map), install the `MXLinear`s, return the config that records it."""
         config = self.quantization_config
         _check_not_quantized(model)
+        _check_weights_in_memory(model)
         skip = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
         )
@@ -122,6 +123,20 @@ def _check_not_quantized(model: PreTrainedModel) -> None:
                 f"the model is already dMX-quantized (module {name!r} is an MXLinear in {module.fmt.name}); "
                 "quantize the float model instead"
             )
+
+
+def _check_weights_in_memory(model: PreTrainedModel) -> None:
+    """Refuse a model whose weights were offloaded (`device_map` with "disk", or "cpu" next to accelerators):
+    accelerate keeps those on the meta device and loads them per forward pass, but rotations and calibration
+    read and rewrite every weight, so they need all of them loaded on a device."""
+    offloaded = [name for name, parameter in model.named_parameters() if parameter.device.type == "meta"]
+    if offloaded:
+        raise ValueError(
+            f"dMX quantization needs every weight loaded on a device, but {len(offloaded)} are offloaded (e.g. "
+            f"{offloaded[0]!r}; device map: {getattr(model, 'hf_device_map', None)}). Load the float model with a "
+            "device_map that keeps all weights on devices (raise max_memory, or use more devices), quantize it "
+            "there, and save it: the saved dMX checkpoint can then be loaded with offloading."
+        )
 
 
 def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -> None:
