@@ -40,9 +40,10 @@ _LN2 = math.log(2.0)
 def _format_parameters(pair: FormatPair, beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """The pair's ``(e, m, e_min, qmax, scale offset)`` at ``beta`` (detached, computed exactly as the
     reference does) and the derivatives of ``e``, ``m`` and ``qmax`` with respect to ``beta``."""
-    # Identity saved-tensor hooks: this small graph keeps its tensors even inside an activation-checkpointed layer,
-    # whose hooks would otherwise recompute the whole layer when `autograd.grad` unpacks them.
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(lambda t: t, lambda t: t):
+    # Own saved-tensor hooks: this small graph keeps its tensors even inside an activation-checkpointed layer, whose
+    # hooks would otherwise recompute the whole layer when `autograd.grad` unpacks them. They keep detached aliases:
+    # a hook that kept an output saved by its own node would make a cycle the garbage collector cannot see.
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t):
         b = beta.detach().to(torch.float32).requires_grad_(True)
         e, m, qmax = pair.exponent_bits(b), pair.mantissa_bits(b), pair.max_normal(b)
         derivatives = [torch.autograd.grad(p, b, retain_graph=True)[0] for p in (e, m, qmax)]
