@@ -1,0 +1,156 @@
+#!/usr/bin/env python
+"""Ablation: can the blend weight be chosen per run by the loss on held-out calibration sequences?
+
+The default recipe ranks layers by the mean of the learned offsets' rank and KL pre-selection's rank
+(`kl_weight=0.5`). This script asks whether a run could pick the weight itself, the way a user would validate a
+hyper-parameter: for every cell of the Pareto benchmark it blends the saved `dmx` offsets with the cached KL scan
+at each weight of `--weights`, meets the budget with the same rule, and measures the model's cross-entropy on
+`--validation` calibration sequences that no method trained on (the seed's draw continued past the trained
+ones, same five Austen novels). It then reports the weight that loss selects and the held-out perplexity of that
+map (from `pareto.csv` where the sweep measured it: weight 0 is the `dmx` row, 0.5 `dmx_kl`, 1 `kl`; measured
+here, with the sweep's protocol, otherwise), against KL's.
+
+It reads the saved runs of `pareto.py` (run those first) and keeps one line per cell in
+`<out>/runs/blend_selection_V<validation>.jsonl`, rewritten as cells finish, so an interrupted run resumes:
+
+    python benchmarks/blend_selection.py --threads 1 --out benchmarks/results
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from optimum_dmx.calibration import build_calibration_batches
+from optimum_dmx.calibration.budget import blended_priority, budget_format_map
+from optimum_dmx.continuous import get_format_pair
+from optimum_dmx.evaluation import evaluate_perplexity
+from optimum_dmx.nn.surgery import emulate_format_map
+from pareto import DEFAULT_TARGETS, FORMAT_PAIRS, Benchmark, Runner
+
+PARETO_METHOD_AT_WEIGHT = {0.0: "dmx", 0.5: "dmx_kl", 1.0: "kl"}
+
+
+@torch.no_grad()
+def validation_loss(model: torch.nn.Module, format_map: dict[str, str], ids: torch.Tensor, batch_size: int) -> float:
+    """Mean cross-entropy of `model` quantized to `format_map` on the rows of `ids` (equal-length rows)."""
+    with emulate_format_map(model, format_map):
+        losses = [model(input_ids=b, labels=b, use_cache=False).loss.item() for b in ids.split(batch_size)]
+    return sum(losses) / len(losses)
+
+
+def selected_weight(losses: dict[str, float]) -> str:
+    """The candidate below 1 (1 is KL pre-selection itself) with the lowest validation loss."""
+    candidates = {w: loss for w, loss in losses.items() if float(w) < 1}
+    return min(candidates, key=candidates.get)
+
+
+def measure(runner: Runner, weights: list[float], validation: int, seeds: list[int], cache: Path) -> list[dict]:
+    bench, model = runner.bench, runner.model
+    done = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
+    records = {(r["pair"], r["target"], r["seed"]): r for r in done}
+    trained = bench.steps * bench.batch_size
+    for seed in seeds:
+        ids = build_calibration_batches(bench.calibration, runner.tokenizer, bench.seq_len, trained + validation, seed)
+        if not torch.equal(ids[:trained], runner.input_ids(seed)):
+            raise RuntimeError("the longer draw must start with the trained sequences")
+        held_out = ids[trained:]
+        for pair in FORMAT_PAIRS:
+            for target in (f"{t:g}" for t in DEFAULT_TARGETS[pair]):
+                record = records.get((pair, target, seed))
+                if record and (float(selected_weight(record["losses"])) in PARETO_METHOD_AT_WEIGHT
+                               or "selected_ppl" in record):
+                    continue
+                learned = json.loads(runner.run_file("dmx", pair, target, seed).read_text())["beta_hat"]
+                sensitivities, _ = runner.sensitivities(bench.settings("dmx", pair, float(target), seed), seed)
+                shapes = {name: tuple(model.get_submodule(name).weight.shape) for name in sensitivities}
+                maps = {f"{w:g}": budget_format_map(blended_priority(learned, sensitivities, w), shapes,
+                                                    get_format_pair(pair), float(target)) for w in weights}
+                if record is None:
+                    record = {"pair": pair, "target": target, "seed": seed, "losses": {}}
+                    for weight, format_map in maps.items():
+                        start = time.perf_counter()
+                        record["losses"][weight] = validation_loss(model, format_map, held_out, 2 * bench.batch_size)
+                        print(f"{pair} {target} seed {seed} weight {weight}: {record['losses'][weight]:.4f} "
+                              f"({time.perf_counter() - start:.0f} s)", flush=True)
+                selected = selected_weight(record["losses"])
+                if float(selected) not in PARETO_METHOD_AT_WEIGHT:  # not in pareto.csv: measure it here
+                    with emulate_format_map(model, maps[selected]):
+                        record["selected_ppl"] = [
+                            evaluate_perplexity(model, runner.tokenizer, text, bench.eval_seq_len, bench.eval_tokens,
+                                                batch_size=4).perplexity
+                            for text in runner.texts.values()
+                        ]
+                records[(pair, target, seed)] = record
+                cache.write_text("".join(json.dumps(r) + "\n" for r in records.values()))
+    return list(records.values())
+
+
+def report(records: list[dict], pareto_csv: Path, validation: int, seq_len: int) -> list[str]:
+    rows = [r for r in csv.DictReader(pareto_csv.open()) if r["rotation"] == "none"]
+    texts = [c[len("ppl_"):] for c in rows[0] if c.startswith("ppl_")]
+
+    def perplexity(weight: float, pair: str, target: str, seed: int) -> list[float] | None:
+        method = PARETO_METHOD_AT_WEIGHT.get(weight)
+        for r in rows:
+            if (r["method"], r["pair"], r["target"], r["seed"]) == (method, pair, target, str(seed)):
+                return [float(r[f"ppl_{t}"]) for t in texts]
+        return None
+
+    weights = list(records[0]["losses"])
+    lines = [
+        f"Validation: cross-entropy on {validation} x {seq_len} calibration tokens no method trained on. Candidates: "
+        "kl_weight < 1 (1 is KL pre-selection itself, shown for reference). Perplexity "
+        f"({' / '.join(texts)}) from pareto.csv where the sweep measured that weight.",
+        "",
+        "| pair | target | seed | " + " | ".join(f"loss w={w}" for w in weights)
+        + " | selected | selected PPL | KL PPL | selected vs KL | default (w=0.5) vs KL |",
+        "|---" * (6 + len(weights)) + "|---|",
+    ]
+    for r in records:
+        selected = selected_weight(r["losses"])
+        chosen = r.get("selected_ppl") or perplexity(float(selected), r["pair"], r["target"], r["seed"])
+        kl = perplexity(1.0, r["pair"], r["target"], r["seed"])
+        default = perplexity(0.5, r["pair"], r["target"], r["seed"])
+
+        def versus(p: list[float] | None) -> str:
+            return " / ".join(f"{100 * (a / b - 1):+.1f}%" for a, b in zip(p, kl)) if p and kl else "not measured"
+
+        lines.append(
+            f"| {r['pair']} | {r['target']} | {r['seed']} | "
+            + " | ".join(f"**{loss:.4f}**" if w == selected else f"{loss:.4f}" for w, loss in r["losses"].items())
+            + f" | {selected} | {' / '.join(f'{p:.2f}' for p in chosen) if chosen else 'not measured'} | "
+            + f"{' / '.join(f'{p:.2f}' for p in kl) if kl else '-'} | {versus(chosen)} | {versus(default)} |"
+        )
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, default=Path(__file__).parent / "results")
+    p.add_argument("--weights", default="0,0.25,0.5,0.75,1", help="comma list of kl_weight candidates")
+    p.add_argument("--validation", type=int, default=32, help="held-out calibration sequences")
+    p.add_argument("--seeds", default="0,1")
+    p.add_argument("--threads", type=int, default=None)
+    a = p.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    bench = Benchmark(out=a.out)
+    runner = Runner(bench)
+    cache = a.out / "runs" / f"blend_selection_V{a.validation}.jsonl"
+    records = measure(runner, [float(w) for w in a.weights.split(",")], a.validation,
+                      [int(s) for s in a.seeds.split(",")], cache)
+    lines = report(records, a.out / "pareto.csv", a.validation, bench.seq_len)
+    (a.out / "blend_selection.md").write_text(
+        "# Choosing the blend weight by held-out calibration loss\n\nCommand: `python benchmarks/blend_selection.py "
+        "--threads 1`\n\n" + "\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
