@@ -24,15 +24,14 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from optimum_dmx.calibration import build_calibration_batches
-from optimum_dmx.calibration.budget import blended_priority, budget_format_map
-from optimum_dmx.continuous import get_format_pair
+from optimum_dmx.calibration import CalibrationResult, build_calibration_batches
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.nn.surgery import emulate_format_map
 from pareto import DEFAULT_TARGETS, FORMAT_PAIRS, Benchmark, Runner
@@ -70,11 +69,10 @@ def measure(runner: Runner, weights: list[float], validation: int, seed: int, ev
         for target in (f"{t:g}" for t in DEFAULT_TARGETS[pair]):
             record = records.setdefault((pair, target), {"pair": pair, "target": target, "seed": seed, "losses": {},
                                                          "ppl": {}})
-            learned = json.loads(runner.run_file("dmx", pair, target, seed).read_text())["beta_hat"]
-            sensitivities, _ = runner.sensitivities(bench.settings("dmx", pair, float(target), seed), seed)
-            shapes = {name: tuple(model.get_submodule(name).weight.shape) for name in sensitivities}
-            maps = {f"{w:g}": budget_format_map(blended_priority(learned, sensitivities, w), shapes,
-                                                get_format_pair(pair), float(target)) for w in weights}
+            learned = CalibrationResult(**json.loads(runner.run_file("dmx", pair, target, seed).read_text()))
+            settings = bench.settings("dmx_kl", pair, float(target), seed)
+            maps = {f"{w:g}": runner.blend_learned_offsets(learned, dataclasses.replace(settings, kl_weight=w),
+                                                           seed).format_map for w in weights}
             for weight, format_map in maps.items():
                 if weight not in record["losses"]:
                     start = time.perf_counter()
