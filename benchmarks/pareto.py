@@ -17,6 +17,8 @@ lm_head in float) on the held-out texts. Methods:
   (`offset_probe="path"`) instead of at the low format;
 * `dmx_swap`: the default recipe estimating each layer's whole format swap to first order from both ends
   (`offset_probe="swap"`);
+* `dmx_distill`, `dmx_distill_kl`: `dmx` and `dmx_kl` learning from the distillation loss
+  (`loss="distillation"`: KL from the float model's next-token distributions) instead of cross-entropy;
 * `dmx_paper`: the dMX paper's procedure (`recipe="paper"`: relaxed offsets, SGD at `--lr`, `beta_hat >= 1`);
 * `dmx_paper_budget`: the paper's procedure with the budget discretization;
 * `dmx_uniform_context`: the default recipe without its sharpening phase (`t_warmup_ratio=1`: every map drawn
@@ -72,14 +74,15 @@ from optimum_dmx.nn.rotation import ROTATIONS, rotate_model
 
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
-LEARNED = ["dmx", "dmx_kl", "dmx_path", "dmx_swap", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
+LEARNED = ["dmx", "dmx_kl", "dmx_distill", "dmx_distill_kl", "dmx_path", "dmx_swap", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
 METHODS = ["float", "uniform", "kl", "kl_fused", *LEARNED]
-OURS = ["dmx", "dmx_kl", "dmx_path", "dmx_swap"]  # the default recipe and its variants, compared with the baselines in the report
+OURS = ["dmx", "dmx_kl", "dmx_distill", "dmx_distill_kl", "dmx_path", "dmx_swap"]  # the default recipe and its variants, compared with the baselines in the report
 # Settings that change a learned run (and so its CSV key); KL depends on the scan's tokens only, every method on
 # the evaluation and the rotation. Rows written before a column existed hold its default.
 SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples", "eval_tokens", "eval_seq_len",
                    "rotation"]
 COLUMN_DEFAULTS = {"rotation": "none"}
+BLENDED = {"dmx_kl": "dmx", "dmx_distill_kl": "dmx_distill"}  # blended method -> the method whose offsets it blends
 
 
 @dataclass
@@ -133,7 +136,8 @@ class Benchmark:
             t_warmup_ratio=1.0 if method == "dmx_uniform_context" else CalibrationSettings.t_warmup_ratio,
             offset_groups="fused" if method.endswith("_fused") else "none",
             offset_probe={"dmx_path": "path", "dmx_swap": "swap"}.get(method, CalibrationSettings.offset_probe),
-            kl_weight=DEFAULT_KL_WEIGHT if method == "dmx_kl" else 0.0,
+            loss="distillation" if method.startswith("dmx_distill") else CalibrationSettings.loss,
+            kl_weight=DEFAULT_KL_WEIGHT if method in BLENDED else 0.0,
             kl_samples=self.kl_samples,
             seed=seed,
         )
@@ -251,8 +255,8 @@ class Runner:
             return dataclasses.replace(result, seconds=result.seconds + scan_seconds)
         if method == "round_ste":
             return calibrate_round_ste(self.model, ids, settings)
-        if method == "dmx_kl":
-            learned = self.run_file("dmx", pair, target, seed)
+        if method in BLENDED:
+            learned = self.run_file(BLENDED[method], pair, target, seed)
             if learned.exists():
                 return self.blend_learned_offsets(CalibrationResult(**json.loads(learned.read_text())), settings, seed)
         return calibrate(self.model, ids, settings)

@@ -34,6 +34,7 @@ def test_to_dict_round_trips():
         ({"t_warmup_ratio": 1.5}, "t_warmup_ratio=1.5"),
         ({"modules_to_not_convert": "lm_head"}, "modules_to_not_convert='lm_head'"),
         ({"offset_probe": "middle"}, "offset_probe='middle'.*low, path, swap"),
+        ({"loss": "mse"}, "loss='mse'.*cross_entropy, distillation"),
     ],
 )
 def test_invalid_settings_name_the_value(kwargs, message):

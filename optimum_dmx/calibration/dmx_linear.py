@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import weakref
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -73,6 +75,9 @@ class DMXLinear(nn.Module):
     casts, straight-through for the input) and records in `swap` its output `y` (in the autograd graph) and
     `y_other - y`, the change of output the other format would make: the swap estimator's first-order
     estimate of what swapping the format changes in the loss is `<dL/dy, y_other - y>`.
+
+    `bypass`, when `True`, runs the float layer (after the input transform, if any): the reference pass of the
+    distillation loss (`unquantized`).
     """
 
     def __init__(
@@ -106,6 +111,7 @@ class DMXLinear(nn.Module):
         self._frozen_weights: dict[float, ContinuousQuantization] = {}
         self.drawn_high: bool | None = None
         self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
+        self.bypass = False
         self._discrete_weights: dict[str, torch.Tensor] = {}
         self.input_transform = getattr(linear, "input_transform", None)  # a `TransformedLinear`'s online rotation
         # The weight is frozen: its per-block maxima are constant, so compute them once.
@@ -178,6 +184,8 @@ class DMXLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)
+        if self.bypass:
+            return F.linear(x, self.weight, self.bias)
         if self.drawn_high is not None:
             return self._forward_swap(x).to(x.dtype)
         beta = self.beta()
@@ -193,3 +201,16 @@ class DMXLinear(nn.Module):
             f"quantize_activations={self.quantize_activations}, scale_rule={self.scale_rule}, temperature={self.temperature:g}, "
             f"straight_through={self.straight_through}"
         )
+
+
+@contextmanager
+def unquantized(layers: Iterable[DMXLinear]) -> Iterator[None]:
+    """Run `layers` as the float layers they wrap inside the block (the model's float reference)."""
+    previous = {layer: layer.bypass for layer in layers}
+    for layer in previous:
+        layer.bypass = True
+    try:
+        yield
+    finally:
+        for layer, bypass in previous.items():
+            layer.bypass = bypass

@@ -19,6 +19,7 @@ from .regularizers import REGULARIZERS
 RECIPES = ("dmx", "paper")
 DISCRETIZATIONS = ("budget", "threshold")
 OFFSET_PROBES = ("low", "path", "swap")
+LOSSES = ("cross_entropy", "distillation")
 DEFAULT_KL_WEIGHT = 0.5  # the default recipe's blend of its learned ranking with KL pre-selection's
 
 
@@ -67,6 +68,9 @@ class CalibrationSettings:
             format integrated along the continuous path) or `"swap"` (every layer, in the discrete format it was
             drawn in, estimates `L(low) - L(high)` to first order from the change of its output the other format
             would make; the means from the two ends are averaged, the trapezoid rule).
+        loss: what the offsets learn from: `"cross_entropy"` (the model's own next-token loss on the calibration
+            text, the paper's) or `"distillation"` (`KL(float || quantized)` of the next-token distributions: one
+            more gradient-free forward pass per step; `calibration.losses`).
         kl_weight: weight in `[0, 1]` of KL pre-selection's ranking in the final ranking (`discretization="budget"`
             only): each layer's priority is `(1 - kl_weight) * rank(offset) + kl_weight * rank(KL sensitivity)`,
             ranks as fractions of the layer count (`calibration.budget.blended_priority`). 0 ranks by the learned
@@ -106,6 +110,7 @@ class CalibrationSettings:
     t_end: float = 400.0
     t_warmup_ratio: float = 0.6
     offset_probe: str = "low"
+    loss: str = "cross_entropy"
     kl_weight: float | None = None
     kl_samples: int = 4
     offset_groups: str | list[list[str]] = "none"
@@ -149,6 +154,7 @@ class CalibrationSettings:
             f"kl_weight={self.kl_weight!r} blends rankings for the budget rule; discretization="
             f"{self.discretization!r} has none (use kl_weight=0).",
         )
+        _require(self.loss in LOSSES, f"loss={self.loss!r} is not supported; allowed: {', '.join(LOSSES)}.")
         _require(
             self.offset_probe in OFFSET_PROBES,
             f"offset_probe={self.offset_probe!r} is not supported; allowed: {', '.join(OFFSET_PROBES)}.",

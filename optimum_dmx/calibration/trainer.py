@@ -34,6 +34,7 @@ from .data import build_calibration_batches
 from .distributed import average_across_processes, process_share, world
 from .dmx_linear import DMXLinear, SharedInputs
 from .groups import offset_groups
+from .losses import calibration_loss
 from .regularizers import bit_regularizer
 from .result import CalibrationResult, result_from_format_map
 from .schedule import temperature_at
@@ -188,7 +189,7 @@ def _relaxed_offsets(
         for m in modules:
             m.temperature = temperature
         batch = batch.to(device)
-        task_loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+        task_loss = calibration_loss(model, batch, settings.loss, modules)
         bits = torch.stack([m.element_bits() for m in modules])
         avg_bits = average_bits(bits, settings.bit_average, sizes)
         reg_loss = bit_regularizer(avg_bits, settings.regularizer, settings.reg_lambda, settings.target_bits)
@@ -296,7 +297,7 @@ def _probe_gains(
     high_offset = torch.tensor(MAX_OFFSET, device=device)
     for i, m in enumerate(modules):
         m.probe, m.probe_offset = probes.get(i, high_offset), offsets.get(i, MAX_OFFSET)
-    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    loss = calibration_loss(model, batch, settings.loss, modules)
     if not probes:
         return loss, low, torch.zeros(0, dtype=torch.float64)
     grads = torch.autograd.grad(loss, list(probes.values()))
@@ -310,7 +311,7 @@ def _swap_gains(
     """`offset_probe="swap"`: the loss, every layer, and `L(low) - L(high)` to first order from its drawn end."""
     for m, is_high in zip(modules, high.tolist()):
         m.drawn_high = is_high
-    loss = model(input_ids=batch, labels=batch, use_cache=False).loss
+    loss = calibration_loss(model, batch, settings.loss, modules)
     outputs, changes = zip(*(m.swap for m in modules))
     grads = torch.autograd.grad(loss, outputs, allow_unused=True)
     swap = torch.stack([

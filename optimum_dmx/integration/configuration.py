@@ -62,6 +62,8 @@ class DMXConfig(QuantizationConfigMixin):
             instead of keeping them (less memory, about one more forward pass per step; same results).
         offset_probe: where the default recipe reads each layer's loss derivative: `"low"` (default), `"path"` or `"swap"`
             (`CalibrationSettings`).
+        loss: what the offsets learn from: `"cross_entropy"` (default; the model's loss on the calibration text) or
+            `"distillation"` (KL from the float model's next-token distributions; one more forward pass per step).
         kl_weight, kl_samples: the final ranking blends the learned offsets' rank with KL pre-selection's (weight
             `kl_weight`, scan on the first `kl_samples` calibration sequences); `CalibrationSettings`.
         rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/method.md`):
@@ -110,6 +112,7 @@ class DMXConfig(QuantizationConfigMixin):
         t_end: float | None = None,
         t_warmup_ratio: float | None = None,
         offset_probe: str | None = None,
+        loss: str | None = None,
         kl_weight: float | None = None,
         kl_samples: int | None = None,
         rotation: str | None = None,
@@ -144,6 +147,7 @@ class DMXConfig(QuantizationConfigMixin):
             "t_end": t_end,
             "t_warmup_ratio": t_warmup_ratio,
             "offset_probe": offset_probe,
+            "loss": loss,
             "kl_weight": kl_weight,
             "kl_samples": kl_samples,
             "offset_groups": offset_groups,

@@ -157,9 +157,9 @@ _RECIPE_TEXT = {
 # Settings that take part in each recipe; the others are stored in config.json but unused by it.
 _RECIPE_SETTINGS = {
     "dmx": ("steps", "batch_size", "seq_len", "num_samples", "discretization", "bit_average", "t_start", "t_end",
-            "t_warmup_ratio", "offset_probe", "kl_weight", "kl_samples", "offset_groups", "seed"),
+            "t_warmup_ratio", "offset_probe", "loss", "kl_weight", "kl_samples", "offset_groups", "seed"),
     "paper": ("steps", "batch_size", "seq_len", "num_samples", "lr", "regularizer", "reg_lambda", "discretization",
-              "bit_average", "t_start", "t_end", "t_warmup_ratio", "seed"),
+              "bit_average", "t_start", "t_end", "t_warmup_ratio", "loss", "seed"),
 }
 
 
