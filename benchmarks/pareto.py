@@ -64,6 +64,7 @@ from optimum_dmx.calibration import (
     kl_sensitivities,
     result_from_format_map,
     uniform,
+    uniform_format_map,
 )
 from optimum_dmx.calibration.budget import blended_priority, budget_format_map
 from optimum_dmx.calibration.settings import DEFAULT_KL_WEIGHT
@@ -277,15 +278,30 @@ class Runner:
                                       beta_hat=learned.beta_hat, kl_sensitivities=sensitivities,
                                       seconds=learned.seconds + scan_seconds)
 
+    def perplexities(self, format_map: dict[str, str]) -> dict[str, float]:
+        """`ppl_<text>` of the model with `format_map` applied, on every held-out text."""
+        b = self.bench
+        perplexities = {}
+        with emulate_format_map(self.model, format_map):
+            for name, text in self.texts.items():
+                ppl = evaluate_perplexity(self.model, self.tokenizer, text, b.eval_seq_len, b.eval_tokens, batch_size=4)
+                perplexities[f"ppl_{name}"] = round(ppl.perplexity, 4)
+        return perplexities
+
+    def saved_format_map(self, row: dict) -> dict[str, str]:
+        """The format map a CSV row was evaluated with: none (float), the uniform one, or its run file's."""
+        if row["method"] == "float":
+            return {}
+        if row["method"] == "uniform":
+            return uniform_format_map(self.model, row["target"], CalibrationSettings().modules_to_not_convert)
+        path = self.run_file(row["method"], row["pair"], row["target"], int(row["seed"]))
+        return json.loads(path.read_text())["format_map"]
+
     def run(self, method: str, pair: str, target: str, seed: int) -> dict:
         b = self.bench
         result = self.assign(method, pair, target, seed)
         start = time.perf_counter()
-        perplexities = {}
-        with emulate_format_map(self.model, result.format_map if result else {}):
-            for name, text in self.texts.items():
-                ppl = evaluate_perplexity(self.model, self.tokenizer, text, b.eval_seq_len, b.eval_tokens, batch_size=4)
-                perplexities[f"ppl_{name}"] = round(ppl.perplexity, 4)
+        perplexities = self.perplexities(result.format_map if result else {})
         steps = len(result.history) if result else 0
         row = {
             "method": method, "pair": pair, "target": target, "seed": seed,
@@ -319,6 +335,38 @@ def sweep(bench: Benchmark) -> None:
         row = runner.run(method, pair, target, seed)
         _append_row(csv_path, row)
         print(json.dumps(row), flush=True)
+
+
+def reevaluate(bench: Benchmark) -> None:
+    """Evaluate the saved format maps of the CSV's selected rows again with the current code, and replace their
+    perplexities, so that every row of the table is measured by the same evaluation. Progress is kept in
+    `<out>/reevaluation.jsonl` (an interrupted call resumes); the CSV is rewritten once, at the end."""
+    csv_path, progress = bench.out / "pareto.csv", bench.out / "reevaluation.jsonl"
+    selected = [
+        r for r in _read_rows(csv_path)
+        if r["method"] in bench.methods and _setting(r, "rotation") == bench.rotation
+        and (not r["pair"] or (r["pair"] in bench.pairs and int(r["seed"]) in bench.seeds))
+    ]
+    done = {}
+    if progress.exists():
+        done = {e["key"]: e["perplexities"] for e in map(json.loads, progress.read_text().splitlines())}
+    todo = [r for r in selected if _key(r["method"], r["pair"], r["target"], r["seed"], r) not in done]
+    print(f"{len(todo)} rows to evaluate again, {len(selected) - len(todo)} done", flush=True)
+    runner = Runner(bench) if todo else None
+    for row in todo:
+        key = _key(row["method"], row["pair"], row["target"], row["seed"], row)
+        done[key] = runner.perplexities(runner.saved_format_map(row))
+        print(key, done[key], flush=True)
+        with open(progress, "a") as f:
+            f.write(json.dumps({"key": key, "perplexities": done[key]}) + "\n")
+    rows = _read_rows(csv_path)
+    for row in rows:
+        row.update(done.get(_key(row["method"], row["pair"], row["target"], row["seed"], row), {}))
+    with open(csv_path, "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    progress.unlink()
 
 
 # --- the report ----------------------------------------------------------------------------------------
@@ -442,7 +490,7 @@ def _plot(rows: list[dict], texts: list[str], path: Path) -> None:
     plt.close(fig)
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool]:
+def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool, bool]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Benchmark()
     p.add_argument("--model", type=Path, help="Hugging Face model folder or Hub id (default: the de-gridded SmolLM2-135M)")
@@ -461,6 +509,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool]:
     p.add_argument("--rotation", default=d.rotation, choices=list(ROTATIONS), help="rotate the model first")
     p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     p.add_argument("--report-only", action="store_true", help="only rebuild pareto.md and pareto.png")
+    p.add_argument("--reevaluate", action="store_true",
+                   help="evaluate the saved maps of the selected rows again with the current code (no calibration)")
     a = p.parse_args(argv)
     methods, pairs = a.methods.split(","), a.pairs.split(",")
     for value, allowed, what in ((methods, METHODS, "method"), (pairs, list(FORMAT_PAIRS), "pair")):
@@ -481,12 +531,14 @@ def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool]:
         **{k: getattr(a, k) for k in ("steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples")},
         **{k: getattr(a, k) for k in ("eval_tokens", "eval_seq_len", "eval_offset", "dtype", "rotation")},
     )
-    return bench, a.report_only
+    return bench, a.report_only, a.reevaluate
 
 
 def main(argv: list[str] | None = None) -> None:
-    bench, report_only = parse_args(argv)
-    if not report_only:
+    bench, report_only, again = parse_args(argv)
+    if again:
+        reevaluate(bench)
+    elif not report_only:
         sweep(bench)
     report(bench)
 

@@ -100,6 +100,21 @@ def test_pareto_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pat
     assert [r["rotation"] for r in floats] == ["none", "block_hadamard"]
     assert float(floats[1]["ppl_heldout"]) == pytest.approx(float(floats[0]["ppl_heldout"]), rel=1e-4)
     assert (tmp_path / "pareto.md").is_file() and (tmp_path / "pareto.png").stat().st_size > 1000
+    # --reevaluate measures the saved maps again: spoiled perplexities come back, the other rows stay as they were.
+    table = list(csv.DictReader(open(tmp_path / "pareto.csv")))
+    measured = {r["method"] + r["target"] + r["lr"]: r["ppl_heldout"] for r in table}
+    for r in table:
+        r["ppl_heldout"] = "-1"
+    with open(tmp_path / "pareto.csv", "w", newline="") as f:
+        writer = csv.DictWriter(f, fieldnames=list(table[0]))
+        writer.writeheader()
+        writer.writerows(table)
+    out = run_benchmark("pareto.py", *inputs, "--methods", "uniform,dmx", "--pairs", "mxfp8-mxfp4", "--reevaluate",
+                        "--steps", 4, "--batch-size", 2, "--seq-len", 16)
+    assert "5 rows to evaluate again, 0 done" in out  # three uniform rows, two dMX runs (lr 20 and 2)
+    again = {r["method"] + r["target"] + r["lr"]: r["ppl_heldout"] for r in csv.DictReader(open(tmp_path / "pareto.csv"))}
+    assert {k: v for k, v in again.items() if v != "-1"} == {k: v for k, v in measured.items() if not k.startswith("float")}
+    assert not (tmp_path / "reevaluation.jsonl").exists()
 
 
 def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
