@@ -425,7 +425,7 @@ def _bars(rows: list[dict], texts: list[str]) -> list[str]:
     """The issue's bars: budget kept; dMX below KL and ROUND+STE on every text, target and seed; time vs KL."""
     lines = ["## Bars", ""]
     by = {(r["method"], r["pair"], r["target"], r["seed"], _setting(r, "rotation")): r for r in rows if r["pair"]}
-    wins = total = 0
+    counts: dict[tuple[str, str, str], list[int]] = {}  # (method, baseline, rotation) -> [lower, compared]
     for (method, pair, target, seed, rotation), r in sorted(by.items()):
         if method not in OURS:
             continue
@@ -439,8 +439,9 @@ def _bars(rows: list[dict], texts: list[str]) -> list[str]:
                 continue
             for t in texts:
                 ours, theirs = float(r[f"ppl_{t}"]), float(o[f"ppl_{t}"])
-                total += 1
-                wins += ours < theirs
+                count = counts.setdefault((method, other, rotation), [0, 0])
+                count[0] += ours < theirs
+                count[1] += 1
                 lines.append(f"  - vs {other} ({float(o['bits_simple']):.3f} bits) on {t}: {ours:.2f} vs {theirs:.2f} "
                              f"({100 * (ours / theirs - 1):+.1f}%) -> {'lower' if ours < theirs else 'NOT lower'}")
         kl = by.get(("kl", pair, target, seed, rotation))
@@ -448,8 +449,10 @@ def _bars(rows: list[dict], texts: list[str]) -> list[str]:
             ratio = float(r["calibration_seconds"]) / float(kl["calibration_seconds"])
             lines.append(f"  - calibration time {float(r['calibration_seconds']):.0f} s vs KL "
                          f"{float(kl['calibration_seconds']):.0f} s (scan included): {ratio:.2f}x")
-    lines.insert(2, f"dMX ({', '.join(OURS)}) lower than the baseline in {wins} of {total} comparisons "
-                    "(method x text x target x seed).\n")
+    summary = [f"- `{method}` lower than `{other}` in {lower} of {compared} comparisons (text x target x seed)"
+               + ("" if rotation == "none" else f", rotation {rotation}")
+               for (method, other, rotation), (lower, compared) in sorted(counts.items())]
+    lines[2:2] = [*summary, ""]
     return lines
 
 
