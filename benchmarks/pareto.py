@@ -340,25 +340,31 @@ def sweep(bench: Benchmark) -> None:
 def reevaluate(bench: Benchmark) -> None:
     """Evaluate the saved format maps of the CSV's selected rows again with the current code, and replace their
     perplexities, so that every row of the table is measured by the same evaluation. Progress is kept in
-    `<out>/reevaluation.jsonl` (an interrupted call resumes); the CSV is rewritten once, at the end."""
+    `<out>/reevaluation.jsonl`: an interrupted call resumes, and calls with different selections can run side by
+    side (each skips the rows another has finished); each rewrites the CSV once, at its end."""
     csv_path, progress = bench.out / "pareto.csv", bench.out / "reevaluation.jsonl"
-    selected = [
-        r for r in _read_rows(csv_path)
+
+    def finished() -> dict[str, dict]:
+        lines = progress.read_text().splitlines() if progress.exists() else []
+        return {e["key"]: e["perplexities"] for e in map(json.loads, lines)}
+
+    selected = {
+        _key(r["method"], r["pair"], r["target"], r["seed"], r): r for r in _read_rows(csv_path)
         if r["method"] in bench.methods and _setting(r, "rotation") == bench.rotation
         and (not r["pair"] or (r["pair"] in bench.pairs and int(r["seed"]) in bench.seeds))
-    ]
-    done = {}
-    if progress.exists():
-        done = {e["key"]: e["perplexities"] for e in map(json.loads, progress.read_text().splitlines())}
-    todo = [r for r in selected if _key(r["method"], r["pair"], r["target"], r["seed"], r) not in done]
-    print(f"{len(todo)} rows to evaluate again, {len(selected) - len(todo)} done", flush=True)
-    runner = Runner(bench) if todo else None
-    for row in todo:
-        key = _key(row["method"], row["pair"], row["target"], row["seed"], row)
+    }
+    print(f"{len(set(selected) - set(finished()))} rows to evaluate again, {len(set(selected) & set(finished()))} done",
+          flush=True)
+    runner, done = None, {}
+    for key, row in selected.items():
+        if key in finished():
+            continue
+        runner = runner or Runner(bench)
         done[key] = runner.perplexities(runner.saved_format_map(row))
         print(key, done[key], flush=True)
         with open(progress, "a") as f:
             f.write(json.dumps({"key": key, "perplexities": done[key]}) + "\n")
+    done = {**finished(), **done}
     rows = _read_rows(csv_path)
     for row in rows:
         row.update(done.get(_key(row["method"], row["pair"], row["target"], row["seed"], row), {}))
@@ -366,7 +372,7 @@ def reevaluate(bench: Benchmark) -> None:
         writer = csv.DictWriter(f, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-    progress.unlink()
+    progress.unlink(missing_ok=True)
 
 
 # --- the report ----------------------------------------------------------------------------------------
