@@ -22,45 +22,37 @@ import time
 from pathlib import Path
 
 import torch
-from torch.nn import functional as F
 
+from optimum_dmx.calibration.losses import next_token_kl, next_token_log_probs
 from optimum_dmx.continuous import get_format_pair
 from optimum_dmx.nn import MXLinear
 from optimum_dmx.nn.surgery import swapped_modules
 from pareto import Benchmark, Runner
 
 
-@torch.no_grad()
-def flip_effects(
-    runner: Runner, format_map: dict[str, str], pair: str, ids: torch.Tensor, refine=None
-) -> tuple[float, dict, float | None]:
-    """KL(float || `format_map`) per token on `ids`, the change each single-layer flip makes to it, and, when
-    `refine` (a function of the flip effects returning a new map) is given, the KL of the map it returns."""
-    model, formats = runner.model, get_format_pair(pair)
-    batches = ids.split(runner.bench.batch_size)
-    reference = [F.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1) for b in batches]
-    modules = {name: {fmt: MXLinear.from_linear(model.get_submodule(name), fmt)
-                      for fmt in (formats.low.name, formats.high.name)} for name in format_map}
+class MapDivergence:
+    """KL(float || the model under a format map) per token on fixed sequences; each layer's modules in both formats
+    of the pair are built once, so a map (or a map with one layer flipped) costs one forward pass per batch."""
 
-    def divergence() -> float:
-        return sum(
-            F.kl_div(F.log_softmax(model(input_ids=b, use_cache=False).logits.float(), -1), r, log_target=True,
-                     reduction="sum").item()
-            for b, r in zip(batches, reference)
-        ) / ids.numel()
+    def __init__(self, runner: Runner, layers: list[str], pair: str, ids: torch.Tensor):
+        self.model, self.formats = runner.model, get_format_pair(pair)
+        self.batches = ids.split(runner.bench.batch_size)
+        self.tokens = ids.numel()
+        with torch.no_grad():
+            self.reference = [next_token_log_probs(self.model, b) for b in self.batches]
+        self.modules = {name: {fmt: MXLinear.from_linear(self.model.get_submodule(name), fmt)
+                               for fmt in (self.formats.low.name, self.formats.high.name)} for name in layers}
 
-    effects = {}
-    with swapped_modules(model, {name: modules[name][fmt] for name, fmt in format_map.items()}):
-        base = divergence()
-        for name, fmt in format_map.items():
-            other = formats.high.name if fmt == formats.low.name else formats.low.name
-            with swapped_modules(model, {name: modules[name][other]}):
-                effects[name] = divergence() - base
-    if refine is None:
-        return base, effects, None
-    refined = refine(effects)
-    with swapped_modules(model, {name: modules[name][fmt] for name, fmt in refined.items()}):
-        return base, effects, divergence()
+    @torch.no_grad()
+    def __call__(self, format_map: dict[str, str]) -> float:
+        with swapped_modules(self.model, {name: self.modules[name][fmt] for name, fmt in format_map.items()}):
+            return sum(next_token_kl(r, next_token_log_probs(self.model, b)).item()
+                       for b, r in zip(self.batches, self.reference)) / self.tokens
+
+    def flip_effects(self, format_map: dict[str, str], base: float) -> dict[str, float]:
+        """The change of the divergence (`base` under `format_map`) when each layer alone takes the other format."""
+        other = {self.formats.low.name: self.formats.high.name, self.formats.high.name: self.formats.low.name}
+        return {name: self({**format_map, name: other[fmt]}) - base for name, fmt in format_map.items()}
 
 
 def exchanged(format_map: dict[str, str], pair: str, effects: dict[str, float]) -> tuple[dict[str, str], int]:
@@ -97,9 +89,11 @@ def main() -> None:
         start = time.perf_counter()
         base_map = runner.assign(a.method, pair, target, int(seed)).format_map
         ids = runner.input_ids(int(seed))[: runner.bench.kl_samples]
-        base, effects, after = flip_effects(runner, base_map, pair, ids,
-                                            refine=lambda e: exchanged(base_map, pair, e)[0])
+        divergence = MapDivergence(runner, list(base_map), pair, ids)
+        base = divergence(base_map)
+        effects = divergence.flip_effects(base_map, base)
         refined, swaps = exchanged(base_map, pair, effects)
+        after = divergence(refined)
         seconds = time.perf_counter() - start
         record = {"method": a.method, "pair": pair, "target": target, "seed": int(seed), "swaps": swaps,
                   "scan_seconds": round(seconds, 1), "kl_base": base,

@@ -64,7 +64,6 @@ from optimum_dmx.calibration import (
     kl_sensitivities,
     result_from_format_map,
     uniform,
-    uniform_format_map,
 )
 from optimum_dmx.calibration.budget import blended_priority, budget_format_map
 from optimum_dmx.calibration.settings import DEFAULT_KL_WEIGHT
@@ -75,9 +74,11 @@ from optimum_dmx.nn.rotation import ROTATIONS, rotate_model
 
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
-LEARNED = ["dmx", "dmx_kl", "dmx_distill", "dmx_distill_kl", "dmx_path", "dmx_swap", "dmx_paper", "dmx_paper_budget", "dmx_uniform_context", "round_ste", "dmx_fused"]
+LEARNED = ["dmx", "dmx_kl", "dmx_distill", "dmx_distill_kl", "dmx_path", "dmx_swap", "dmx_paper", "dmx_paper_budget",
+           "dmx_uniform_context", "round_ste", "dmx_fused"]
 METHODS = ["float", "uniform", "kl", "kl_fused", *LEARNED]
-OURS = ["dmx", "dmx_kl", "dmx_distill", "dmx_distill_kl", "dmx_path", "dmx_swap"]  # the default recipe and its variants, compared with the baselines in the report
+# The default recipe and its variants, compared with the baselines in the report.
+OURS = ["dmx", "dmx_kl", "dmx_distill", "dmx_distill_kl", "dmx_path", "dmx_swap"]
 # Settings that change a learned run (and so its CSV key); KL depends on the scan's tokens only, every method on
 # the evaluation and the rotation. Rows written before a column existed hold its default.
 SETTING_COLUMNS = ["steps", "batch_size", "seq_len", "lr", "reg_lambda", "kl_samples", "eval_tokens", "eval_seq_len",
@@ -193,12 +194,16 @@ def _append_row(path: Path, row: dict) -> None:
         with open(path, "a", newline="") as f:
             csv.DictWriter(f, fieldnames=columns).writerow(row)
         return
-    columns += [c for c in row if c not in columns]
+    _write_rows(path, [*rows, row], columns + [c for c in row if c not in columns])
+
+
+def _write_rows(path: Path, rows: list[dict], columns: list[str]) -> None:
+    """Write `rows` with `columns` (a row lacking a column holds its default)."""
     with open(path, "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=columns)
         writer.writeheader()
-        for old in [*rows, row]:
-            writer.writerow({c: _setting(old, c) for c in columns})
+        for row in rows:
+            writer.writerow({c: _setting(row, c) for c in columns})
 
 
 class Runner:
@@ -290,10 +295,9 @@ class Runner:
 
     def saved_format_map(self, row: dict) -> dict[str, str]:
         """The format map a CSV row was evaluated with: none (float), the uniform one, or its run file's."""
-        if row["method"] == "float":
-            return {}
-        if row["method"] == "uniform":
-            return uniform_format_map(self.model, row["target"], CalibrationSettings().modules_to_not_convert)
+        if row["method"] in ("float", "uniform"):  # nothing learned: rebuilt as the sweep built it
+            result = self.assign(row["method"], row["pair"], row["target"], 0)
+            return result.format_map if result else {}
         path = self.run_file(row["method"], row["pair"], row["target"], int(row["seed"]))
         return json.loads(path.read_text())["format_map"]
 
@@ -368,10 +372,7 @@ def reevaluate(bench: Benchmark) -> None:
     rows = _read_rows(csv_path)
     for row in rows:
         row.update(done.get(_key(row["method"], row["pair"], row["target"], row["seed"], row), {}))
-    with open(csv_path, "w", newline="") as f:
-        writer = csv.DictWriter(f, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    _write_rows(csv_path, rows, list(rows[0]))
     progress.unlink(missing_ok=True)
 
 

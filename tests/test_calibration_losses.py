@@ -48,8 +48,8 @@ def test_distillation_is_the_kl_from_the_float_model(sensitive):
 
 @pytest.mark.parametrize("recipe", ["dmx", "paper"])
 def test_both_recipes_learn_from_the_distillation_loss(sensitive, recipe):
-    """A distillation run keeps the budget (the budget rule's grid point, as cross-entropy's), learns offsets of its own (not the cross-entropy run's) and records
-    the KL, which is never negative, as its loss."""
+    """A distillation run keeps the budget (the budget rule's grid point, as cross-entropy's), learns offsets of its
+    own (not the cross-entropy run's) and records the KL, which is never negative, as its loss."""
     model, ids = sensitive
     runs = {loss: calibrate(model, ids, settings(recipe=recipe, loss=loss, discretization="budget", lr=20.0),
                             progress=False)

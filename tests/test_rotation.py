@@ -76,22 +76,27 @@ def _tiny(kind: str, tied: bool, dtype: torch.dtype = torch.float32) -> nn.Modul
     return model.to(dtype).eval()
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
-@pytest.mark.parametrize("rotation", ["hadamard", "block_hadamard"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_rotation_preserves_the_models_function(kind, rotation, dtype):
-    dtype = getattr(torch, dtype)
+def _rotated_logits(kind: str, rotation: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, dict, list[str]]:
+    """A tiny tied model of `kind`, its rotated copy and transforms; asserts the logits agree (float tolerance)."""
     model = _tiny(kind, tied=True, dtype=dtype)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits.float()
     rotated = copy.deepcopy(model)
-    quantized = linear_modules_to_quantize(rotated, ["lm_head"])
+    quantized = list(linear_modules_to_quantize(rotated, ["lm_head"]))
     transforms = rotate_model(rotated, rotation, quantized, block_size=32, seed=0)
     with torch.no_grad():
         logits = rotated(ids).logits.float()
     tolerance = 1e-4 if dtype == torch.float32 else 0.08 * reference.abs().max().item()
     assert (logits - reference).abs().max().item() < tolerance
+    return model, rotated, transforms, quantized
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("rotation", ["hadamard", "block_hadamard"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_rotation_preserves_the_models_function(kind, rotation, dtype):
+    model, rotated, transforms, _ = _rotated_logits(kind, rotation, getattr(torch, dtype))
     assert sorted(transforms) == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     assert all(isinstance(rotated.get_submodule(name), TransformedLinear) for name in transforms)
     assert all(spec["block_size"] == (192 if rotation == "hadamard" else 32) for spec in transforms.values())
@@ -110,18 +115,7 @@ def test_rotation_preserves_the_models_function(kind, rotation, dtype):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_online_block_rotation_transforms_every_quantized_input_and_preserves_the_function(kind, dtype):
-    dtype = getattr(torch, dtype)
-    model = _tiny(kind, tied=True, dtype=dtype)
-    ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        reference = model(ids).logits.float()
-    rotated = copy.deepcopy(model)
-    quantized = linear_modules_to_quantize(rotated, ["lm_head"])
-    transforms = rotate_model(rotated, "online_block_hadamard", quantized, block_size=32, seed=0)
-    with torch.no_grad():
-        logits = rotated(ids).logits.float()
-    tolerance = 1e-4 if dtype == torch.float32 else 0.08 * reference.abs().max().item()
-    assert (logits - reference).abs().max().item() < tolerance
+    model, rotated, transforms, quantized = _rotated_logits(kind, "online_block_hadamard", getattr(torch, dtype))
     assert sorted(transforms) == sorted(quantized) and all(s["block_size"] == 32 for s in transforms.values())
     assert rotated.lm_head.weight is rotated.model.embed_tokens.weight  # nothing merged into the residual stream
     assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)

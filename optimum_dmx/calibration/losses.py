@@ -29,6 +29,15 @@ def calibration_loss(model: nn.Module, batch: torch.Tensor, loss: str, layers: I
     if loss != "distillation":
         raise ValueError(f"loss={loss!r} is not supported; allowed: {', '.join(LOSSES)}.")
     with torch.no_grad(), unquantized(layers):
-        reference = F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
-    log_probs = F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
-    return F.kl_div(log_probs, reference, log_target=True, reduction="sum") / batch.numel()
+        reference = next_token_log_probs(model, batch)
+    return next_token_kl(reference, next_token_log_probs(model, batch)) / batch.numel()
+
+
+def next_token_log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """`[batch, seq_len, vocab]` float32 log-probabilities of the next token at every position of `batch`."""
+    return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
+
+
+def next_token_kl(reference: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
+    """`sum KL(p_reference || p)` over every position, from log-probabilities (`next_token_log_probs`)."""
+    return F.kl_div(log_probs, reference, log_target=True, reduction="sum")

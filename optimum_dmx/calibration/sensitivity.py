@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
+from .losses import next_token_kl, next_token_log_probs
 from .settings import CalibrationSettings
 
 
@@ -32,18 +32,12 @@ def kl_sensitivities(
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
     tokens = input_ids.numel()
 
-    def log_probs(batch: torch.Tensor) -> torch.Tensor:
-        return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
-
     with emulate_format_map(model, {}):
-        reference = [log_probs(b) for b in batches]
+        reference = [next_token_log_probs(model, b) for b in batches]
     sensitivities = {}
     for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
         with emulate_format_map(model, {name: low}, settings.block_size, settings.quantize_activations,
                                 settings.scale_rule):
-            kl = sum(
-                F.kl_div(log_probs(b), ref, log_target=True, reduction="sum").item()
-                for b, ref in zip(batches, reference)
-            )
+            kl = sum(next_token_kl(ref, next_token_log_probs(model, b)).item() for b, ref in zip(batches, reference))
         sensitivities[name] = kl / tokens
     return sensitivities
