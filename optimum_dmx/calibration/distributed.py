@@ -5,11 +5,14 @@ calibration on the same seeded batches; each computes the loss on its contiguous
 the few hundred offset gradients are averaged across processes after every backward pass. Since every share
 holds the same number of tokens, the average equals the full batch's gradient, so every process ends with the
 same offsets and format map as a single process with the same global batch and seed. The process group is
-initialized here if the launcher has not (gloo on CPU, NCCL on CUDA).
+initialized here if the launcher has not (gloo on CPU, NCCL on CUDA), and then destroyed here at exit: a gloo group
+left to interpreter shutdown can abort the process (`terminate called without an active exception`, SIGABRT) after
+the work has finished, which a launcher reports as a failed worker.
 """
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 
@@ -33,8 +36,15 @@ def world(device: torch.device | None = None) -> tuple[int, int]:
             return 0, 1
         backend = "nccl" if device is not None and device.type == "cuda" else "gloo"
         dist.init_process_group(backend=backend)
+        atexit.register(_destroy_process_group)
         logger.info("dMX calibration: initialized a %s process group of %d processes", backend, dist.get_world_size())
     return dist.get_rank(), dist.get_world_size()
+
+
+def _destroy_process_group() -> None:
+    """Destroy the process group `world` initialized, if nobody has, before the interpreter shuts down."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def is_main_process() -> bool:
