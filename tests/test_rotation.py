@@ -76,8 +76,9 @@ def _tiny(kind: str, tied: bool, dtype: torch.dtype = torch.float32) -> nn.Modul
     return model.to(dtype).eval()
 
 
-def _rotated_logits(kind: str, rotation: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, dict, list[str]]:
-    """A tiny tied model of `kind`, its rotated copy and transforms; asserts the logits agree (float tolerance)."""
+def _rotated_copy(kind: str, rotation: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, dict, list[str]]:
+    """A tiny tied model of `kind`, its rotated copy, transforms and quantized names; asserts their logits agree
+    (float tolerance)."""
     model = _tiny(kind, tied=True, dtype=dtype)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
@@ -96,7 +97,7 @@ def _rotated_logits(kind: str, rotation: str, dtype: torch.dtype) -> tuple[nn.Mo
 @pytest.mark.parametrize("rotation", ["hadamard", "block_hadamard"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_rotation_preserves_the_models_function(kind, rotation, dtype):
-    model, rotated, transforms, _ = _rotated_logits(kind, rotation, getattr(torch, dtype))
+    model, rotated, transforms, _ = _rotated_copy(kind, rotation, getattr(torch, dtype))
     assert sorted(transforms) == [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     assert all(isinstance(rotated.get_submodule(name), TransformedLinear) for name in transforms)
     assert all(spec["block_size"] == (192 if rotation == "hadamard" else 32) for spec in transforms.values())
@@ -115,7 +116,7 @@ def test_rotation_preserves_the_models_function(kind, rotation, dtype):
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_online_block_rotation_transforms_every_quantized_input_and_preserves_the_function(kind, dtype):
-    model, rotated, transforms, quantized = _rotated_logits(kind, "online_block_hadamard", getattr(torch, dtype))
+    model, rotated, transforms, quantized = _rotated_copy(kind, "online_block_hadamard", getattr(torch, dtype))
     assert sorted(transforms) == sorted(quantized) and all(s["block_size"] == 32 for s in transforms.values())
     assert rotated.lm_head.weight is rotated.model.embed_tokens.weight  # nothing merged into the residual stream
     assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)
