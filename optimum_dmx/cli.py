@@ -69,6 +69,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--lr", type=float, help="learning rate of the format offsets (recipe paper)")
     quantize.add_argument("--rotation", choices=list(ROTATIONS),
                           help="rotate the model before calibration (default none; see docs/method.md)")
+    quantize.add_argument("--learn-rotations", action="store_const", const=True, default=None,
+                          help="train the merged rotations (hadamard, block_hadamard) with the formats")
     quantize.add_argument("--offset-groups", choices=["none", "fused"],
                           help="fused: q/k/v and gate/up share one format, as vLLM needs to serve the map")
     quantize.add_argument("--gradient-checkpointing", action="store_const", const=True, default=None,
@@ -174,7 +176,8 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
 def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The calibration settings given on the command line; the default run fills the rest with DEFAULT_RUN."""
     given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "recipe", "lr",
-                                                "rotation", "offset_groups", "gradient_checkpointing")}
+                                                "rotation", "learn_rotations", "offset_groups",
+                                                "gradient_checkpointing")}
     given = {key: value for key, value in given.items() if value is not None}
     return {**DEFAULT_RUN, **given} if args.model is None and not args.dataset else given
 

@@ -12,7 +12,19 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
-from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    Gemma3ForCausalLM,
+    Gemma3TextConfig,
+    LlamaConfig,
+    LlamaForCausalLM,
+    PreTrainedTokenizerFast,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from optimum_dmx.formats import packing
 
@@ -37,6 +49,27 @@ def tiny_llama(
         initializer_range=initializer_range,
     )
     return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def tiny_decoder(kind: str, tied: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    """A randomly initialised Llama, Qwen2 (biased q/k/v), Qwen3 or Gemma 3 (`kind`), hidden 96, head 32, 2 layers,
+    its norms' scales moved away from the identity and its biases from 0."""
+    common = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=tied)
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common))
+    elif kind == "qwen2":
+        model = Qwen2ForCausalLM(Qwen2Config(**common))
+    elif kind == "qwen3":
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    else:
+        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=8))
+    with torch.no_grad():  # norms away from their initial identity, biases from 0, so that rotating them is tested
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    return model.to(dtype).eval()
 
 
 def sensitive_llama_and_data(num_samples: int = 16, seq_len: int = 32):

@@ -9,17 +9,7 @@ import pytest
 import scipy.linalg
 import torch
 from torch import nn
-from transformers import (
-    AutoModelForCausalLM,
-    Gemma3ForCausalLM,
-    Gemma3TextConfig,
-    GPT2Config,
-    GPT2LMHeadModel,
-    LlamaConfig,
-    LlamaForCausalLM,
-    Qwen3Config,
-    Qwen3ForCausalLM,
-)
+from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import CalibrationSettings, calibrate, dmx_linears
@@ -28,7 +18,7 @@ from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
 from optimum_dmx.nn.transforms import RandomizedHadamard, TransformedLinear, fast_hadamard
 
-from .helpers import INPUT_IDS, last_json_line, run_python
+from .helpers import INPUT_IDS, last_json_line, run_python, tiny_decoder
 
 
 @pytest.mark.parametrize("n", [1, 2, 32, 256])
@@ -59,27 +49,10 @@ def test_randomized_hadamard_rejects_bad_sizes():
         RandomizedHadamard.from_dict({"type": "givens", "size": 4})
 
 
-def _tiny(kind: str, tied: bool, dtype: torch.dtype = torch.float32) -> nn.Module:
-    common = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=tied)
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common))
-    elif kind == "qwen3":
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    else:
-        model = Gemma3ForCausalLM(Gemma3TextConfig(**common, sliding_window=8))
-    with torch.no_grad():  # norms away from their initial identity, so that folding them is tested
-        for name, parameter in model.named_parameters():
-            if "norm" in name:
-                parameter.add_(0.3 * torch.randn_like(parameter))
-    return model.to(dtype).eval()
-
-
 def _rotated_copy(kind: str, rotation: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, dict, list[str]]:
     """A tiny tied model of `kind`, its rotated copy, transforms and quantized names; asserts their logits agree
     (float tolerance)."""
-    model = _tiny(kind, tied=True, dtype=dtype)
+    model = tiny_decoder(kind, tied=True, dtype=dtype)
     ids = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         reference = model(ids).logits.float()
@@ -123,7 +96,7 @@ def test_online_block_rotation_transforms_every_quantized_input_and_preserves_th
 
 
 def test_rotation_keeps_float_down_proj_without_online_transform():
-    model = _tiny("llama", tied=False)
+    model = tiny_decoder("llama", tied=False)
     quantized = linear_modules_to_quantize(model, ["lm_head", "down_proj"])
     assert rotate_model(model, "block_hadamard", quantized) == {}
     assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
@@ -134,7 +107,7 @@ def test_rotation_refuses_models_it_cannot_rotate():
     with pytest.raises(ValueError, match="Llama-style decoder layers|decoder-only model"):
         rotate_model(model, "hadamard", {})
     with pytest.raises(ValueError, match="rotation='givens' is not supported; allowed: none, hadamard"):
-        rotate_model(_tiny("llama", tied=False), "givens", {})
+        rotate_model(tiny_decoder("llama", tied=False), "givens", {})
     with pytest.raises(ValueError, match="rotation='givens'"):
         DMXConfig(format_map={}, rotation="givens")
 
@@ -162,7 +135,7 @@ def test_mx_and_dmx_linears_apply_the_online_transform():
 
 
 def test_calibrating_a_rotated_model_runs_with_the_online_transforms():
-    model = _tiny("llama", tied=True)
+    model = tiny_decoder("llama", tied=True)
     rotate_model(model, "block_hadamard", linear_modules_to_quantize(model, ["lm_head"]))
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
     result = calibrate(model, ids, CalibrationSettings(target_bits=5, num_samples=8, seq_len=16, batch_size=2,
@@ -175,7 +148,7 @@ def test_calibrating_a_rotated_model_runs_with_the_online_transforms():
 def rotated_dmx(tmp_path_factory):
     """A tiny tied-embedding Llama quantized with rotation='block_hadamard' and an explicit map, saved."""
     root = tmp_path_factory.mktemp("rotated")
-    _tiny("llama", tied=True).save_pretrained(root / "float")
+    tiny_decoder("llama", tied=True).save_pretrained(root / "float")
     names = [f"model.layers.{i}.{m}" for i in range(2) for m in
              ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
               "mlp.up_proj", "mlp.down_proj")]

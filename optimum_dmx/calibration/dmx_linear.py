@@ -13,6 +13,7 @@ from torch.nn import functional as F
 from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, get_format_pair, quantize_mx_continuous_fused
 from ..continuous import weight_block_max
 from ..formats import MXFormat, quantize_mx
+from ..nn.rotation import rotate_input_side, rotate_output_side
 from .schedule import discrete_offset, temperature_sigmoid
 
 ENDPOINTS = (0.0, MAX_OFFSET)  # the offsets at which quantizations are reused (the probes of the default recipe)
@@ -78,6 +79,11 @@ class DMXLinear(nn.Module):
 
     `bypass`, when `True`, runs the float layer (after the input transform, if any): the reference pass of the
     distillation loss (`unquantized`).
+
+    `input_rotation` / `output_rotation`, when set, are orthogonal matrices being learned with the offsets
+    (`calibration.rotations`): the layer then computes with its weight rotated by them (`W R`, `R^T W`, repeated
+    block-diagonally when smaller than the side, as `nn.rotation` merges them) and quantizes that weight afresh
+    every forward pass, with the straight-through gradient reaching the matrices.
     """
 
     def __init__(
@@ -114,6 +120,8 @@ class DMXLinear(nn.Module):
         self.bypass = False
         self._discrete_weights: dict[str, torch.Tensor] = {}
         self.input_transform = getattr(linear, "input_transform", None)  # a `TransformedLinear`'s online rotation
+        self.input_rotation: torch.Tensor | None = None
+        self.output_rotation: torch.Tensor | None = None
         # The weight is frozen: its per-block maxima are constant, so compute them once.
         self.register_buffer("_weight_block_max", weight_block_max(linear.weight, block_size), persistent=False)
 
@@ -142,6 +150,28 @@ class DMXLinear(nn.Module):
                                                            self.scale_rule)
         return self._discrete_weights[fmt.name]
 
+    @property
+    def rotated(self) -> bool:
+        """Whether learned rotations act on the weight (which then changes every step)."""
+        return self.input_rotation is not None or self.output_rotation is not None
+
+    def rotated_weight(self) -> torch.Tensor:
+        """The weight the layer computes with: its own, or rotated by the learned matrices (float32)."""
+        if not self.rotated:
+            return self.weight
+        weight = self.weight.float()
+        if self.input_rotation is not None:
+            weight = rotate_input_side(weight, self.input_rotation.float())
+        if self.output_rotation is not None:
+            weight = rotate_output_side(weight, self.output_rotation.float())
+        return weight
+
+    def rotated_bias(self) -> torch.Tensor | None:
+        """The bias the layer adds: its own, or rotated with the output side."""
+        if self.bias is None or self.output_rotation is None:
+            return self.bias
+        return rotate_output_side(self.bias.float(), self.output_rotation.float())
+
     def _reusable_offset(self) -> float | None:
         """The probe's value when it is an endpoint, whose quantizations can be reused; else None."""
         offset = self.probe_offset if self.probe is not None else None
@@ -149,6 +179,8 @@ class DMXLinear(nn.Module):
 
     def quantized_weight(self, beta: torch.Tensor) -> torch.Tensor:
         """The weight quantized at `beta`; reused from an earlier step when `beta` is a probe at an endpoint."""
+        if self.rotated:  # a new weight every step: nothing to reuse
+            return quantize_mx_continuous_fused(self.rotated_weight(), beta, self.pair, self.block_size, self.scale_rule)
         offset = self._reusable_offset()
         if offset is None:
             return quantize_mx_continuous_fused(
@@ -169,6 +201,8 @@ class DMXLinear(nn.Module):
         return self.shared_inputs.quantize(x, beta, (offset, self.pair.name, self.block_size, self.scale_rule))
 
     def _forward_swap(self, x: torch.Tensor) -> torch.Tensor:
+        if self.rotated:
+            raise RuntimeError("the swap estimator casts the frozen weight once; it cannot run with learned rotations")
         fmt, other = (self.pair.high, self.pair.low) if self.drawn_high else (self.pair.low, self.pair.high)
         bias = None if self.bias is None else self.bias.float()
         x = x.float()
@@ -184,15 +218,17 @@ class DMXLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)
+        bias = self.rotated_bias()
+        bias = None if bias is None else bias.to(x.dtype)
         if self.bypass:
-            return F.linear(x, self.weight, self.bias)
+            return F.linear(x, self.rotated_weight().to(x.dtype), bias)
         if self.drawn_high is not None:
             return self._forward_swap(x).to(x.dtype)
         beta = self.beta()
         weight = self.quantized_weight(beta)
         if self.quantize_activations:
             x = self.quantized_input(x, beta)
-        return F.linear(x, weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        return F.linear(x, weight.to(x.dtype), bias)
 
     def extra_repr(self) -> str:
         return (

@@ -89,6 +89,13 @@ class CalibrationSettings:
             layer's format).
         modules_to_not_convert: module-name patterns left in float (see `linear_modules_to_quantize`).
         seed: seeds data shuffling and the batch order, which makes a run deterministic.
+        learn_rotations: train the model's merged rotations with the offsets, on the same loss (Cayley SGD on one
+            extra orthogonal matrix for the residual stream and one per layer for the value heads, starting at the
+            identity; `calibration.rotations`), then merge them into the weights. Needs a model rotated with a
+            merged rotation first (`nn.rotation`: `DMXConfig(rotation="hadamard")` or `"block_hadamard"`); each
+            step then quantizes every weight afresh.
+        rotation_lr: the Cayley SGD step size of the learned rotations (SpinQuant's 1.5; each step's turn is capped,
+            `calibration.rotations.CayleySGD`).
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass instead of keeping
             them (transformers' activation checkpointing, non-reentrant; `calibration.checkpointing`): less memory
             for about one more forward pass per step. The results are the same bit for bit.
@@ -119,6 +126,8 @@ class CalibrationSettings:
     scale_rule: str = "ocp"
     modules_to_not_convert: list[str] = field(default_factory=lambda: ["lm_head"])
     seed: int = 0
+    learn_rotations: bool = False
+    rotation_lr: float = 1.5
     gradient_checkpointing: bool = False
 
     def __post_init__(self) -> None:
@@ -169,6 +178,16 @@ class CalibrationSettings:
             "offset_probe='swap' records each layer's output in its forward pass, which activation checkpointing "
             "runs twice; use gradient_checkpointing=False with it.",
         )
+        _require(
+            isinstance(self.learn_rotations, bool),
+            f"learn_rotations={self.learn_rotations!r} must be True or False.",
+        )
+        _require(
+            not (self.learn_rotations and self.recipe == "dmx" and self.offset_probe == "swap"),
+            "offset_probe='swap' casts each frozen weight once, and learned rotations change the weights every step; "
+            "use offset_probe='low' or 'path' with learn_rotations=True.",
+        )
+        _require(self.rotation_lr > 0, f"rotation_lr={self.rotation_lr!r} must be positive.")
         _require(self.seq_len >= 2, f"seq_len={self.seq_len!r} must be at least 2 to predict a next token.")
         _require(self.lr > 0, f"lr={self.lr!r} must be positive.")
         _require(self.reg_lambda >= 0, f"reg_lambda={self.reg_lambda!r} must be non-negative.")

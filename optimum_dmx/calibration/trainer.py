@@ -18,7 +18,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -37,6 +37,7 @@ from .groups import offset_groups
 from .losses import calibration_loss
 from .regularizers import bit_regularizer
 from .result import CalibrationResult, result_from_format_map
+from .rotations import LearnedRotations, learnable_sites, learned_rotations
 from .schedule import temperature_at
 from .sensitivity import kl_sensitivities
 from .settings import CalibrationSettings
@@ -114,6 +115,10 @@ def calibrate(
 
     Run under `torchrun` / `accelerate launch`, the processes share every batch and average the offsets'
     gradients (`calibration.distributed`): each ends with the single-process result for the same global batch.
+
+    With `settings.learn_rotations`, the model's merged rotations are trained with the offsets
+    (`calibration.rotations`) and the learned ones are merged into its weights: the model comes back with the same
+    float function and different weights.
     """
     if not isinstance(settings, CalibrationSettings):
         raise TypeError(f"settings must be a CalibrationSettings, got {type(settings).__name__}.")
@@ -129,13 +134,15 @@ def calibrate(
 
     start = time.perf_counter()
     sampled = settings.recipe == "dmx" and not straight_through
+    sites = learnable_sites(model) if settings.learn_rotations else None  # found before the DMXLinears go in
     with dmx_linears(model, settings, straight_through) as layers, \
-            activation_checkpointing(model, settings.gradient_checkpointing):
+            activation_checkpointing(model, settings.gradient_checkpointing), \
+            (learned_rotations(model, layers, sites, settings.rotation_lr) if sites else nullcontext()) as rotations:
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
         bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress or rank > 0)
         batches = (input_ids[process_share(rows, rank, world_size)] for rows in bar)
         learn = _sampled_offsets if sampled else _relaxed_offsets
-        offsets, history = learn(model, layers, batches, settings, bar, world_size)
+        offsets, history = learn(model, layers, batches, settings, bar, world_size, rotations)
         shapes = {name: tuple(layer.weight.shape) for name, layer in layers.items()}
         threshold_map = {name: layer.discrete_format.name for name, layer in layers.items()}
     # The KL scan swaps modules itself: it runs on the restored model.
@@ -174,10 +181,11 @@ def _budget_map(priority: dict[str, float], shapes: dict[str, tuple], settings: 
 
 
 def _relaxed_offsets(
-    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1
+    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1,
+    rotations: LearnedRotations | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
-    """The paper's loop: SGD on `cross-entropy + bit regularizer` through `F(beta_hat, T)`. Returns the final
-    `beta_hat` of every layer and the per-step history."""
+    """The paper's loop: SGD on `cross-entropy + bit regularizer` through `F(beta_hat, T)` (and a Cayley step on
+    the `rotations` being learned, if any). Returns the final `beta_hat` of every layer and the per-step history."""
     modules = list(layers.values())
     device = modules[0].weight.device
     sizes = tensor_sizes([tuple(m.weight.shape) for m in modules], settings.quantize_activations)
@@ -201,6 +209,8 @@ def _relaxed_offsets(
                 average_across_processes(parameter.grad, world_size)
         reg_loss.backward()
         optimizer.step()
+        if rotations is not None:
+            rotations.step(world_size)
         task_loss = average_across_processes(task_loss.detach().float(), world_size)
         loss = task_loss + reg_loss.detach()
         history.append({
@@ -218,7 +228,8 @@ def _relaxed_offsets(
 
 
 def _sampled_offsets(
-    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1
+    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1,
+    rotations: LearnedRotations | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """The `"dmx"` recipe's loop. Each step draws a format map at the budget, runs the model in it, and adds to
     each layer's running means an estimate of the loss decrease its high format buys (its offset):
@@ -233,7 +244,8 @@ def _sampled_offsets(
     the maps at the budget while `T` stays at `t_start` (the layers' effects are measured in contexts with the
     budget's share of high layers), then concentrating on the budget's highest offsets as `T` rises (the last
     decisions are measured in the context of the final map). A layer never measured keeps an infinite offset:
-    nothing said its high format could go.
+    nothing said its high format could go. The `rotations` being learned, if any, take a Cayley step on the same
+    backward pass (the loss of the drawn map).
     """
     names = list(layers)
     modules = list(layers.values())
@@ -263,6 +275,8 @@ def _sampled_offsets(
             high = torch.tensor([drawn[n] != pair.low.name for n in names])
             loss, measured, gains = measure(model, modules, batch.to(device), high, settings, generator)
             shared_inputs.clear()
+            if rotations is not None:
+                rotations.step(world_size)
             if len(measured):
                 means.add(measured, high[measured], average_across_processes(gains, world_size))
             loss = average_across_processes(loss.detach().float(), world_size)
@@ -298,10 +312,11 @@ def _probe_gains(
     for i, m in enumerate(modules):
         m.probe, m.probe_offset = probes.get(i, high_offset), offsets.get(i, MAX_OFFSET)
     loss = calibration_loss(model, batch, settings.loss, modules)
+    if loss.requires_grad:
+        loss.backward()  # into the probes, and into learned rotations, if any
     if not probes:
         return loss, low, torch.zeros(0, dtype=torch.float64)
-    grads = torch.autograd.grad(loss, list(probes.values()))
-    return loss, low, -torch.stack(grads).double().cpu()
+    return loss, low, -torch.stack([probe.grad for probe in probes.values()]).double().cpu()
 
 
 def _swap_gains(

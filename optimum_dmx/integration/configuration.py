@@ -26,7 +26,7 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 from ..calibration.data import check_calibration_source
 from ..calibration.settings import CalibrationSettings
 from ..formats import MX_FORMATS, get_format
-from ..nn.rotation import validate_rotation
+from ..nn.rotation import LEARNABLE_ROTATIONS, validate_rotation
 from ..nn.transforms import RandomizedHadamard
 
 QUANT_METHOD = "dmx"
@@ -72,6 +72,9 @@ class DMXConfig(QuantizationConfigMixin):
             every quantized linear's input at run time, nothing merged into the residual stream). Merged rotations change the saved weights (tied
             embeddings are untied); the online transform of each `down_proj` input is recorded in
             `input_transforms` and rebuilt on load.
+        learn_rotations, rotation_lr: train the merged rotations of `"hadamard"` / `"block_hadamard"` jointly with
+            the offsets (Cayley SGD at `rotation_lr`, `CalibrationSettings`); the learned rotations are merged into
+            the saved weights, nothing is needed at load time.
         offset_groups: layers that share one offset and so one format: `"none"` (default), `"fused"` (q/k/v and
             gate/up of each decoder layer, as vLLM and SGLang fuse them: needed to export a servable map) or
             explicit lists of module names.
@@ -116,6 +119,8 @@ class DMXConfig(QuantizationConfigMixin):
         kl_weight: float | None = None,
         kl_samples: int | None = None,
         rotation: str | None = None,
+        learn_rotations: bool | None = None,
+        rotation_lr: float | None = None,
         offset_groups: str | list[list[str]] | None = None,
         block_size: int | None = None,
         quantize_activations: bool | None = None,
@@ -157,6 +162,8 @@ class DMXConfig(QuantizationConfigMixin):
             "modules_to_not_convert": modules_to_not_convert,
             "seed": seed,
             "gradient_checkpointing": gradient_checkpointing,
+            "learn_rotations": learn_rotations,
+            "rotation_lr": rotation_lr,
         }
         settings = CalibrationSettings(**{k: v for k, v in given.items() if v is not None})
         for field in dataclasses.fields(settings):
@@ -170,6 +177,9 @@ class DMXConfig(QuantizationConfigMixin):
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.rotation = validate_rotation("none" if rotation is None else rotation)
+        if self.learn_rotations and self.rotation not in LEARNABLE_ROTATIONS:
+            raise ValueError(f"learn_rotations=True trains merged rotations: it needs rotation="
+                             f"{' or '.join(map(repr, LEARNABLE_ROTATIONS))}, got rotation={self.rotation!r}.")
         self.format_map = _validate_format_map(format_map)
         self.input_transforms = _validate_input_transforms(input_transforms)
         self.bits_simple = bits_simple

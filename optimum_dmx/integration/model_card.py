@@ -173,6 +173,14 @@ _ROTATION_TEXT = {
 }
 
 
+def _rotation_text(config: Mapping[str, Any]) -> str:
+    rotation = config.get("rotation") or "none"
+    text = _ROTATION_TEXT.get(rotation, rotation)
+    if config.get("learn_rotations"):
+        text += f"; the merged rotations then trained with the formats (Cayley SGD, step {config.get('rotation_lr')})"
+    return text
+
+
 def _calibration_section(config: Mapping[str, Any], info: ModelCardInfo) -> str:
     if config.get("target_bits") is None or config.get("steps") is None:
         return "The format map was given explicitly (no calibration)."
@@ -227,7 +235,7 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         "evaluation": _evaluation_section(info),
         "format_table": _format_table(config["format_map"]),
         "block_size": config.get("block_size") or 32,
-        "rotation": _ROTATION_TEXT.get(config.get("rotation") or "none", config.get("rotation")),
+        "rotation": _rotation_text(config),
     }
     template = resources.files("optimum_dmx.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
     return Template(template).substitute(values)

@@ -29,7 +29,8 @@ All rotations are computed in float64 and written back in each weight's dtype.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -38,6 +39,7 @@ from torch import nn
 from .transforms import RandomizedHadamard, TransformedLinear
 
 ROTATIONS = ("none", "hadamard", "block_hadamard", "online_block_hadamard")
+LEARNABLE_ROTATIONS = ("hadamard", "block_hadamard")  # the merged ones, which calibration can train further
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
 _MLP = ("gate_proj", "up_proj", "down_proj")
@@ -70,29 +72,70 @@ def rotate_model(
         return {}
     if rotation == "online_block_hadamard":
         return _transform_every_input(model, quantized, block_size, seed)
-    layers = _decoder_layers(model)
-    seeds = iter(torch.randint(0, 2**31 - 1, (3 * len(layers) + 1,), generator=torch.Generator().manual_seed(seed)).tolist())
+    sites = rotation_sites(model)
+    seeds = iter(torch.randint(0, 2**31 - 1, (3 * len(sites.heads) + 1,), generator=torch.Generator().manual_seed(seed)).tolist())
 
     def transform(size: int) -> RandomizedHadamard:
         return RandomizedHadamard(size, size if rotation == "hadamard" else min(block_size, size), next(seeds))
 
-    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    residual = transform(config.hidden_size)
-    if not any(hasattr(layer, "post_feedforward_layernorm") for layer in layers):
-        _rotate_residual_stream(model, layers, residual.matrix())
+    residual = transform(_text_config(model).hidden_size)
+    per_layer = [(transform(head_dim), transform(model.get_submodule(_down_proj(o_proj)).in_features))
+                 for _, o_proj, head_dim in sites.heads]
+    if sites.residual:
+        fold_norm_scales(model)
+    merge_rotations(model, sites, residual.matrix() if sites.residual else None, [h.matrix() for h, _ in per_layer])
     transforms = {}
-    prefix = _layers_prefix(model, layers)
-    for index, layer in enumerate(layers):
-        attention, mlp = layer.self_attn, layer.mlp
-        head_dim = getattr(attention, "head_dim", None) or config.hidden_size // config.num_attention_heads
-        _rotate_heads(attention.v_proj, attention.o_proj, transform(head_dim).matrix(), head_dim)
-        name = f"{prefix}.{index}.mlp.down_proj"
-        online = transform(mlp.down_proj.in_features)
+    for (_, o_proj, _), (_, online) in zip(sites.heads, per_layer):
+        name = _down_proj(o_proj)
         if name in quantized:
-            _merge_input_side(mlp.down_proj, online.matrix())
-            mlp.down_proj = TransformedLinear(mlp.down_proj, online)
+            down_proj = model.get_submodule(name)
+            _merge_input_side(down_proj, online.matrix())
+            model.set_submodule(name, TransformedLinear(down_proj, online))
             transforms[name] = online.to_dict()
     return transforms
+
+
+@dataclass(frozen=True)
+class RotationSites:
+    """Where the merged rotations of a Llama-style decoder act, by full module name.
+
+    `readers` read the residual stream through an RMSNorm (q/k/v, gate/up, lm_head): the residual rotation goes
+    on their input side; `writers` add into it (o_proj, down_proj): on their output side, as on the input
+    embeddings' rows. `heads` holds each layer's `(v_proj, o_proj, head_dim)`: the per-head rotation goes on
+    `v_proj`'s output and `o_proj`'s input. `residual` is False for models with post-block norms (Gemma 2/3),
+    whose residual stream cannot be rotated (`rotate_model`).
+    """
+
+    readers: tuple[str, ...]
+    writers: tuple[str, ...]
+    heads: tuple[tuple[str, str, int], ...]
+    residual: bool
+
+
+def rotation_sites(model: nn.Module) -> RotationSites:
+    """The `RotationSites` of `model`; raises `ValueError`, naming what is missing, for another structure."""
+    layers = _decoder_layers(model)
+    prefix = _layers_prefix(model, layers)
+    config = _text_config(model)
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(head, nn.Linear):
+        raise ValueError(f"rotation needs the output embeddings (lm_head) of {type(model).__name__} as an nn.Linear")
+    readers, writers, heads = [_module_name(model, head)], [], []
+    for index, layer in enumerate(layers):
+        name = f"{prefix}.{index}"
+        readers += [f"{name}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]
+        readers += [f"{name}.mlp.{n}" for n in ("gate_proj", "up_proj")]
+        writers += [f"{name}.self_attn.o_proj", f"{name}.mlp.down_proj"]
+        head_dim = getattr(layer.self_attn, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        heads.append((f"{name}.self_attn.v_proj", f"{name}.self_attn.o_proj", head_dim))
+    residual = not any(hasattr(layer, "post_feedforward_layernorm") for layer in layers)
+    return RotationSites(tuple(readers), tuple(writers), tuple(heads), residual)
+
+
+def has_unit_norm_scales(model: nn.Module) -> bool:
+    """Whether every RMSNorm of `model`'s residual stream has an identity scale, as after `rotate_model`'s fold:
+    only then does rotating the stream commute with the norms."""
+    return all(torch.equal(_norm_scale(norm), torch.ones_like(_norm_scale(norm))) for norm in _residual_norms(model))
 
 
 def _transform_every_input(model: nn.Module, quantized: Collection[str], block_size: int, seed: int) -> dict[str, dict[str, Any]]:
@@ -131,8 +174,16 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
+def _text_config(model: nn.Module) -> Any:
+    return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+
+
+def _module_name(model: nn.Module, module: nn.Module) -> str:
+    return next(name for name, candidate in model.named_modules() if candidate is module)
+
+
 def _layers_prefix(model: nn.Module, layers: nn.ModuleList) -> str:
-    return next(name for name, module in model.named_modules() if module is layers)
+    return _module_name(model, layers)
 
 
 def _is_rms_norm(module: Any) -> bool:
@@ -150,55 +201,86 @@ def _set_identity_scale(norm: nn.Module) -> None:
     norm.weight.fill_(0.0 if "Gemma" in type(norm).__name__ else 1.0)
 
 
+def rotate_input_side(weight: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """`weight @ diag(matrix, ..., matrix)`: a layer holding the result expects its input rotated by `matrix`
+    (applied to each consecutive group of `len(matrix)` input features)."""
+    size = matrix.shape[0]
+    return (weight.unflatten(-1, (-1, size)) @ matrix).flatten(-2)
+
+
+def rotate_output_side(weight: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+    """`diag(matrix, ..., matrix)^T @ weight` for a weight (`[out, in]`), `bias @ diag(...)` for a bias (`[out]`):
+    the layer's output comes out rotated by `matrix` (each consecutive group of `len(matrix)` output features)."""
+    if weight.dim() == 1:
+        return rotate_input_side(weight, matrix)
+    return rotate_input_side(weight.T, matrix).T
+
+
 @torch.no_grad()
 def _merge_input_side(linear: nn.Linear, matrix: torch.Tensor) -> None:
-    """`W <- W @ matrix`: the layer now expects inputs `x @ matrix`."""
-    linear.weight.copy_((linear.weight.double() @ matrix.to(linear.weight.device)).to(linear.weight.dtype))
+    """`W <- W @ diag(matrix, ...)`: the layer now expects inputs rotated by `matrix`."""
+    weight = linear.weight
+    weight.copy_(rotate_input_side(weight.double(), matrix.to(weight.device, torch.float64)).to(weight.dtype))
 
 
 @torch.no_grad()
 def _merge_output_side(linear: nn.Linear, matrix: torch.Tensor) -> None:
-    """`W <- matrix^T @ W`, `b <- b @ matrix`: the layer now outputs `y @ matrix`."""
-    matrix = matrix.to(linear.weight.device)
-    linear.weight.copy_((matrix.T @ linear.weight.double()).to(linear.weight.dtype))
-    if linear.bias is not None:
-        linear.bias.copy_((linear.bias.double() @ matrix).to(linear.bias.dtype))
+    """`W <- diag(matrix, ...)^T @ W`, `b <- b @ diag(matrix, ...)`: the layer now outputs `y` rotated by `matrix`."""
+    for tensor in (linear.weight, linear.bias):
+        if tensor is not None:
+            tensor.copy_(rotate_output_side(tensor.double(), matrix.to(tensor.device, torch.float64)).to(tensor.dtype))
 
 
-@torch.no_grad()
-def _rotate_residual_stream(model: nn.Module, layers: nn.ModuleList, rotation: torch.Tensor) -> None:
-    """R1: fold every RMSNorm scale into its readers, then rotate the stream by `rotation`."""
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
-    if head is None or not isinstance(head, nn.Linear):
-        raise ValueError(f"rotation needs the output embeddings (lm_head) of {type(model).__name__} as an nn.Linear")
-    if head.weight is embeddings.weight:  # tied: the rotated head needs its own matrix
-        head.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=embeddings.weight.requires_grad)
-        for config in {id(c): c for c in (model.config, model.config.get_text_config())}.values():
-            config.tie_word_embeddings = False
+def _residual_norms(model: nn.Module) -> list[nn.Module]:
+    """The final RMSNorm and every decoder layer's input and post-attention RMSNorm."""
     final_norm = getattr(getattr(model, model.base_model_prefix), "norm", None)
     if not _is_rms_norm(final_norm):
         raise ValueError(f"rotation needs the final RMSNorm `{model.base_model_prefix}.norm` of {type(model).__name__}")
+    layers = _decoder_layers(model)
+    return [final_norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+
+
+@torch.no_grad()
+def fold_norm_scales(model: nn.Module) -> None:
+    """Fold every residual-stream RMSNorm's scale into the linears that read its output; the norm's scale becomes
+    the identity. Tied input and output embeddings are untied first (the folded `lm_head` needs its own matrix)."""
+    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    if head.weight is embeddings.weight:
+        head.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=embeddings.weight.requires_grad)
+        for config in {id(c): c for c in (model.config, _text_config(model))}.values():
+            config.tie_word_embeddings = False
+    final_norm, *layer_norms = _residual_norms(model)
     readers = [(final_norm, [head])]
-    for layer in layers:
+    for layer, (input_norm, attention_norm) in zip(_decoder_layers(model), zip(layer_norms[::2], layer_norms[1::2])):
         attention, mlp = layer.self_attn, layer.mlp
-        readers += [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
-                    (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
+        readers += [(input_norm, [attention.q_proj, attention.k_proj, attention.v_proj]),
+                    (attention_norm, [mlp.gate_proj, mlp.up_proj])]
     for norm, linears in readers:
         scale = _norm_scale(norm)
         for linear in linears:
             linear.weight.copy_((linear.weight.double() * scale.to(linear.weight.device)).to(linear.weight.dtype))
-            _merge_input_side(linear, rotation)
         _set_identity_scale(norm)
-    weight = embeddings.weight
-    weight.copy_((weight.double() @ rotation.to(weight.device)).to(weight.dtype))
-    for layer in layers:
-        _merge_output_side(layer.self_attn.o_proj, rotation)
-        _merge_output_side(layer.mlp.down_proj, rotation)
 
 
 @torch.no_grad()
-def _rotate_heads(v_proj: nn.Linear, o_proj: nn.Linear, rotation: torch.Tensor, head_dim: int) -> None:
-    """R2: every value head's output by `rotation`, and every attention head's slice of `o_proj`'s input."""
-    per_head = torch.block_diag(*[rotation] * (v_proj.out_features // head_dim))
-    _merge_output_side(v_proj, per_head)
-    _merge_input_side(o_proj, torch.block_diag(*[rotation] * (o_proj.in_features // head_dim)))
+def merge_rotations(
+    model: nn.Module, sites: RotationSites, residual: torch.Tensor | None, heads: Sequence[torch.Tensor]
+) -> None:
+    """Merge orthogonal rotations into `model`'s weights without changing its float function: the residual stream
+    by `residual` (R1; None leaves it; the norms' scales must be folded already, `has_unit_norm_scales`) and
+    each layer's value heads by its matrix of `heads` (R2, `[head_dim, head_dim]`, in the order of `sites.heads`)."""
+    if residual is not None:
+        weight = model.get_input_embeddings().weight
+        weight.copy_(rotate_input_side(weight.double(), residual.to(weight.device, torch.float64)).to(weight.dtype))
+        for name in sites.readers:
+            _merge_input_side(model.get_submodule(name), residual)
+        for name in sites.writers:
+            _merge_output_side(model.get_submodule(name), residual)
+    for (v_proj, o_proj, _), rotation in zip(sites.heads, heads, strict=True):
+        _merge_output_side(model.get_submodule(v_proj), rotation)
+        _merge_input_side(model.get_submodule(o_proj), rotation)
+
+
+def _down_proj(o_proj: str) -> str:
+    """The name of the `mlp.down_proj` in the decoder layer of `o_proj`."""
+    return o_proj.replace("self_attn.o_proj", "mlp.down_proj")
