@@ -93,6 +93,8 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
         (["quantize", "{root}/model", "--dataset", "{tmp}/table.csv"], ["cannot read calibration data", ".csv"]),
         (["quantize", "{root}/model", "--pair", "mxfp5-mxfp4"], ["invalid choice", "mxfp5-mxfp4"]),
         (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--lr", "3"], ["--lr 3", "--recipe paper"]),
+        (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--learn-rotations"],
+         ["learn_rotations=True", "rotation='hadamard' or 'block_hadamard'", "rotation='none'"]),
         (["eval", "{tmp}/nowhere", "--text", "{root}/heldout.txt"], ["model folder", "does not exist"]),
         (["inspect", "{root}/model"], ["is not a dMX checkpoint"]),
     ],
@@ -121,6 +123,8 @@ def test_console_script_is_installed():
         (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--recipe", "paper", "--lr", "2"],
          {"seq_len": 64, "recipe": "paper", "lr": 2.0}),
         (["quantize", "m", "--dataset", "d.txt", "--gradient-checkpointing"], {"gradient_checkpointing": True}),
+        (["quantize", "m", "--dataset", "d.txt", "--rotation", "hadamard", "--learn-rotations"],
+         {"rotation": "hadamard", "learn_rotations": True}),
     ],
 )
 def test_default_run_settings_and_explicit_overrides(argv, expected):
