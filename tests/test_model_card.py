@@ -103,3 +103,11 @@ def test_explicit_map_without_calibration_and_missing_facts():
 def test_card_requires_a_format_map():
     with pytest.raises(ValueError, match="needs a quantization_config with a format_map"):
         render_model_card({"quant_method": "dmx", "format_map": None})
+
+
+@pytest.mark.parametrize("learned", [False, True])
+def test_card_states_the_rotation_and_whether_it_was_learned(learned):
+    config = {**quantization_config(), "rotation": "hadamard", "learn_rotations": learned, "rotation_lr": 1.5}
+    text = render_model_card(config, INFO)
+    assert "full-size randomized Hadamard (merged into the weights" in text
+    assert ("trained with the formats (Cayley SGD, step 1.5)" in text) is learned
