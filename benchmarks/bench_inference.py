@@ -9,15 +9,17 @@ Measures, in one run:
 2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
    `common.py`): forward time of the float model vs the dMX model (cached and packed-only), `from_pretrained`
    time and checkpoint bytes, float vs dMX. The dMX model uses a fixed mixed map (every fourth decoder
-   linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration. With `--rotation NAME` a
-   third dMX model, rotated by `DMXConfig(rotation=NAME)` with the same map, is timed beside them (the cost of
-   an online transform such as `online_block_hadamard`).
+   linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration. With `--rotation NAME[,NAME...]`
+   one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same map, is timed beside them
+   (the cost of the online transforms: `down_proj`'s input for `hadamard` / `block_hadamard`, every quantized
+   input for `online_block_hadamard`).
 
 Times are median CPU times (one torch thread by default) over `--repeats` runs after a warm-up: the
 linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32 and, with `--model-bf16`, in bf16 too.
 Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
 
-usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--model-bf16] [--rotation NAME] [--repeats N]
+usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--model-bf16] [--rotation NAME[,NAME]]
+                                           [--repeats N]
                                            [--threads N] [--output FILE]
 """
 
@@ -80,7 +82,7 @@ def mixed_format_map(model: nn.Module) -> dict[str, str]:
     return {name: "mxfp8_e4m3" if i % 4 == 0 else "mxfp4_e2m1" for i, name in enumerate(names)}
 
 
-def bench_model(model_dir: Path, repeats: int, rotation: str = "none",
+def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
                 dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[list[list[str]], list[str]]:
     from transformers import AutoModelForCausalLM
 
@@ -94,8 +96,8 @@ def bench_model(model_dir: Path, repeats: int, rotation: str = "none",
         )
         dmx.save_pretrained(dmx_dir)
         del dmx
-        rotated_dir = Path(tmp) / "rotated"
-        if rotation != "none":
+        rotated_dirs = [Path(tmp) / f"rotated-{rotation}" for rotation in rotations]
+        for rotation, rotated_dir in zip(rotations, rotated_dirs):
             AutoModelForCausalLM.from_pretrained(
                 model_dir, dtype=torch.bfloat16, quantization_config=DMXConfig(format_map=format_map, rotation=rotation)
             ).save_pretrained(rotated_dir)
@@ -122,7 +124,7 @@ def bench_model(model_dir: Path, repeats: int, rotation: str = "none",
             f"{(rest_bytes + linear_float_bytes * storage_bits / 16) / float_bytes:.3f})",
         ]
         load_ratio, size_ratio = load_dmx / load_float, dmx_bytes / float_bytes
-        extra = [""] if rotation != "none" else []
+        extra = [""] * len(rotations)
         rows.append(["load time (from_pretrained, wall)", "bf16", "", f"{load_float:.2f} s",
                      f"{load_dmx:.2f} s ({load_ratio:.2f}x)", "", *extra])
         rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB",
@@ -136,8 +138,7 @@ def bench_model(model_dir: Path, repeats: int, rotation: str = "none",
                 if isinstance(module, MXLinear):
                     module.cache_weight = False
             models = [float_model, dmx, dmx_packed]
-            if rotation != "none":
-                models.append(AutoModelForCausalLM.from_pretrained(rotated_dir, dtype=dtype))
+            models += [AutoModelForCausalLM.from_pretrained(rotated_dir, dtype=dtype) for rotated_dir in rotated_dirs]
             for batch, seq in SHAPES:
                 generator = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
@@ -162,13 +163,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model folder (default: the de-gridded SmolLM2-135M, fetched once)")
     parser.add_argument("--skip-model", action="store_true", help="only the single-linear part")
-    parser.add_argument("--rotation", default="none", choices=list(ROTATIONS),
-                        help="also time a dMX model with this rotation (same map)")
+    parser.add_argument("--rotation", default="none",
+                        help=f"comma list of rotations ({', '.join(ROTATIONS)}): also time a dMX model with each (same map)")
     parser.add_argument("--model-bf16", action="store_true", help="also time the whole model in bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
     args = parser.parse_args()
+    rotations = tuple(r for r in args.rotation.split(",") if r != "none")
+    unknown = [r for r in rotations if r not in ROTATIONS]
+    if unknown:
+        parser.error(f"unknown rotation {unknown}; allowed: {', '.join(ROTATIONS)}")
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
@@ -187,10 +192,9 @@ def main() -> None:
     ]
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)
-        rows, notes = bench_model(args.model or benchmark_model(), args.repeats, args.rotation, dtypes)
+        rows, notes = bench_model(args.model or benchmark_model(), args.repeats, rotations, dtypes)
         header = ["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only"]
-        if args.rotation != "none":
-            header.append(f"dMX cached, rotation {args.rotation}")
+        header += [f"dMX cached, rotation {rotation}" for rotation in rotations]
         parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]
         parts += [f"- {note}" for note in notes]
     report = "\n".join(parts) + "\n"

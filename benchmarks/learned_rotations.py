@@ -24,12 +24,11 @@ from __future__ import annotations
 import argparse
 import copy
 import dataclasses
-import json
 import sys
 import time
 from pathlib import Path
 
-import torch
+from common import append_json_line, read_json_lines, run_or_report
 from pareto import Benchmark, Runner
 
 from optimum_dmx.calibration import calibrate, kl_preselection
@@ -44,9 +43,8 @@ OUT = Path(__file__).parent / "results" / "learned_rotations.jsonl"
 
 def run(bench: Benchmark, pair: str, target: float, seed: int, learn: bool, out: Path) -> None:
     key = {"rotation": bench.rotation, "learn_rotations": learn, "pair": pair, "target": target, "seed": seed,
-           "steps": bench.steps}
-    done = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    if any(all(row.get(k) == v for k, v in key.items()) for row in done):
+           "steps": bench.steps, "model": Path(bench.model).name}
+    if any(all(row.get(k) == v for k, v in key.items()) for row in read_json_lines(out)):
         print(f"skipping {key}: already in {out}")
         return
     runner = Runner(bench)
@@ -67,15 +65,13 @@ def run(bench: Benchmark, pair: str, target: float, seed: int, learn: bool, out:
         start = time.perf_counter()
         shapes = {n: runner.model.get_submodule(n).weight.shape for n in format_map}
         bits = format_map_bits(format_map, shapes, settings.quantize_activations, settings.block_size)
-        row = {**key, "map": name, "bits_simple": round(bits["bits_simple"], 4), **runner.perplexities(format_map),
-               "calibration_seconds": round(result.seconds, 1), "eval_seconds": round(time.perf_counter() - start, 1)}
-        with open(out, "a") as f:
-            f.write(json.dumps(row) + "\n")
-        print(row, flush=True)
+        append_json_line(out, {**key, "map": name, "bits_simple": round(bits["bits_simple"], 4),
+                               **runner.perplexities(format_map), "calibration_seconds": round(result.seconds, 1),
+                               "eval_seconds": round(time.perf_counter() - start, 1)})
 
 
 def report(out: Path) -> str:
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = read_json_lines(out)
     texts = [k for k in rows[0] if k.startswith("ppl_")]
     lines = [f"| rotation | learned | pair | target | seed | map | bits | {' | '.join(t[4:] for t in texts)} | calibration s |",
              "|---" * (8 + len(texts)) + "|"]
@@ -94,16 +90,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--steps", type=int, default=Benchmark.steps)
     p.add_argument("--learn", action="store_true", help="learn the rotations with the offsets")
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--report", action="store_true", help="only print the table of --out")
-    a = p.parse_args(argv)
-    if a.report:
-        print(report(a.out))
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
+    p.add_argument("--calibration", type=Path, nargs="+", help="calibration text files (default: five Austen novels)")
+    p.add_argument("--eval", nargs="+", help="NAME=FILE held-out texts (default: Pride and Prejudice, Moby Dick)")
+    for name in ("batch_size", "seq_len", "kl_samples", "eval_tokens", "eval_seq_len"):
+        p.add_argument(f"--{name.replace('_', '-')}", type=int, default=getattr(Benchmark, name))
+    a = run_or_report(p, argv, report, OUT)
+    if a is None:
         return
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    bench = Benchmark(rotation=a.rotation, steps=a.steps, pairs=[a.pair], seeds=[a.seed])
+    bench = Benchmark(model=a.model, calibration=a.calibration,
+                      eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
+                      rotation=a.rotation, steps=a.steps, pairs=[a.pair], seeds=[a.seed],
+                      **{k: getattr(a, k) for k in ("batch_size", "seq_len", "kl_samples", "eval_tokens", "eval_seq_len")})
     bench.resolve_inputs()
     run(bench, a.pair, a.target, a.seed, a.learn, a.out)
 

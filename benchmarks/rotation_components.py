@@ -19,12 +19,12 @@ weights only), and the mean relative squared error of the weights' MX casts per 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import defaultdict
 from pathlib import Path
 
 import torch
+from common import append_json_line, read_json_lines, run_or_report
 from pareto import Benchmark, Runner
 
 from optimum_dmx.calibration import CalibrationSettings
@@ -79,13 +79,11 @@ def run(bench: Benchmark, variant: str, fmt: str, out: Path) -> None:
             row[f"ppl_{name}"] = perplexity()
         with emulate_format_map(runner.model, format_map, quantize_activations=False):
             row[f"weights_only_{name}"] = perplexity()
-    with open(out, "a") as f:
-        f.write(json.dumps(row) + "\n")
-    print(row, flush=True)
+    append_json_line(out, row)
 
 
 def report(out: Path) -> str:
-    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    rows = read_json_lines(out)
     texts = [k[4:] for k in rows[0] if k.startswith("ppl_")]
     projections = list(rows[0]["weight_error"])
     header = ["variant", "format", *(f"float {t}" for t in texts), *(f"W+A {t}" for t in texts),
@@ -104,20 +102,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma list of {', '.join(VARIANTS)}")
     p.add_argument("--format", default="mxfp4_e2m1")
     p.add_argument("--eval-tokens", type=int, default=Benchmark.eval_tokens)
-    p.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--out", type=Path, default=OUT)
-    p.add_argument("--report", action="store_true", help="only print the table of --out")
-    a = p.parse_args(argv)
-    if a.report:
-        print(report(a.out))
+    a = run_or_report(p, argv, report, OUT)
+    if a is None:
         return
-    if a.threads:
-        torch.set_num_threads(a.threads)
     bad = [v for v in a.variants.split(",") if v not in VARIANTS]
     if bad:
         p.error(f"unknown variant {bad}; allowed: {', '.join(VARIANTS)}")
-    done = {(r["variant"], r["format"], r["eval_tokens"]) for r in map(json.loads, a.out.read_text().splitlines())} \
-        if a.out.exists() else set()
+    done = {(r["variant"], r["format"], r["eval_tokens"]) for r in read_json_lines(a.out)}
     bench = Benchmark(eval_tokens=a.eval_tokens)
     bench.resolve_inputs()
     for variant in a.variants.split(","):

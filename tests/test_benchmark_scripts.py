@@ -1,6 +1,7 @@
 """The benchmark scripts run end to end (as subprocesses, on a tiny model) and print their tables."""
 
 import csv
+import json
 import os
 import re
 import shutil
@@ -133,3 +134,20 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
                                 timeout=300, cwd=tmp_path, env={**os.environ, "OPTIMUM_DMX_CACHE": str(tmp_path / "cache")})
         assert result.returncode == 0 and "usage" in result.stdout, (script.name, result.stderr[-2000:])
     assert not (tmp_path / "cache").exists()  # --help fetched nothing
+
+
+def test_learned_rotations_benchmark_runs_resumes_and_reports(tiny_text_model_dir, tmp_path):
+    root = tiny_text_model_dir
+    out = tmp_path / "rows.jsonl"
+    args = ["--model", root / "model", "--calibration", root / "calibration.txt", "--eval", f"heldout={root / 'heldout.txt'}",
+            "--eval-tokens", 256, "--eval-seq-len", 16, "--steps", 3, "--batch-size", 2, "--seq-len", 16,
+            "--kl-samples", 2, "--out", out]
+    run_benchmark("learned_rotations.py", *args, "--learn")
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["map"] for r in rows] == ["uniform_mxfp4", "dmx_kl", "dmx", "kl"]
+    assert all(r["learn_rotations"] and r["ppl_heldout"] > 1 for r in rows)
+    assert abs(rows[1]["bits_simple"] - 5) <= 0.3 and rows[0]["bits_simple"] == 4.0
+    assert "skipping" in run_benchmark("learned_rotations.py", *args, "--learn")  # already there: nothing rerun
+    assert len(out.read_text().splitlines()) == 4
+    table = run_benchmark("learned_rotations.py", "--report", "--out", out)
+    assert len(re.findall(r"^\| hadamard \| yes \| mxfp8-mxfp4 \| 5 \| 0 \|", table, re.MULTILINE)) == 4
