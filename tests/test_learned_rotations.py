@@ -47,7 +47,8 @@ def test_cayley_sgd_caps_each_turn():
     x = torch.eye(8, dtype=torch.float64, requires_grad=True)
     x.grad = 1e6 * torch.randn(8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(0))
     CayleySGD([x], lr=1.5).step()
-    # One Cayley step by a with ||a A|| <= 1 moves the identity by at most ||a A|| (2 tan^-1 of half of each angle).
+    # X - I = -(I + aA/2)^-1 aA with ||aA||_F <= 1 (the cap) and a skew A: at most 1, and about 1 when capped; an
+    # uncapped step at this gradient would turn nearly every plane by ~pi (||X - I||_F near 2 sqrt(8)).
     assert 0.5 < torch.linalg.matrix_norm(x.detach() - torch.eye(8, dtype=torch.float64)) <= 1.0
     with pytest.raises(ValueError, match="lr=0"):
         CayleySGD([x], lr=0)

@@ -218,17 +218,19 @@ class DMXLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)
-        bias = self.rotated_bias()
-        bias = None if bias is None else bias.to(x.dtype)
         if self.bypass:
-            return F.linear(x, self.rotated_weight().to(x.dtype), bias)
+            return F.linear(x, self.rotated_weight().to(x.dtype), self._bias_in(x.dtype))
         if self.drawn_high is not None:
             return self._forward_swap(x).to(x.dtype)
         beta = self.beta()
         weight = self.quantized_weight(beta)
         if self.quantize_activations:
             x = self.quantized_input(x, beta)
-        return F.linear(x, weight.to(x.dtype), bias)
+        return F.linear(x, weight.to(x.dtype), self._bias_in(x.dtype))
+
+    def _bias_in(self, dtype: torch.dtype) -> torch.Tensor | None:
+        bias = self.rotated_bias()
+        return None if bias is None else bias.to(dtype)
 
     def extra_repr(self) -> str:
         return (

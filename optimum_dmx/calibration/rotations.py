@@ -20,11 +20,11 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..nn.rotation import RotationSites, has_unit_norm_scales, merge_rotations, rotation_sites
+from ..nn.rotation import RotationSites, has_unit_norm_scales, merge_rotations, rotate_input_side, rotation_sites
 from .distributed import average_across_processes
 from .dmx_linear import DMXLinear
 
-MAX_STEP_ANGLE = 1.0  # CayleySGD caps each step at ||lr * A||_F <= this (radians, summed over the planes moved)
+MAX_STEP_ANGLE = 1.0  # CayleySGD caps each step's ||a A||_F at this, which bounds ||X_new - X||_F by it too
 
 
 class CayleySGD(torch.optim.Optimizer):
@@ -32,7 +32,8 @@ class CayleySGD(torch.optim.Optimizer):
 
     For a matrix `X` with loss gradient `G`, the skew-symmetric `A = G X^T - X G^T` generates the rotation of
     steepest descent; the step is `X <- (I + a/2 A)^-1 (I - a/2 A) X`, orthogonal for any step size, with
-    `a = min(lr, MAX_STEP_ANGLE / ||A||_F)` so that no step turns the matrix further than `MAX_STEP_ANGLE` (the
+    `a = min(lr, MAX_STEP_ANGLE / ||A||_F)` so that no step moves the matrix by more than `MAX_STEP_ANGLE` in
+    Frobenius norm (`X_new - X = -(I + a/2 A)^-1 a A X`, and `(I + a/2 A)^-1` is a contraction for a skew `A`; the
     normalization of Li et al., "Efficient Riemannian Optimization on the Stiefel Manifold via the Cayley
     Transform", ICLR 2020, used by SpinQuant). Computed in float64.
     """
@@ -147,16 +148,11 @@ def learned_rotations(
     rotations.merge_into(model)
 
 
-def _rotate_blocks(x: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
-    """`x` with each consecutive group of `len(matrix)` features multiplied by `matrix`."""
-    return (x.unflatten(-1, (-1, matrix.shape[0])) @ matrix.to(x.dtype)).flatten(-2)
-
-
 def _unrotate_input(matrix: torch.Tensor):
     """A float module expecting the unrotated input: undo the rotation (`x R^T`) before it runs."""
-    return lambda module, args: (_rotate_blocks(args[0], matrix.T), *args[1:])
+    return lambda module, args: (rotate_input_side(args[0], matrix.T.to(args[0].dtype)), *args[1:])
 
 
 def _rotate_output(matrix: torch.Tensor):
     """A float module whose output the rest of the model reads rotated: rotate it (`y R`)."""
-    return lambda module, args, output: _rotate_blocks(output, matrix)
+    return lambda module, args, output: rotate_input_side(output, matrix.to(output.dtype))

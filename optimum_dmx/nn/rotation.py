@@ -117,10 +117,7 @@ def rotation_sites(model: nn.Module) -> RotationSites:
     layers = _decoder_layers(model)
     prefix = _layers_prefix(model, layers)
     config = _text_config(model)
-    head = model.get_output_embeddings()
-    if head is None or not isinstance(head, nn.Linear):
-        raise ValueError(f"rotation needs the output embeddings (lm_head) of {type(model).__name__} as an nn.Linear")
-    readers, writers, heads = [_module_name(model, head)], [], []
+    readers, writers, heads = [_module_name(model, _output_linear(model))], [], []
     for index, layer in enumerate(layers):
         name = f"{prefix}.{index}"
         readers += [f"{name}.self_attn.{n}" for n in ("q_proj", "k_proj", "v_proj")]
@@ -135,7 +132,9 @@ def rotation_sites(model: nn.Module) -> RotationSites:
 def has_unit_norm_scales(model: nn.Module) -> bool:
     """Whether every RMSNorm of `model`'s residual stream has an identity scale, as after `rotate_model`'s fold:
     only then does rotating the stream commute with the norms."""
-    return all(torch.equal(_norm_scale(norm), torch.ones_like(_norm_scale(norm))) for norm in _residual_norms(model))
+    final_norm, layers = _final_norm(model), _decoder_layers(model)
+    norms = [final_norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+    return all(bool((_norm_scale(norm) == 1).all()) for norm in norms)
 
 
 def _transform_every_input(model: nn.Module, quantized: Collection[str], block_size: int, seed: int) -> dict[str, dict[str, Any]]:
@@ -178,6 +177,13 @@ def _text_config(model: nn.Module) -> Any:
     return model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
 
 
+def _output_linear(model: nn.Module) -> nn.Linear:
+    head = model.get_output_embeddings()
+    if head is None or not isinstance(head, nn.Linear):
+        raise ValueError(f"rotation needs the output embeddings (lm_head) of {type(model).__name__} as an nn.Linear")
+    return head
+
+
 def _module_name(model: nn.Module, module: nn.Module) -> str:
     return next(name for name, candidate in model.named_modules() if candidate is module)
 
@@ -217,9 +223,10 @@ def rotate_output_side(weight: torch.Tensor, matrix: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def _merge_input_side(linear: nn.Linear, matrix: torch.Tensor) -> None:
-    """`W <- W @ diag(matrix, ...)`: the layer now expects inputs rotated by `matrix`."""
-    weight = linear.weight
+def _merge_input_side(module: nn.Linear | nn.Embedding, matrix: torch.Tensor) -> None:
+    """`W <- W @ diag(matrix, ...)`: a linear now expects inputs rotated by `matrix`, an embedding's rows come out
+    rotated by it."""
+    weight = module.weight
     weight.copy_(rotate_input_side(weight.double(), matrix.to(weight.device, torch.float64)).to(weight.dtype))
 
 
@@ -231,30 +238,27 @@ def _merge_output_side(linear: nn.Linear, matrix: torch.Tensor) -> None:
             tensor.copy_(rotate_output_side(tensor.double(), matrix.to(tensor.device, torch.float64)).to(tensor.dtype))
 
 
-def _residual_norms(model: nn.Module) -> list[nn.Module]:
-    """The final RMSNorm and every decoder layer's input and post-attention RMSNorm."""
+def _final_norm(model: nn.Module) -> nn.Module:
     final_norm = getattr(getattr(model, model.base_model_prefix), "norm", None)
     if not _is_rms_norm(final_norm):
         raise ValueError(f"rotation needs the final RMSNorm `{model.base_model_prefix}.norm` of {type(model).__name__}")
-    layers = _decoder_layers(model)
-    return [final_norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
+    return final_norm
 
 
 @torch.no_grad()
 def fold_norm_scales(model: nn.Module) -> None:
     """Fold every residual-stream RMSNorm's scale into the linears that read its output; the norm's scale becomes
     the identity. Tied input and output embeddings are untied first (the folded `lm_head` needs its own matrix)."""
-    embeddings, head = model.get_input_embeddings(), model.get_output_embeddings()
+    embeddings, head = model.get_input_embeddings(), _output_linear(model)
     if head.weight is embeddings.weight:
         head.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=embeddings.weight.requires_grad)
         for config in {id(c): c for c in (model.config, _text_config(model))}.values():
             config.tie_word_embeddings = False
-    final_norm, *layer_norms = _residual_norms(model)
-    readers = [(final_norm, [head])]
-    for layer, (input_norm, attention_norm) in zip(_decoder_layers(model), zip(layer_norms[::2], layer_norms[1::2])):
+    readers = [(_final_norm(model), [head])]
+    for layer in _decoder_layers(model):
         attention, mlp = layer.self_attn, layer.mlp
-        readers += [(input_norm, [attention.q_proj, attention.k_proj, attention.v_proj]),
-                    (attention_norm, [mlp.gate_proj, mlp.up_proj])]
+        readers += [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
+                    (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
     for norm, linears in readers:
         scale = _norm_scale(norm)
         for linear in linears:
@@ -270,8 +274,7 @@ def merge_rotations(
     by `residual` (R1; None leaves it; the norms' scales must be folded already, `has_unit_norm_scales`) and
     each layer's value heads by its matrix of `heads` (R2, `[head_dim, head_dim]`, in the order of `sites.heads`)."""
     if residual is not None:
-        weight = model.get_input_embeddings().weight
-        weight.copy_(rotate_input_side(weight.double(), residual.to(weight.device, torch.float64)).to(weight.dtype))
+        _merge_input_side(model.get_input_embeddings(), residual)
         for name in sites.readers:
             _merge_input_side(model.get_submodule(name), residual)
         for name in sites.writers:
