@@ -34,6 +34,11 @@ import torch
 __all__ = ["COMPILE_ENV_VAR", "CompiledKernel", "compile_enabled", "set_compile_enabled"]
 
 COMPILE_ENV_VAR = "OPTIMUM_DMX_COMPILE"
+# Inductor keeps an intermediate read more than `realize_reads_threshold` (default 4) times in a buffer. Inside one
+# fused kernel that becomes a per-block local buffer, and boolean ones (the continuous quantizer's subnormal and
+# saturation masks, read by the values and both derivatives) are stored element by element: 5x slower than
+# recomputing them where they are read. The values are the same either way (the same operations, no reductions).
+INDUCTOR_OPTIONS = {"realize_reads_threshold": 64}
 _FALSE_VALUES = ("0", "false", "no", "off")
 
 _enabled_override: bool | None = None
@@ -91,7 +96,7 @@ class CompiledKernel:
             names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
             code = self.fn.__code__.replace(**names)
             copy = types.FunctionType(code, self.fn.__globals__, name, self.fn.__defaults__)
-            kernel = self._kernels[key] = torch.compile(copy)
+            kernel = self._kernels[key] = torch.compile(copy, options=INDUCTOR_OPTIONS)
         return kernel
 
     def __call__(self, *args: Any) -> Any:
