@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import pytest
 import torch
@@ -105,6 +106,27 @@ def test_compiled_continuous_quantizer_is_bit_identical_at_the_pairs_formats(com
                 fused = _quantize(x, beta, pair, 32, rule, amax, True, True)
                 for name, a, b in zip(("values", "d_x", "d_beta"), eager, fused):
                     assert torch.equal(_bits(a), _bits(b)), (pair_name, offset, rule, amax is None, name)
+
+
+def test_the_continuous_kernel_computes_both_derivatives_at_little_more_than_the_values_cost(compiled):
+    """The values, `dy/dx` and `dy/dbeta` share the subnormal and saturation masks. Compiled with inductor's default
+    options, the kernel kept those masks in boolean buffers written element by element and took 6x the time of the
+    values-only kernel on an activation (`compilation.INDUCTOR_OPTIONS` recomputes them: about 1.2x)."""
+    pair = get_format_pair("mxfp8-mxfp4")
+    x = torch.randn(256, 1536, generator=torch.Generator().manual_seed(0))
+    beta = torch.tensor(0.0)
+    runs = {wanted: (lambda wanted=wanted: _quantize(x, beta, pair, 32, "ocp", None, wanted, wanted))
+            for wanted in (False, True)}
+    times = {wanted: [] for wanted in runs}
+    for run in runs.values():  # compile both kernels before timing
+        run()
+    for _ in range(15):  # interleaved, so that a busy machine slows both alike
+        for wanted, run in runs.items():
+            start = time.perf_counter()
+            run()
+            times[wanted].append(time.perf_counter() - start)
+    values_only, with_derivatives = (sorted(times[wanted])[7] for wanted in (False, True))
+    assert with_derivatives < 3 * values_only, (with_derivatives, values_only)
 
 
 def test_fractional_offsets_run_the_eager_continuous_kernel(compiled):
