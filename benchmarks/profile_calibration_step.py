@@ -4,9 +4,11 @@
 Runs `calibrate` (default recipe, `kl_weight=0`: the KL scan is not part of a step) for `--steps` steps under
 `torch.profiler` and splits the profiled CPU time into
 
-* weight quantization (forward): `DMXLinear.quantized_weight` (after the first steps, mostly reuse);
+* weight quantization (forward): `DMXLinear.frozen_weight` (a frozen weight's values at a probe endpoint,
+  computed in the first steps and reused after) and `DMXLinear.quantized_weight` (off the endpoints);
 * input-activation quantization (forward): `DMXLinear.quantized_input`;
-* the quantizers' backward: `dL/dx` and `dL/dbeta` from the stored derivatives;
+* the quantizers' backward: `dL/dx` and `dL/dbeta` of the inputs from their stored derivatives, and the frozen
+  weights' `dy/dbeta`, recomputed in the backward pass (`FrozenWeightQuantization.beta_derivative`);
 * matrix products (`aten::mm`/`addmm`/`bmm`, forward and backward, outside the parts above);
 * the rest of the model (attention, norms, activations, the loss) and the trainer.
 
@@ -33,12 +35,15 @@ import torch
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from optimum_dmx.calibration import CalibrationSettings, DMXLinear, calibrate
+from optimum_dmx.continuous import FrozenWeightQuantization
 
 from common import load_model_and_calibration, write_report
 
-LABELS = {"quantized_weight": "weight quantization (forward)",
-          "quantized_input": "input-activation quantization (forward)"}
-BACKWARD = "_AttachContinuousMXBackward"
+WEIGHTS, INPUTS, BACKWARD = ("weight quantization (forward)", "input-activation quantization (forward)",
+                             "quantizers' backward (dL/dx, dL/dbeta)")
+LABELS = {(DMXLinear, "frozen_weight"): WEIGHTS, (DMXLinear, "quantized_weight"): WEIGHTS,
+          (DMXLinear, "quantized_input"): INPUTS, (FrozenWeightQuantization, "beta_derivative"): BACKWARD}
+INPUT_BACKWARD = "_AttachContinuousMXBackward"  # the inputs' dL/dx and dL/dbeta from their stored derivatives
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 
@@ -66,8 +71,8 @@ def main() -> None:
     model, a.model, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, a.steps * a.batch_size)
     settings = CalibrationSettings(target_bits=5.0, num_samples=len(ids), seq_len=a.seq_len,
                                    batch_size=a.batch_size, steps=a.steps, kl_weight=0.0)
-    for name, label in LABELS.items():  # label the two quantizer entry points for the profiler
-        setattr(DMXLinear, name, labelled(getattr(DMXLinear, name), label))
+    for (owner, name), label in LABELS.items():  # label the quantizers' entry points for the profiler
+        setattr(owner, name, labelled(getattr(owner, name), label))
 
     start = time.perf_counter()
     calibrate(model, ids, dataclasses.replace(settings, steps=2), progress=False)  # compiles the kernels
@@ -78,8 +83,8 @@ def main() -> None:
     events = prof.key_averages()
     inclusive = {e.key: e.cpu_time_total for e in events}
     total = inclusive["calibration"]
-    parts = {label: inclusive.get(label, 0) for label in LABELS.values()}
-    parts["quantizers' backward (dL/dx, dL/dbeta)"] = inclusive.get(BACKWARD, 0)
+    parts = {label: inclusive.get(label, 0) for label in (WEIGHTS, INPUTS, BACKWARD)}
+    parts[BACKWARD] += inclusive.get(INPUT_BACKWARD, 0)
     # matrix products outside the quantizers (the quantizers use none)
     parts["matrix products (model forward and backward)"] = sum(e.self_cpu_time_total for e in events if e.key in MATMULS)
     parts["rest of the model and the trainer"] = total - sum(parts.values())

@@ -5,7 +5,8 @@ import torch
 from torch.nn import functional as F
 
 from optimum_dmx.calibration import DMXLinear
-from optimum_dmx.continuous import FORMAT_PAIRS, ContinuousQuantization, quantize_mx_continuous, quantize_mx_continuous_fused
+from optimum_dmx.continuous import FORMAT_PAIRS, ContinuousQuantization, FrozenWeightQuantization, quantize_mx_continuous
+from optimum_dmx.continuous import quantize_mx_continuous_fused
 from optimum_dmx.continuous import weight_block_max
 from optimum_dmx.formats import SCALE_RULES, quantize_mx
 
@@ -161,6 +162,46 @@ def test_a_computed_quantization_attaches_the_same_values_and_gradients(pair, dt
     (grad,) = torch.autograd.grad((y * grad_out).sum(), beta)
     assert torch.equal(y, expected[0]) and grad.item() == expected[2].item() and frozen.d_x is None
     assert torch.equal(frozen.attach(None, torch.tensor(offset)), expected[0])
+
+
+@pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("offset", [0.0, 2.0])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_a_frozen_weight_quantization_gives_the_linear_layer_bit_for_bit(pair, dtype, offset, with_bias):
+    """`FrozenWeightQuantization.linear` (bfloat16 values, `dy/dbeta` recomputed in the backward pass) against
+    `F.linear` with the float32 quantization attached: the same output, `dL/dx` and `dL/dbeta`, bit for bit."""
+    weight = sample((48, 96), torch.float32, seed=4)
+    bias = torch.randn(48).to(dtype) if with_bias else None
+    x = torch.randn(3, 5, 96, generator=torch.Generator().manual_seed(5)).to(dtype)
+    grad_out = torch.randn(3, 5, 48, generator=torch.Generator().manual_seed(6)).to(dtype)
+    amax = weight_block_max(weight)
+
+    def output_and_grads(linear):
+        xi, beta = x.clone().requires_grad_(True), torch.tensor(offset, requires_grad=True)
+        y = linear(xi, beta)
+        return (y.detach(), *torch.autograd.grad((y * grad_out).sum(), (xi, beta)))
+
+    attached = ContinuousQuantization.compute(weight, offset, pair, block_amax=amax)
+    expected = output_and_grads(lambda xi, beta: F.linear(xi, attached.attach(None, beta).to(dtype), bias))
+    frozen = FrozenWeightQuantization.compute(weight, offset, pair, block_amax=amax)
+    assert frozen.values.dtype == torch.bfloat16  # MX values are exact in bfloat16: half the memory
+    for _ in range(2):
+        got = output_and_grads(lambda xi, beta: frozen.linear(xi, beta, bias))
+        assert all(torch.equal(g, e) for g, e in zip(got, expected)), pair
+
+
+def test_a_frozen_weight_keeps_float32_values_where_bfloat16_would_round_them():
+    """MXFP8 values of a block of tiny weights (scale 2^-127, steps down to 2^-136) are below bfloat16's subnormal
+    steps (2^-133): not exact in bfloat16, so kept in float32. MXFP4's steps never go below 2^-128."""
+    weight = torch.randn(4, 64, generator=torch.Generator().manual_seed(0))
+    weight[2] = torch.randn(64, generator=torch.Generator().manual_seed(1)) * 2.0**-122
+    weight[2, :4] = 3 * 2.0**-136  # an E4M3 subnormal at that scale: a float32 subnormal, not a bfloat16 one
+    for offset, kept in ((2.0, torch.float32), (0.0, torch.bfloat16)):
+        frozen = FrozenWeightQuantization.compute(weight, offset, "mxfp8-mxfp4")
+        assert frozen.values.dtype == kept
+        expected = quantize_mx_continuous_fused(weight, torch.tensor(offset), "mxfp8-mxfp4")
+        assert torch.equal(frozen.values.float(), expected)
 
 
 def test_a_quantization_without_a_derivative_refuses_that_gradient():

@@ -10,8 +10,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, get_format_pair, quantize_mx_continuous_fused
-from ..continuous import weight_block_max
+from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, FrozenWeightQuantization, get_format_pair
+from ..continuous import quantize_mx_continuous_fused, weight_block_max
 from ..formats import MXFormat, quantize_mx
 from ..nn.rotation import rotate_input_side, rotate_output_side
 from .schedule import discrete_offset, temperature_sigmoid
@@ -68,9 +68,10 @@ class DMXLinear(nn.Module):
     `probe`, when set, replaces `beta` altogether: the sampling estimator sets it to a format endpoint each step
     (a 0-dim tensor, requiring grad when the loss's derivative there is wanted) and reads that derivative.
     `probe_offset` is the probe's value as a Python number, when the caller knows it: at an endpoint (0 or 2) the
-    frozen weight's quantization (values and `dy/dbeta`) is then computed once and reused every later step
-    (`ContinuousQuantization`; one to three float32 copies of the weight, freed with the module), and, with
-    `shared_inputs` set, an input that other layers quantize at the same endpoint is quantized once per step.
+    frozen weight's quantized values are then computed once and reused every later step
+    (`FrozenWeightQuantization`: a bfloat16 copy of the weight per endpoint, freed with the module; `dy/dbeta` is
+    recomputed in the backward pass), and, with `shared_inputs` set, an input that other layers quantize at the
+    same endpoint is quantized once per step.
 
     `drawn_high`, when set (`True`/`False`), runs the layer in that discrete format of the pair instead (exact MX
     casts, straight-through for the input) and records in `swap` its output `y` (in the autograd graph) and
@@ -114,7 +115,7 @@ class DMXLinear(nn.Module):
         self.probe: torch.Tensor | None = None
         self.probe_offset: float | None = None
         self.shared_inputs: SharedInputs | None = None
-        self._frozen_weights: dict[float, ContinuousQuantization] = {}
+        self._frozen_weights: dict[float, FrozenWeightQuantization] = {}
         self.drawn_high: bool | None = None
         self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
         self.bypass = False
@@ -177,21 +178,24 @@ class DMXLinear(nn.Module):
         offset = self.probe_offset if self.probe is not None else None
         return offset if offset in ENDPOINTS else None
 
-    def quantized_weight(self, beta: torch.Tensor) -> torch.Tensor:
-        """The weight quantized at `beta`; reused from an earlier step when `beta` is a probe at an endpoint."""
-        if self.rotated:  # a new weight every step: nothing to reuse
-            return quantize_mx_continuous_fused(self.rotated_weight(), beta, self.pair, self.block_size, self.scale_rule)
+    def frozen_weight(self) -> FrozenWeightQuantization | None:
+        """The weight's quantization at the probe's endpoint, computed once and reused; None when not at one."""
         offset = self._reusable_offset()
-        if offset is None:
-            return quantize_mx_continuous_fused(
-                self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
-            )
+        if offset is None or self.rotated:  # learned rotations give a new weight every step: nothing to reuse
+            return None
         frozen = self._frozen_weights.get(offset)
-        if frozen is None or (beta.requires_grad and frozen.d_beta is None):
-            frozen = ContinuousQuantization.compute(self.weight, offset, self.pair, self.block_size, self.scale_rule,
-                                                    self._weight_block_max, with_beta_grad=beta.requires_grad)
+        if frozen is None:
+            frozen = FrozenWeightQuantization.compute(self.weight, offset, self.pair, self.block_size,
+                                                      self.scale_rule, self._weight_block_max)
             self._frozen_weights[offset] = frozen
-        return frozen.attach(None, beta)
+        return frozen
+
+    def quantized_weight(self, beta: torch.Tensor) -> torch.Tensor:
+        """The weight quantized at `beta`, computed afresh (off the endpoints, or with learned rotations)."""
+        if self.rotated:
+            return quantize_mx_continuous_fused(self.rotated_weight(), beta, self.pair, self.block_size, self.scale_rule)
+        return quantize_mx_continuous_fused(self.weight, beta, self.pair, self.block_size, self.scale_rule,
+                                            self._weight_block_max)
 
     def quantized_input(self, x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
         """The input quantized at `beta`; shared with the other layers reading `x` at the same endpoint."""
@@ -223,10 +227,12 @@ class DMXLinear(nn.Module):
         if self.drawn_high is not None:
             return self._forward_swap(x).to(x.dtype)
         beta = self.beta()
-        weight = self.quantized_weight(beta)
         if self.quantize_activations:
             x = self.quantized_input(x, beta)
-        return F.linear(x, weight.to(x.dtype), self._bias_in(x.dtype))
+        frozen = self.frozen_weight()
+        if frozen is not None:
+            return frozen.linear(x, beta, self._bias_in(x.dtype))
+        return F.linear(x, self.quantized_weight(beta).to(x.dtype), self._bias_in(x.dtype))
 
     def _bias_in(self, dtype: torch.dtype) -> torch.Tensor | None:
         bias = self.rotated_bias()

@@ -4,13 +4,14 @@
   largest normal and element bits;
 * ``reference``: ``quantize_mx_continuous``, the autograd reference;
 * ``fused``: ``quantize_mx_continuous_fused``, the same values with closed-form gradients (what calibration
-  runs), and ``ContinuousQuantization``, one such quantization computed once and attached to the graph many times.
+  runs), ``ContinuousQuantization``, one such quantization computed once and attached to the graph many times,
+  and ``FrozenWeightQuantization``, a frozen weight's quantization kept compactly for a whole run.
 
 At the integer endpoints of a pair both equal the exact ``quantize_mx`` bit for bit. This package knows
 nothing about models or transformers.
 """
 
-from .fused import ContinuousQuantization, quantize_mx_continuous_fused, weight_block_max
+from .fused import ContinuousQuantization, FrozenWeightQuantization, quantize_mx_continuous_fused, weight_block_max
 from .pairs import FORMAT_PAIRS, MAX_OFFSET, FormatPair, get_format_pair
 from .reference import float_quantize, quantize_mx_continuous
 
@@ -19,6 +20,7 @@ __all__ = [
     "FORMAT_PAIRS",
     "MAX_OFFSET",
     "FormatPair",
+    "FrozenWeightQuantization",
     "float_quantize",
     "get_format_pair",
     "quantize_mx_continuous",

@@ -13,8 +13,9 @@ pass. Calibration needs two gradients, and both have closed forms (``docs/method
 Weights are frozen during calibration, so their block maxima can be computed once and passed back in
 (``block_amax``), and no input gradient is computed for them. The values and both derivatives are computed once
 (``ContinuousQuantization``) and attached to the graph by a small autograd function, so work that does not change
-between uses (a frozen weight at an offset revisited every step, an input several layers quantize alike) can be
-done once and attached many times.
+between uses (an input several layers quantize alike) can be done once and attached many times. A frozen weight
+at an offset revisited every step keeps only its values, in bfloat16 where that is exact, for the whole run
+(``FrozenWeightQuantization``): its linear layer recomputes ``dy/dbeta`` in the backward pass.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import math
 from dataclasses import dataclass
 
 import torch
+from torch.nn import functional as F
 
 from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent
 from ..formats.blocks import to_blocks
@@ -32,7 +34,7 @@ from ..formats.compilation import CompiledKernel
 from ..formats.spec import grid_exponent, validate_block_size, validate_scale_rule
 from .pairs import FormatPair, get_format_pair
 
-__all__ = ["ContinuousQuantization", "quantize_mx_continuous_fused", "weight_block_max"]
+__all__ = ["ContinuousQuantization", "FrozenWeightQuantization", "quantize_mx_continuous_fused", "weight_block_max"]
 
 _LN2 = math.log(2.0)
 
@@ -163,6 +165,85 @@ class ContinuousQuantization:
         if not (want_x_grad or want_beta_grad):
             return self.values
         return _AttachContinuousMX.apply(x if want_x_grad else None, beta, self.values, self.d_x, self.d_beta)
+
+
+class _FrozenWeightLinear(torch.autograd.Function):
+    """``F.linear(x, W_q, bias)`` with ``W_q`` a frozen weight's quantization (``FrozenWeightQuantization``) at
+    ``beta``. Only ``x`` is saved: the backward pass rebuilds ``W_q`` for ``dL/dx`` and ``dW_q/dbeta`` for
+    ``dL/dbeta`` instead of every layer keeping them until then. The products are the calls autograd's own linear
+    backward makes (``grad.mm(W)``, ``grad^T.mm(x)`` on the flattened rows), so the gradients are the same bits."""
+
+    @staticmethod
+    def forward(ctx, x, beta, bias, quantization):
+        ctx.quantization = quantization
+        ctx.save_for_backward(x)
+        return F.linear(x, quantization.dequantized(x.dtype), bias)
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        (x,) = ctx.saved_tensors
+        want_x_grad, want_beta_grad, want_bias_grad = ctx.needs_input_grad[:3]
+        quantization = ctx.quantization
+        grad_rows = grad_y.reshape(-1, grad_y.shape[-1])
+        grad_x = grad_beta = grad_bias = None
+        if want_x_grad:
+            grad_x = grad_rows.mm(quantization.dequantized(grad_y.dtype)).view(x.shape)
+        if want_beta_grad:
+            grad_weight = grad_rows.t().mm(x.reshape(-1, x.shape[-1]))
+            grad_beta = _beta_gradient(grad_weight.float(), quantization.beta_derivative())
+        if want_bias_grad:
+            grad_bias = grad_rows.sum(0)
+        return grad_x, grad_beta, grad_bias, None
+
+
+@dataclass(frozen=True)
+class FrozenWeightQuantization:
+    """A frozen weight's quantization at one offset, reused by every step of a calibration run and kept small.
+
+    MX values have at most three mantissa bits, so bfloat16 holds them exactly: ``values`` are kept in bfloat16
+    (in float32 for a weight where that would not be exact, e.g. values below bfloat16's subnormal range).
+    ``dy/dbeta`` is not kept: the backward pass recomputes it from the weight (one kernel call per layer and step).
+    A run then holds half a float32 copy of the weight per offset instead of up to two float32 copies, and
+    ``linear`` gives the same outputs and gradients, bit for bit, as ``F.linear`` with the float32 values attached
+    by ``ContinuousQuantization``.
+    """
+
+    weight: torch.Tensor
+    offset: float
+    pair: FormatPair
+    block_size: int
+    scale_rule: str
+    block_amax: torch.Tensor | None
+    values: torch.Tensor
+
+    @classmethod
+    def compute(
+        cls, weight: torch.Tensor, offset: float, pair: str | FormatPair, block_size: int = 32,
+        scale_rule: str = "ocp", block_amax: torch.Tensor | None = None,
+    ) -> "FrozenWeightQuantization":
+        pair = get_format_pair(pair)
+        values = ContinuousQuantization.compute(weight, offset, pair, block_size, scale_rule, block_amax,
+                                                with_beta_grad=False).values
+        compact = values.to(torch.bfloat16)
+        if torch.equal(compact.float(), values):
+            values = compact
+        return cls(weight, float(offset), pair, block_size, scale_rule, block_amax, values)
+
+    def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
+        """The quantized weight in ``dtype`` (the stored tensor itself when it already has that dtype)."""
+        return self.values.to(dtype)
+
+    def beta_derivative(self) -> torch.Tensor:
+        """``dy/dbeta`` at the offset, per element (float32), computed afresh."""
+        offset = torch.tensor(self.offset, dtype=torch.float32, device=self.weight.device)
+        with torch.no_grad():
+            return _quantize(self.weight.detach(), offset, self.pair, self.block_size, self.scale_rule,
+                             self.block_amax, False, True)[2]
+
+    def linear(self, x: torch.Tensor, beta: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """``F.linear(x, W_q, bias)``, in the autograd graphs of ``x`` and ``beta`` (``beta`` holds the offset's
+        value: the derivative with respect to it is taken at the stored offset)."""
+        return _FrozenWeightLinear.apply(x, beta, bias, self)
 
 
 def weight_block_max(weight: torch.Tensor, block_size: int = 32) -> torch.Tensor:
