@@ -7,8 +7,8 @@ Runs `calibrate` (default recipe, `kl_weight=0`: the KL scan is not part of a st
 * weight quantization (forward): `DMXLinear.frozen_weight` (a frozen weight's values at a probe endpoint,
   computed in the first steps and reused after) and `DMXLinear.quantized_weight` (off the endpoints);
 * input-activation quantization (forward): `DMXLinear.quantized_input`;
-* the quantizers' backward: `dL/dx` and `dL/dbeta` of the inputs from their stored derivatives, and the frozen
-  weights' `dy/dbeta`, recomputed in the backward pass (`FrozenWeightQuantization.beta_derivative`);
+* the quantizers' backward: `dL/dx` and `dL/dbeta` of the inputs (their derivatives recomputed from them) and the
+  frozen weights' `dy/dbeta`, recomputed in the backward pass (`FrozenWeightQuantization.beta_derivative`);
 * matrix products (`aten::mm`/`addmm`/`bmm`, forward and backward, outside the parts above);
 * the rest of the model (attention, norms, activations, the loss) and the trainer.
 
@@ -43,7 +43,7 @@ WEIGHTS, INPUTS, BACKWARD = ("weight quantization (forward)", "input-activation 
                              "quantizers' backward (dL/dx, dL/dbeta)")
 LABELS = {(DMXLinear, "frozen_weight"): WEIGHTS, (DMXLinear, "quantized_weight"): WEIGHTS,
           (DMXLinear, "quantized_input"): INPUTS, (FrozenWeightQuantization, "beta_derivative"): BACKWARD}
-INPUT_BACKWARD = "_AttachContinuousMXBackward"  # the inputs' dL/dx and dL/dbeta from their stored derivatives
+INPUT_BACKWARD = "_AttachContinuousMXBackward"  # the inputs' dL/dx and dL/dbeta, derivatives recomputed
 MATMULS = ("aten::mm", "aten::addmm", "aten::bmm")
 
 

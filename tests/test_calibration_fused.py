@@ -141,27 +141,25 @@ def test_dmx_linear_discrete_format_and_straight_through():
 @pytest.mark.parametrize("offset", [0.0, 0.7, 2.0])
 def test_a_computed_quantization_attaches_the_same_values_and_gradients(pair, dtype, offset):
     """`ContinuousQuantization` computed once and attached twice gives what the fused quantizer gives each time:
-    the same values, `dL/dx` and `dL/dbeta`, bit for bit (frozen weight: no `x`; activation: with `x`)."""
+    the same values, `dL/dx` and `dL/dbeta`, bit for bit (an activation: gradients to both; a frozen weight:
+    to `beta` only), and the values alone where no gradient is wanted."""
     x = sample((16, 96), dtype)
     grad_out = torch.randn(x.shape, generator=torch.Generator().manual_seed(3)).to(dtype)
 
-    def values_and_grads(quantize):
-        xi, beta = x.clone().requires_grad_(True), torch.tensor(offset, requires_grad=True)
+    def values_and_grads(quantize, x_needs_grad=True):
+        xi, beta = x.clone().requires_grad_(x_needs_grad), torch.tensor(offset, requires_grad=True)
         y = quantize(xi, beta)
-        return (y.detach(), *torch.autograd.grad((y * grad_out).sum(), (xi, beta)))
+        return (y.detach(), *torch.autograd.grad((y * grad_out).sum(), (xi, beta) if x_needs_grad else (beta,)))
 
-    expected = values_and_grads(lambda xi, beta: quantize_mx_continuous_fused(xi, beta, pair))
-    once = ContinuousQuantization.compute(x, offset, pair, with_x_grad=True)
-    for _ in range(2):
-        got = values_and_grads(once.attach)
-        assert all(torch.equal(g, e) for g, e in zip(got, expected)) and got[0].dtype == dtype
-
-    frozen = ContinuousQuantization.compute(x, offset, pair, block_amax=weight_block_max(x))
-    beta = torch.tensor(offset, requires_grad=True)
-    y = frozen.attach(None, beta)
-    (grad,) = torch.autograd.grad((y * grad_out).sum(), beta)
-    assert torch.equal(y, expected[0]) and grad.item() == expected[2].item() and frozen.d_x is None
-    assert torch.equal(frozen.attach(None, torch.tensor(offset)), expected[0])
+    for frozen in (False, True):
+        amax = weight_block_max(x) if frozen else None
+        expected = values_and_grads(lambda xi, beta: quantize_mx_continuous_fused(xi, beta, pair, block_amax=amax),
+                                    not frozen)
+        once = ContinuousQuantization.compute(x, offset, pair, block_amax=amax)
+        for _ in range(2):
+            got = values_and_grads(once.attach, not frozen)
+            assert all(torch.equal(g, e) for g, e in zip(got, expected)) and got[0].dtype == dtype
+        assert once.attach(x, torch.tensor(offset)) is once.values  # nothing needs a gradient: no graph
 
 
 @pytest.mark.parametrize("pair", list(FORMAT_PAIRS))
@@ -183,7 +181,7 @@ def test_a_frozen_weight_quantization_gives_the_linear_layer_bit_for_bit(pair, d
         return (y.detach(), *torch.autograd.grad((y * grad_out).sum(), (xi, beta)))
 
     attached = ContinuousQuantization.compute(weight, offset, pair, block_amax=amax)
-    expected = output_and_grads(lambda xi, beta: F.linear(xi, attached.attach(None, beta).to(dtype), bias))
+    expected = output_and_grads(lambda xi, beta: F.linear(xi, attached.attach(weight, beta).to(dtype), bias))
     frozen = FrozenWeightQuantization.compute(weight, offset, pair, block_amax=amax)
     assert frozen.values.dtype == torch.bfloat16  # MX values are exact in bfloat16: half the memory
     for _ in range(2):
@@ -204,11 +202,26 @@ def test_a_frozen_weight_keeps_float32_values_where_bfloat16_would_round_them():
         assert torch.equal(frozen.values.float(), expected)
 
 
-def test_a_quantization_without_a_derivative_refuses_that_gradient():
-    x = sample((4, 64), torch.float32)
-    frozen = ContinuousQuantization.compute(x, 2.0, "mxfp8-mxfp4", with_beta_grad=False)
-    assert frozen.d_beta is None
-    with pytest.raises(RuntimeError, match="with_beta_grad"):
-        frozen.attach(None, torch.tensor(2.0, requires_grad=True))
-    with pytest.raises(RuntimeError, match="with_x_grad"):
-        frozen.attach(x.clone().requires_grad_(True), torch.tensor(2.0))
+def test_a_quantization_attaches_only_to_the_tensor_it_was_computed_from():
+    quantization = ContinuousQuantization.compute(sample((4, 64), torch.float32), 2.0, "mxfp8-mxfp4")
+    with pytest.raises(ValueError, match=r"computed from, of shape \(4, 64\); got shape \(4, 32\)"):
+        quantization.attach(torch.zeros(4, 32, requires_grad=True), torch.tensor(2.0))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_quantized_activation_keeps_only_its_input_for_the_backward_pass(dtype):
+    """The derivatives are recomputed in the backward pass: the graph holds `x` (already alive as the layer's
+    input), not two float32 tensors of its size (`dy/dx`, `dy/dbeta`)."""
+    x = sample((8, 96), dtype).requires_grad_(True)
+    beta = torch.tensor(2.0, requires_grad=True)
+    saved = []
+
+    def pack(tensor):
+        saved.append(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        y = quantize_mx_continuous_fused(x, beta, "mxfp8-mxfp4")
+    assert [t.numel() for t in saved if t.numel() > 1] == [x.numel()] and saved[0].data_ptr() == x.data_ptr()
+    y.sum().backward()
+    assert x.grad is not None and beta.grad is not None

@@ -15,7 +15,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_max
-from optimum_dmx.continuous.fused import _quantize, _quantize_elements
+from optimum_dmx.continuous.fused import _gradients_kernel, _Quantizer, _values_kernel
 from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, pack_mx, quantize_mx, set_compile_enabled, unpack_mx
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import compile_enabled
@@ -91,54 +91,62 @@ def test_disabled_compilation_runs_the_eager_cast():
         set_compile_enabled("yes")
 
 
+def _continuous(x, offset, pair, rule="ocp", amax=None, grad_y=None):
+    """The fused continuous quantizer's values, `dL/dx` (from `grad_y`) and `dy/dbeta` of `x` at `offset`."""
+    quantizer = _Quantizer.at(torch.tensor(offset), pair, x.shape[-1], 32, rule, amax)
+    return (quantizer.values(x), *quantizer.gradients(x, grad_y, True))
+
+
 @pytest.mark.parametrize("pair_name", list(FORMAT_PAIRS))
 def test_compiled_continuous_quantizer_is_bit_identical_at_the_pairs_formats(compiled, pair_name):
     pair = get_format_pair(pair_name)
     x = _awkward_tensor(16, 96).reshape(4, 4, 96) * 1e-30  # keep most blocks finite and in range
     x[0, 0, 0] = float("nan")
+    grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     for offset in (0.0, 1.0, 2.0):
-        beta = torch.tensor(offset)
         for rule in ("ocp", "quark"):
             for amax in (None, weight_block_max(x)):
-                set_compile_enabled(False)
-                eager = _quantize(x, beta, pair, 32, rule, amax, True, True)
-                set_compile_enabled(True)
-                fused = _quantize(x, beta, pair, 32, rule, amax, True, True)
-                for name, a, b in zip(("values", "d_x", "d_beta"), eager, fused):
-                    assert torch.equal(_bits(a), _bits(b)), (pair_name, offset, rule, amax is None, name)
+                for dtype in (torch.float32, torch.bfloat16):
+                    set_compile_enabled(False)
+                    eager = _continuous(x.to(dtype), offset, pair, rule, amax, grad_y.to(dtype))
+                    set_compile_enabled(True)
+                    fused = _continuous(x.to(dtype), offset, pair, rule, amax, grad_y.to(dtype))
+                    for name, a, b in zip(("values", "dL/dx", "dy/dbeta"), eager, fused):
+                        assert a.dtype == b.dtype and torch.equal(_bits(a), _bits(b)), (pair_name, offset, rule, name)
 
 
-def test_the_continuous_kernel_computes_both_derivatives_at_little_more_than_the_values_cost(compiled):
-    """The values, `dy/dx` and `dy/dbeta` share the subnormal and saturation masks. Compiled with inductor's default
-    options, the kernel kept those masks in boolean buffers written element by element and took 6x the time of the
-    values-only kernel on an activation (`compilation.INDUCTOR_OPTIONS` recomputes them: about 1.2x)."""
+def test_the_continuous_gradient_kernel_costs_little_more_than_the_values_kernel(compiled):
+    """The backward pass's kernel recomputes the grid, the subnormal and the saturation masks from `x` and writes
+    `dL/dx` and `dy/dbeta`, both reading the masks. Compiled with inductor's default options, a kernel computing
+    the values and both derivatives kept those masks in boolean buffers written element by element, 6x the time
+    of the values-only kernel on an activation (`compilation.INDUCTOR_OPTIONS` recomputes them where they are read)."""
     pair = get_format_pair("mxfp8-mxfp4")
-    x = torch.randn(256, 1536, generator=torch.Generator().manual_seed(0))
-    beta = torch.tensor(0.0)
-    runs = {wanted: (lambda wanted=wanted: _quantize(x, beta, pair, 32, "ocp", None, wanted, wanted))
-            for wanted in (False, True)}
-    times = {wanted: [] for wanted in runs}
+    generator = torch.Generator().manual_seed(0)
+    x, grad_y = torch.randn(256, 1536, generator=generator), torch.randn(256, 1536, generator=generator)
+    quantizer = _Quantizer.at(torch.tensor(0.0), pair, x.shape[-1], 32, "ocp", None)
+    runs = {"values": lambda: quantizer.values(x), "gradients": lambda: quantizer.gradients(x, grad_y, True)}
+    times = {name: [] for name in runs}
     for run in runs.values():  # compile both kernels before timing
         run()
     for _ in range(15):  # interleaved, so that a busy machine slows both alike
-        for wanted, run in runs.items():
+        for name, run in runs.items():
             start = time.perf_counter()
             run()
-            times[wanted].append(time.perf_counter() - start)
-    values_only, with_derivatives = (sorted(times[wanted])[7] for wanted in (False, True))
-    assert with_derivatives < 3 * values_only, (with_derivatives, values_only)
+            times[name].append(time.perf_counter() - start)
+    values, gradients = (sorted(times[name])[7] for name in runs)
+    assert gradients < 3 * values, (gradients, values)
 
 
 def test_fractional_offsets_run_the_eager_continuous_kernel(compiled):
     """Compiled exp2 differs from eager's in the last bit at fractional exponents: those offsets never compile."""
     pair = get_format_pair("mxfp8-mxfp4")
-    x = torch.randn(4, 64)
-    before = _quantize_elements.compiled_variants
+    x, grad_y = torch.randn(4, 64), torch.randn(4, 64)
+    before = _values_kernel.compiled_variants + _gradients_kernel.compiled_variants
     set_compile_enabled(False)
-    eager = _quantize(x, torch.tensor(0.37), pair, 32, "ocp", None, True, True)
+    eager = _continuous(x, 0.37, pair, grad_y=grad_y)
     set_compile_enabled(True)
-    again = _quantize(x, torch.tensor(0.37), pair, 32, "ocp", None, True, True)
-    assert _quantize_elements.compiled_variants == before
+    again = _continuous(x, 0.37, pair, grad_y=grad_y)
+    assert _values_kernel.compiled_variants + _gradients_kernel.compiled_variants == before
     for a, b in zip(eager, again):
         assert torch.equal(_bits(a), _bits(b))
 
@@ -153,7 +161,7 @@ def test_kernels_do_not_recompile_when_the_number_of_tokens_changes(compiled):
     def run(batch: int, length: int, width: int) -> None:
         x = torch.randn(batch, length, width)
         assert torch.equal(_bits(quantize_mx(x, fmt)), _bits(cast_mx(x, fmt, 32, "ocp")))
-        _quantize(x, torch.tensor(2.0), pair, 32, "ocp", None, True, True)
+        _continuous(x, 2.0, pair, grad_y=torch.randn_like(x))
 
     widths = (64, 128)
     for width in widths:
@@ -176,8 +184,7 @@ def test_without_a_working_compiler_one_warning_and_identical_results(tmp_path):
         """
         import warnings
         import torch
-        from optimum_dmx.continuous import get_format_pair
-        from optimum_dmx.continuous.fused import _quantize
+        from optimum_dmx.continuous import quantize_mx_continuous_fused
         from optimum_dmx.formats import get_format, quantize_mx
         from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 
@@ -185,7 +192,8 @@ def test_without_a_working_compiler_one_warning_and_identical_results(tmp_path):
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
             results = [(quantize_mx(x, name), cast_mx(x, get_format(name), 32, "ocp")) for name in ("mxfp4", "mxfp8")]
-            _quantize(x, torch.tensor(2.0), get_format_pair("mxfp8-mxfp4"), 32, "ocp", None, True, True)
+            beta = torch.tensor(2.0, requires_grad=True)
+            quantize_mx_continuous_fused(x.requires_grad_(True), beta, "mxfp8-mxfp4").sum().backward()
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
         assert len(messages) == 1, messages
         assert "torch.compile could not build" in messages[0] and "OPTIMUM_DMX_COMPILE=0" in messages[0], messages

@@ -24,9 +24,10 @@ class SharedInputs:
 
     q/k/v read one normalized hidden state, gate/up another: when they are probed at the same endpoint their
     input quantizations are identical, so the first layer computes it and the others attach the same values
-    and derivatives (`ContinuousQuantization`). An entry lives as long as its input tensor (a finalizer drops it
-    when the input is freed, so an id is never matched by a later tensor, and activation checkpointing can free a
-    layer's quantizations with its activations); `clear()` after each step's backward pass drops the rest.
+    (`ContinuousQuantization`; each layer's backward pass recomputes the derivatives from the input). An entry
+    lives as long as its input tensor (a finalizer drops it when the input is freed, so an id is never matched by a
+    later tensor, and activation checkpointing can free a layer's quantizations with its activations); `clear()`
+    after each step's backward pass drops the rest.
     """
 
     def __init__(self) -> None:
@@ -36,14 +37,10 @@ class SharedInputs:
         """``x`` quantized at ``beta`` (whose value, pair and block settings ``key`` names), computed once per key."""
         entry_key = (id(x), key)
         quantization = self._entries.get(entry_key)
-        if quantization is None or (x.requires_grad and quantization.d_x is None) or (
-            beta.requires_grad and quantization.d_beta is None
-        ):
+        if quantization is None:
             offset, pair, block_size, scale_rule = key
-            quantization = ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule,
-                                                          with_x_grad=x.requires_grad, with_beta_grad=beta.requires_grad)
-            if entry_key not in self._entries:
-                weakref.finalize(x, self._entries.pop, entry_key, None)
+            quantization = ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule)
+            weakref.finalize(x, self._entries.pop, entry_key, None)
             self._entries[entry_key] = quantization
         return quantization.attach(x, beta)
 

@@ -4,14 +4,17 @@ bit, with closed-form gradients instead of an autograd graph.
 The reference builds a graph of about twenty element-wise nodes, each keeping its inputs for the backward
 pass. Calibration needs two gradients, and both have closed forms (``docs/method.md``):
 
-* with respect to ``beta`` (a scalar), the per-element derivative ``dy/dbeta`` is computed during the
-  forward pass and reduced against the incoming gradient in the backward pass (one dot product);
+* with respect to ``beta`` (a scalar), the per-element derivative ``dy/dbeta``, reduced against the incoming
+  gradient (one dot product);
 * with respect to ``x`` (needed for activations, so that gradients reach earlier layers), the
-  straight-through derivative is ``y/x`` in the normal range, 1 in the subnormal range and 0 where the
+  straight-through derivative: ``y/x`` in the normal range, 1 in the subnormal range and 0 where the
   value saturates.
 
+The forward pass computes the values only and keeps ``x``; the backward pass recomputes the derivatives from it
+in one kernel that also applies the incoming gradient. Compiled, that extra read of ``x`` costs less than writing
+two float32 tensors of its size in the forward pass, keeping them until the backward pass and reading them again.
 Weights are frozen during calibration, so their block maxima can be computed once and passed back in
-(``block_amax``), and no input gradient is computed for them. The values and both derivatives are computed once
+(``block_amax``), and no input gradient is computed for them. The values are computed once
 (``ContinuousQuantization``) and attached to the graph by a small autograd function, so work that does not change
 between uses (an input several layers quantize alike) can be done once and attached many times. A frozen weight
 at an offset revisited every step keeps only its values, in bfloat16 where that is exact, for the whole run
@@ -53,28 +56,55 @@ def _format_parameters(pair: FormatPair, beta: torch.Tensor) -> tuple[torch.Tens
     return (*(v.detach() for v in values), *derivatives)
 
 
-def _quantize(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad, want_beta_grad):
-    """Forward values ``y`` and, when asked for, the per-element derivatives ``dy/dx`` and ``dy/dbeta``."""
-    _, m, e_min, qmax, scale_offset, de, dm, dqmax = _format_parameters(pair, beta)
-    rounding_bits = pair.scale_rounding_bits(beta.detach().float(), scale_rule)
-    # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
-    # formats (integer offsets, the default recipe's probes) run the compiled kernel, so results never depend on it.
-    if not (compiles(x.shape[-1], block_size) and float(beta).is_integer()):
-        return _quantize_elements.fn(x, block_amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits,
-                                     block_size, want_x_grad, want_beta_grad)
-    # As a matrix of rows: one kernel serves every number of rows (tokens) of a width.
-    rows = x.reshape(-1, x.shape[-1])
-    amax = None if block_amax is None else block_amax.reshape(rows.shape[0], -1, 1)
-    outputs = _quantize_elements(rows, amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits, block_size,
-                                 want_x_grad, want_beta_grad)
-    return tuple(None if t is None else t.view(x.shape) for t in outputs)
+@dataclass(frozen=True, eq=False)
+class _Quantizer:
+    """A pair at one offset with its block settings: the format parameters (0-dim tensors, detached) and their
+    derivatives with respect to the offset, computed once, and which kernel runs."""
+
+    pair: FormatPair
+    block_size: int
+    scale_rule: str
+    block_amax: torch.Tensor | None
+    parameters: tuple[torch.Tensor, ...]  # e, m, e_min, qmax, scale offset, de, dm, dqmax, scale rounding bits
+    compiled: bool
+
+    @classmethod
+    def at(cls, beta: torch.Tensor, pair: FormatPair, width: int, block_size: int, scale_rule: str,
+           block_amax: torch.Tensor | None) -> "_Quantizer":
+        rounding_bits = pair.scale_rounding_bits(beta.detach().float(), scale_rule)
+        # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
+        # formats (integer offsets, the default recipe's probes) run the compiled kernels, so results never depend
+        # on them.
+        compiled = compiles(width, block_size) and float(beta).is_integer()
+        return cls(pair, block_size, scale_rule, block_amax, (*_format_parameters(pair, beta), rounding_bits), compiled)
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` quantized, in its dtype."""
+        _, m, e_min, qmax, scale_offset, _, _, _, rounding_bits = self.parameters
+        return self._run(_values_kernel, x, None, m, e_min, qmax, scale_offset, rounding_bits, self.block_size)[0]
+
+    def gradients(self, x: torch.Tensor, grad_y: torch.Tensor | None, want_beta_grad: bool):
+        """``dL/dx = dL/dy * dy/dx`` (None without ``grad_y``) and the per-element ``dy/dbeta`` (float32; None
+        unless ``want_beta_grad``), recomputed from ``x``."""
+        _, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits = self.parameters
+        return self._run(_gradients_kernel, x, grad_y, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits,
+                         self.block_size, want_beta_grad)
+
+    def _run(self, kernel: CompiledKernel, x: torch.Tensor, grad_y: torch.Tensor | None, *constants):
+        if not self.compiled:
+            return kernel.fn(x, grad_y, self.block_amax, *constants)
+        # As matrices of rows: one kernel serves every number of rows (tokens) of a width.
+        width = x.shape[-1]
+        rows = x.reshape(-1, width)
+        grad_rows = None if grad_y is None else grad_y.reshape(-1, width)
+        amax = None if self.block_amax is None else self.block_amax.reshape(rows.shape[0], -1, 1)
+        outputs = kernel(rows, grad_rows, amax, *constants)
+        return tuple(None if t is None else t.view(x.shape) for t in outputs)
 
 
-@CompiledKernel
-def _quantize_elements(x, block_amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits, block_size,
-                       want_x_grad, want_beta_grad):
-    """The element-wise part of ``_quantize`` at given format parameters (0-dim tensors): one fused kernel when
-    compiled (``formats.compilation``), the same bits eagerly."""
+def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
+    """What the values and both derivatives are computed from: ``x``'s blocks divided by their scales (``v``), the
+    scales, ``v`` rounded onto the format's grid (``q``, before saturation) and the subnormal and saturation masks."""
     blocks = to_blocks(x, block_size)
     amax = block_amax if block_amax is not None else block_max(blocks)
     scale = block_scale(shared_exponent(*block_max_exponent(amax, rounding_bits), scale_offset))
@@ -88,43 +118,60 @@ def _quantize_elements(x, block_amax, m, e_min, qmax, scale_offset, de, dm, dqma
     # Saturation exactly as the reference: strictly above qmax, or rounded onto qmax from above.
     magnitude = q.abs()
     clipped = (magnitude > qmax) | ((magnitude == qmax) & (v.abs() > qmax))
-    y = torch.where(clipped, torch.copysign(qmax, v), q)
+    return scale, v, q, subnormal, clipped
 
-    d_x = d_beta = None
+
+@CompiledKernel
+def _values_kernel(x, _grad_y, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
+    """The quantized values of ``x`` at given format parameters (0-dim tensors), in ``x``'s dtype: one fused kernel
+    when compiled (``formats.compilation``), the same bits eagerly."""
+    scale, v, q, _, clipped = _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size)
+    y = torch.where(clipped, torch.copysign(qmax, v), q)
+    return (from_blocks(y.mul_(scale), x.shape).to(x.dtype),)
+
+
+@CompiledKernel
+def _gradients_kernel(x, grad_y, block_amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits, block_size,
+                      want_beta_grad):
+    """``dL/dx`` from ``dL/dy`` (when given) and ``dy/dbeta`` (when wanted) per element, recomputed from ``x``."""
+    scale, v, q, subnormal, clipped = _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size)
+    grad_x = d_beta = None
     if want_beta_grad:
         # dQ/dbeta: ln2 (v - Q) (dm/dbeta + [subnormal] 2^(e-1) ln2 de/dbeta), or +-dqmax/dbeta when saturated.
         per_element = torch.where(subnormal, (dm + de * scale_offset * _LN2) * _LN2, dm * _LN2)
         d_beta = (v - q).mul_(per_element)
         d_beta = from_blocks(torch.where(clipped, torch.copysign(dqmax, v), d_beta).mul_(scale), x.shape)
-    if want_x_grad:
-        d_x = from_blocks(torch.where(subnormal, 1.0, q / v).masked_fill_(clipped, 0.0), x.shape)
-    return from_blocks(y.mul_(scale), x.shape).to(x.dtype), d_x, d_beta
+    if grad_y is not None:
+        # Straight through: y / x in the normal range, 1 in the subnormal range, 0 where saturated.
+        d_x = torch.where(subnormal, 1.0, q / v).masked_fill_(clipped, 0.0)
+        grad_x = from_blocks(to_blocks(grad_y, block_size) * d_x, x.shape).to(grad_y.dtype)
+    return grad_x, d_beta
 
 
 def _beta_gradient(grad_y: torch.Tensor, d_beta: torch.Tensor) -> torch.Tensor:
     """``dL/dbeta = sum(dL/dy * dy/dbeta)``: the chain rule for a scalar offset shared by every element."""
-    return torch.dot(grad_y.reshape(-1), d_beta.reshape(-1))
+    return torch.dot(grad_y.float().reshape(-1), d_beta.reshape(-1))
 
 
 class _AttachContinuousMX(torch.autograd.Function):
-    """Returns precomputed quantized values, attached to the graphs of ``x`` and ``beta`` by their stored
-    derivatives ``dy/dx`` and ``dy/dbeta`` (elementwise): the backward pass is one product and one dot product."""
+    """Returns precomputed quantized values of ``x``, attached to the graphs of ``x`` and ``beta``. Only ``x`` is
+    saved: the backward pass recomputes the derivatives from it (one kernel that also applies ``dL/dy``) instead of
+    the forward pass keeping two float32 tensors of ``x``'s size until then, and reduces ``dy/dbeta`` against
+    ``dL/dy`` (one dot product)."""
 
     @staticmethod
-    def forward(ctx, x, beta, values, d_x, d_beta):
-        want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
-        empty = values.new_empty(0)
-        ctx.save_for_backward(d_x if want_x_grad else empty, d_beta if want_beta_grad else empty)
+    def forward(ctx, x, beta, values, quantizer):
+        ctx.quantizer = quantizer
+        ctx.save_for_backward(x)
         return values.view_as(values)
 
     @staticmethod
     def backward(ctx, grad_y):
-        d_x, d_beta = ctx.saved_tensors
+        (x,) = ctx.saved_tensors
         want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
-        grad = grad_y.float()
-        grad_x = (grad * d_x).to(grad_y.dtype) if want_x_grad else None
-        grad_beta = _beta_gradient(grad, d_beta) if want_beta_grad else None
-        return grad_x, grad_beta, None, None, None
+        grad_x, d_beta = ctx.quantizer.gradients(x, grad_y if want_x_grad else None, want_beta_grad)
+        grad_beta = _beta_gradient(grad_y, d_beta) if want_beta_grad else None
+        return grad_x, grad_beta, None, None
 
 
 @dataclass(frozen=True)
@@ -132,39 +179,35 @@ class ContinuousQuantization:
     """One tensor's continuous quantization at one offset, computed once and attachable to the graph many times.
 
     ``values`` equal ``quantize_mx_continuous_fused(x, beta, ...)`` bit for bit, and ``attach(x, beta)`` returns them
-    with the same gradients with respect to ``x`` and ``beta`` (from the stored ``d_x`` and ``d_beta``, kept only
-    when computed ``with_x_grad`` / ``with_beta_grad``). Calibration uses it for work that does not change between
-    uses: a frozen weight at an offset it revisits every step, and one input read by several layers (q/k/v,
-    gate/up) at the same offset.
+    with the same gradients with respect to ``x`` and ``beta``: the backward pass recomputes the derivatives from
+    ``x`` (cheaper, compiled, than keeping two float32 tensors of its size from the forward pass to the backward
+    pass). Calibration uses it for work that does not change between uses: one input read by several layers
+    (q/k/v, gate/up) at the same offset.
     """
 
     values: torch.Tensor
-    d_x: torch.Tensor | None
-    d_beta: torch.Tensor | None
+    quantizer: _Quantizer
 
     @classmethod
     def compute(
         cls, x: torch.Tensor, beta: torch.Tensor | float, pair: str | FormatPair, block_size: int = 32,
-        scale_rule: str = "ocp", block_amax: torch.Tensor | None = None, with_x_grad: bool = False,
-        with_beta_grad: bool = True,
+        scale_rule: str = "ocp", block_amax: torch.Tensor | None = None,
     ) -> "ContinuousQuantization":
         pair = get_format_pair(pair)
-        beta = torch.as_tensor(beta, dtype=torch.float32, device=x.device)
+        beta = torch.as_tensor(beta, dtype=torch.float32, device=x.device).detach()
+        quantizer = _Quantizer.at(beta, pair, x.shape[-1], block_size, scale_rule, block_amax)
         with torch.no_grad():
-            values, d_x, d_beta = _quantize(x.detach(), beta.detach(), pair, block_size, scale_rule, block_amax,
-                                            with_x_grad, with_beta_grad)
-        return cls(values, d_x, d_beta)
+            return cls(quantizer.values(x.detach()), quantizer)
 
-    def attach(self, x: torch.Tensor | None, beta: torch.Tensor) -> torch.Tensor:
-        """The values, in the autograd graph of ``x`` (None: a frozen tensor) and ``beta`` where they need grad."""
-        want_x_grad = x is not None and x.requires_grad and torch.is_grad_enabled()
-        want_beta_grad = beta.requires_grad and torch.is_grad_enabled()
-        for wanted, stored, name in ((want_x_grad, self.d_x, "with_x_grad"), (want_beta_grad, self.d_beta, "with_beta_grad")):
-            if wanted and stored is None:
-                raise RuntimeError(f"this ContinuousQuantization was computed without that derivative ({name}=False).")
-        if not (want_x_grad or want_beta_grad):
+    def attach(self, x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+        """The values, in the autograd graphs of ``x`` (the tensor they were computed from) and ``beta`` where
+        those need grad (``beta`` holds the offset's value: derivatives are taken at the computed offset)."""
+        if x.shape != self.values.shape:
+            raise ValueError(f"attach takes the tensor the quantization was computed from, of shape "
+                             f"{tuple(self.values.shape)}; got shape {tuple(x.shape)}.")
+        if not torch.is_grad_enabled() or not (x.requires_grad or beta.requires_grad):
             return self.values
-        return _AttachContinuousMX.apply(x if want_x_grad else None, beta, self.values, self.d_x, self.d_beta)
+        return _AttachContinuousMX.apply(x, beta, self.values, self.quantizer)
 
 
 class _FrozenWeightLinear(torch.autograd.Function):
@@ -190,7 +233,7 @@ class _FrozenWeightLinear(torch.autograd.Function):
             grad_x = grad_rows.mm(quantization.dequantized(grad_y.dtype)).view(x.shape)
         if want_beta_grad:
             grad_weight = grad_rows.t().mm(x.reshape(-1, x.shape[-1]))
-            grad_beta = _beta_gradient(grad_weight.float(), quantization.beta_derivative())
+            grad_beta = _beta_gradient(grad_weight, quantization.beta_derivative())
         if want_bias_grad:
             grad_bias = grad_rows.sum(0)
         return grad_x, grad_beta, grad_bias, None
@@ -209,25 +252,20 @@ class FrozenWeightQuantization:
     """
 
     weight: torch.Tensor
-    offset: float
-    pair: FormatPair
-    block_size: int
-    scale_rule: str
-    block_amax: torch.Tensor | None
     values: torch.Tensor
+    quantizer: _Quantizer
 
     @classmethod
     def compute(
         cls, weight: torch.Tensor, offset: float, pair: str | FormatPair, block_size: int = 32,
         scale_rule: str = "ocp", block_amax: torch.Tensor | None = None,
     ) -> "FrozenWeightQuantization":
-        pair = get_format_pair(pair)
-        values = ContinuousQuantization.compute(weight, offset, pair, block_size, scale_rule, block_amax,
-                                                with_beta_grad=False).values
+        quantization = ContinuousQuantization.compute(weight, offset, pair, block_size, scale_rule, block_amax)
+        values = quantization.values
         compact = values.to(torch.bfloat16)
         if torch.equal(compact.float(), values):
             values = compact
-        return cls(weight, float(offset), pair, block_size, scale_rule, block_amax, values)
+        return cls(weight, values, quantization.quantizer)
 
     def dequantized(self, dtype: torch.dtype) -> torch.Tensor:
         """The quantized weight in ``dtype`` (the stored tensor itself when it already has that dtype)."""
@@ -235,10 +273,8 @@ class FrozenWeightQuantization:
 
     def beta_derivative(self) -> torch.Tensor:
         """``dy/dbeta`` at the offset, per element (float32), computed afresh."""
-        offset = torch.tensor(self.offset, dtype=torch.float32, device=self.weight.device)
         with torch.no_grad():
-            return _quantize(self.weight.detach(), offset, self.pair, self.block_size, self.scale_rule,
-                             self.block_amax, False, True)[2]
+            return self.quantizer.gradients(self.weight.detach(), None, True)[1]
 
     def linear(self, x: torch.Tensor, beta: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, W_q, bias)``, in the autograd graphs of ``x`` and ``beta`` (``beta`` holds the offset's
@@ -276,7 +312,4 @@ def quantize_mx_continuous_fused(
     validate_input(x)
     if not isinstance(beta, torch.Tensor) or beta.dim() != 0:
         raise ValueError(f"beta must be a 0-dim tensor, got {beta!r}.")
-    want_x_grad = torch.is_grad_enabled() and x.requires_grad
-    want_beta_grad = torch.is_grad_enabled() and beta.requires_grad
-    return ContinuousQuantization.compute(x, beta, pair, block_size, scale_rule, block_amax, want_x_grad,
-                                          want_beta_grad).attach(x, beta)
+    return ContinuousQuantization.compute(x, beta, pair, block_size, scale_rule, block_amax).attach(x, beta)
