@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch.nn import functional as F
@@ -42,64 +43,75 @@ __all__ = ["ContinuousQuantization", "FrozenWeightQuantization", "quantize_mx_co
 _LN2 = math.log(2.0)
 
 
-def _format_parameters(pair: FormatPair, beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """The pair's ``(e, m, e_min, qmax, scale offset)`` at ``beta`` (detached, computed exactly as the
-    reference does) and the derivatives of ``e``, ``m`` and ``qmax`` with respect to ``beta``."""
+class _FormatParameters(NamedTuple):
+    """A pair's format at one offset, as the kernels read it (0-dim float32 tensors, detached), with the
+    derivatives of the exponent bits, mantissa bits and largest normal with respect to the offset."""
+
+    m: torch.Tensor
+    e_min: torch.Tensor
+    qmax: torch.Tensor
+    scale_offset: torch.Tensor
+    rounding_bits: torch.Tensor | None  # None: the OCP scale rule
+    de: torch.Tensor
+    dm: torch.Tensor
+    dqmax: torch.Tensor
+
+
+def _format_parameters(pair: FormatPair, beta: torch.Tensor, scale_rule: str) -> _FormatParameters:
+    """The pair's format parameters at ``beta``, computed exactly as the reference does, and their derivatives."""
     # Own saved-tensor hooks: this small graph keeps its tensors even inside an activation-checkpointed layer, whose
     # hooks would otherwise recompute the whole layer when `autograd.grad` unpacks them. They keep detached aliases:
     # a hook that kept an output saved by its own node would make a cycle the garbage collector cannot see.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t):
         b = beta.detach().to(torch.float32).requires_grad_(True)
         e, m, qmax = pair.exponent_bits(b), pair.mantissa_bits(b), pair.max_normal(b)
-        derivatives = [torch.autograd.grad(p, b, retain_graph=True)[0] for p in (e, m, qmax)]
-        values = (e, m, pair.step_exponent_min(b), qmax, pair.scale_offset(b))
-    return (*(v.detach() for v in values), *derivatives)
+        de, dm, dqmax = (torch.autograd.grad(p, b, retain_graph=True)[0] for p in (e, m, qmax))
+        e_min, scale_offset = pair.step_exponent_min(b), pair.scale_offset(b)
+    rounding_bits = pair.scale_rounding_bits(b.detach(), scale_rule)
+    return _FormatParameters(m.detach(), e_min.detach(), qmax.detach(), scale_offset.detach(), rounding_bits, de, dm,
+                             dqmax)
 
 
 @dataclass(frozen=True, eq=False)
 class _Quantizer:
-    """A pair at one offset with its block settings: the format parameters (0-dim tensors, detached) and their
-    derivatives with respect to the offset, computed once, and which kernel runs."""
+    """A pair at one offset with its block settings: the format parameters, computed once, and which kernel runs."""
 
-    pair: FormatPair
     block_size: int
-    scale_rule: str
     block_amax: torch.Tensor | None
-    parameters: tuple[torch.Tensor, ...]  # e, m, e_min, qmax, scale offset, de, dm, dqmax, scale rounding bits
+    parameters: _FormatParameters
     compiled: bool
 
     @classmethod
     def at(cls, beta: torch.Tensor, pair: FormatPair, width: int, block_size: int, scale_rule: str,
            block_amax: torch.Tensor | None) -> "_Quantizer":
-        rounding_bits = pair.scale_rounding_bits(beta.detach().float(), scale_rule)
         # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
         # formats (integer offsets, the default recipe's probes) run the compiled kernels, so results never depend
         # on them.
         compiled = compiles(width, block_size) and float(beta).is_integer()
-        return cls(pair, block_size, scale_rule, block_amax, (*_format_parameters(pair, beta), rounding_bits), compiled)
+        return cls(block_size, block_amax, _format_parameters(pair, beta, scale_rule), compiled)
 
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` quantized, in its dtype."""
-        _, m, e_min, qmax, scale_offset, _, _, _, rounding_bits = self.parameters
-        return self._run(_values_kernel, x, None, m, e_min, qmax, scale_offset, rounding_bits, self.block_size)[0]
+        p = self.parameters
+        return self._run(_values_kernel, (x,), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits,
+                         self.block_size)[0]
 
     def gradients(self, x: torch.Tensor, grad_y: torch.Tensor | None, want_beta_grad: bool):
         """``dL/dx = dL/dy * dy/dx`` (None without ``grad_y``) and the per-element ``dy/dbeta`` (float32; None
         unless ``want_beta_grad``), recomputed from ``x``."""
-        _, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits = self.parameters
-        return self._run(_gradients_kernel, x, grad_y, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits,
-                         self.block_size, want_beta_grad)
+        p = self.parameters
+        return self._run(_gradients_kernel, (x, grad_y), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits,
+                         p.de, p.dm, p.dqmax, self.block_size, want_beta_grad)
 
-    def _run(self, kernel: CompiledKernel, x: torch.Tensor, grad_y: torch.Tensor | None, *constants):
+    def _run(self, kernel: CompiledKernel, inputs: tuple[torch.Tensor | None, ...], *constants) -> tuple:
+        """``kernel(*inputs, block_amax, *constants)``, where ``inputs`` are ``x`` and tensors of its shape."""
         if not self.compiled:
-            return kernel.fn(x, grad_y, self.block_amax, *constants)
+            return kernel.fn(*inputs, self.block_amax, *constants)
         # As matrices of rows: one kernel serves every number of rows (tokens) of a width.
-        width = x.shape[-1]
-        rows = x.reshape(-1, width)
-        grad_rows = None if grad_y is None else grad_y.reshape(-1, width)
-        amax = None if self.block_amax is None else self.block_amax.reshape(rows.shape[0], -1, 1)
-        outputs = kernel(rows, grad_rows, amax, *constants)
-        return tuple(None if t is None else t.view(x.shape) for t in outputs)
+        shape = inputs[0].shape
+        rows = tuple(None if t is None else t.reshape(-1, shape[-1]) for t in inputs)
+        amax = None if self.block_amax is None else self.block_amax.reshape(rows[0].shape[0], -1, 1)
+        return tuple(None if t is None else t.view(shape) for t in kernel(*rows, amax, *constants))
 
 
 def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
@@ -122,7 +134,7 @@ def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_s
 
 
 @CompiledKernel
-def _values_kernel(x, _grad_y, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
+def _values_kernel(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
     """The quantized values of ``x`` at given format parameters (0-dim tensors), in ``x``'s dtype: one fused kernel
     when compiled (``formats.compilation``), the same bits eagerly."""
     scale, v, q, _, clipped = _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size)
@@ -131,7 +143,7 @@ def _values_kernel(x, _grad_y, block_amax, m, e_min, qmax, scale_offset, roundin
 
 
 @CompiledKernel
-def _gradients_kernel(x, grad_y, block_amax, m, e_min, qmax, scale_offset, de, dm, dqmax, rounding_bits, block_size,
+def _gradients_kernel(x, grad_y, block_amax, m, e_min, qmax, scale_offset, rounding_bits, de, dm, dqmax, block_size,
                       want_beta_grad):
     """``dL/dx`` from ``dL/dy`` (when given) and ``dy/dbeta`` (when wanted) per element, recomputed from ``x``."""
     scale, v, q, subnormal, clipped = _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size)
