@@ -77,6 +77,19 @@ def test_quantize_mx_runs_the_compiled_kernel_unless_a_gradient_is_wanted(compil
     assert y.requires_grad and fused_cast_mx.compiled_variants == before + 1
 
 
+def test_one_cast_kernel_serves_every_input_dtype_of_a_width(compiled):
+    """bfloat16 and float16 activations are cast by the float32 kernel (converted before and after it: inductor's
+    32-lane bfloat16 kernels reinterpret bit patterns element by element, several times slower), so a layer width
+    compiles one cast kernel per format, whatever the dtypes of the inputs; the bits are the eager cast's."""
+    fmt = get_format("mxfp6_e2m3")
+    before = fused_cast_mx.compiled_variants
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = _awkward_tensor(6, 224).to(dtype)  # a width no other test uses: a kernel of its own
+        y = quantize_mx(x, fmt)
+        assert y.dtype == dtype and torch.equal(_bits(y), _bits(cast_mx(x, fmt, 32, "ocp")))
+    assert fused_cast_mx.compiled_variants == before + 1
+
+
 def test_disabled_compilation_runs_the_eager_cast():
     set_compile_enabled(False)
     try:

@@ -62,8 +62,7 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
 
 def block_max(blocks: torch.Tensor) -> torch.Tensor:
     """``max|block|`` per block (float32, ``[..., n_blocks, 1]``); NaN or Inf where the block holds one."""
-    low, high = torch.aminmax(blocks, dim=-1, keepdim=True)
-    return torch.maximum(high, -low)
+    return blocks.abs().amax(dim=-1, keepdim=True)
 
 
 def rounds_up(amax: torch.Tensor, rounding_bits: Number) -> torch.Tensor:
@@ -97,6 +96,17 @@ def shared_exponent(block_exponent: torch.Tensor, finite: torch.Tensor, emax: Nu
 
 
 def block_scale(k: torch.Tensor, shift: int = 0) -> torch.Tensor:
-    """``2^(k + shift)`` as float32 (``ldexp``, since ``2^-127`` is a float32 subnormal); NaN for NaN blocks."""
-    scale = torch.ldexp(torch.ones_like(k, dtype=torch.float32), k.clamp(max=SCALE_EXPONENT_MAX) + shift)
+    """``2^(k + shift)`` as float32 (subnormal or infinite where the exponent leaves float32's normal range, as
+    ``ldexp``); NaN for NaN blocks.
+
+    Integer exponents are built from the bit pattern as the product of two normal powers of two (exact, and a
+    handful of vector instructions where ``ldexp`` is a library call per block in a compiled kernel); real-valued
+    ones (the continuous quantizer between formats) go through ``ldexp``.
+    """
+    exponent = k.clamp(max=SCALE_EXPONENT_MAX) + shift
+    if exponent.is_floating_point():
+        scale = torch.ldexp(torch.ones_like(exponent, dtype=torch.float32), exponent)
+    else:
+        normal = exponent.clamp(SCALE_EXPONENT_MIN + 1, SCALE_EXPONENT_MAX)
+        scale = pow2(normal) * pow2(exponent - normal)
     return scale.masked_fill_(k > SCALE_EXPONENT_MAX, math.nan)

@@ -105,8 +105,13 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
     validate_scale_rule(scale_rule)
     validate_input(x)
     if compiles(x.shape[-1], block_size) and not (x.requires_grad and torch.is_grad_enabled()):
-        # As a matrix of rows: one kernel serves every number of rows (tokens) of a width.
-        return fused_cast_mx(x.reshape(-1, x.shape[-1]), fmt, block_size, scale_rule).view(x.shape)
+        # As a matrix of rows: one kernel serves every number of rows (tokens) of a width. The kernel takes and
+        # returns float32 (the cast computes in float32 anyway, so the bits are the same): inductor vectorises a
+        # bfloat16 or float16 kernel 32 lanes wide, and at that width (torch 2.13, C++) it reinterprets float32
+        # bit patterns through memory one element at a time. Converting outside is 1.4x faster on a 512 x 576
+        # bfloat16 activation (0.37 -> 0.26 ms, one thread).
+        rows = x.reshape(-1, x.shape[-1]).float()
+        return fused_cast_mx(rows, fmt, block_size, scale_rule).to(x.dtype).view(x.shape)
     return cast_mx(x, fmt, block_size, scale_rule)
 
 
