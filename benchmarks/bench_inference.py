@@ -8,7 +8,8 @@ Measures, in one run:
    on every call), in each of the four MX formats;
 2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
    `common.py`): forward time of the float model vs the dMX model (cached and packed-only), `from_pretrained`
-   time and checkpoint bytes, float vs dMX. The dMX model uses a fixed mixed map (every fourth decoder
+   time and checkpoint bytes, float vs dMX, and the cached dMX model with every linear casting its own input
+   (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence. The dMX model uses a fixed mixed map (every fourth decoder
    linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration. With `--rotation NAME[,NAME...]`
    one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same map, is timed beside them
    (the cost of the online transforms: `down_proj`'s input for `hadamard` / `block_hadamard`, every quantized
@@ -124,7 +125,7 @@ def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
             f"{(rest_bytes + linear_float_bytes * storage_bits / 16) / float_bytes:.3f})",
         ]
         load_ratio, size_ratio = load_dmx / load_float, dmx_bytes / float_bytes
-        extra = [""] * len(rotations)
+        extra = [""] * (1 + len(rotations))
         rows.append(["load time (from_pretrained, wall)", "bf16", "", f"{load_float:.2f} s",
                      f"{load_dmx:.2f} s ({load_ratio:.2f}x)", "", *extra])
         rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB",
@@ -134,10 +135,14 @@ def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
             float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
             dmx = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
             dmx_packed = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
+            dmx_unshared = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
             for module in dmx_packed.modules():
                 if isinstance(module, MXLinear):
                     module.cache_weight = False
-            models = [float_model, dmx, dmx_packed]
+            for module in dmx_unshared.modules():
+                if isinstance(module, MXLinear):
+                    module.input_casts = None
+            models = [float_model, dmx, dmx_packed, dmx_unshared]
             models += [AutoModelForCausalLM.from_pretrained(rotated_dir, dtype=dtype) for rotated_dir in rotated_dirs]
             for batch, seq in SHAPES:
                 generator = torch.Generator().manual_seed(0)
@@ -193,7 +198,8 @@ def main() -> None:
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)
         rows, notes = bench_model(args.model or benchmark_model(), args.repeats, rotations, dtypes)
-        header = ["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only"]
+        header = ["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only",
+                  "dMX cached, input casts not shared"]
         header += [f"dMX cached, rotation {rotation}" for rotation in rotations]
         parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]
         parts += [f"- {note}" for note in notes]

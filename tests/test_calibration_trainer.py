@@ -111,7 +111,7 @@ def test_shared_inputs_quantize_one_input_once_per_endpoint():
     outputs = [shared.quantize(x, beta, key) for beta in low]  # q, k and v at the low end
     high = shared.quantize(x, torch.tensor(2.0), (2.0, "mxfp8-mxfp4", 32, "ocp"))
     other = shared.quantize(x.detach().clone().requires_grad_(True), low[0], key)  # another tensor: not shared
-    assert len(shared._entries) == 3
+    assert len(shared._quantizations) == 3
     expected = quantize_mx_continuous_fused(x, torch.tensor(0.0), "mxfp8-mxfp4")
     assert all(torch.equal(y, expected) for y in outputs) and torch.equal(other, expected)
     assert torch.equal(high, quantize_mx_continuous_fused(x, torch.tensor(2.0), "mxfp8-mxfp4"))
@@ -123,7 +123,7 @@ def test_shared_inputs_quantize_one_input_once_per_endpoint():
     assert torch.allclose(grads[0], 6 * g_x)
     assert [g.item() for g in grads[1:]] == pytest.approx([g_beta.item() * k for k in (1, 2, 3)], rel=1e-6)
     shared.clear()
-    assert not shared._entries
+    assert len(shared._quantizations) == 0
 
 
 @pytest.mark.parametrize("recipe", ["dmx", "paper"])

@@ -1,5 +1,8 @@
 """MXLinear: packed storage, forward semantics, weight cache; model surgery errors."""
 
+import copy
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -7,7 +10,9 @@ from torch.nn import functional as F
 
 from optimum_dmx import MXLinear, quantize_mx
 from optimum_dmx.formats import packed_shapes
-from optimum_dmx.nn import replace_with_mx_linear
+from optimum_dmx.nn import InputCache, replace_with_mx_linear
+
+from .helpers import linear_names, tiny_llama
 
 FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp6_e3m2", "mxfp8_e4m3"]
 
@@ -105,3 +110,63 @@ def test_module_built_in_inference_mode_runs():
         expected = F.linear(quantize_mx(x, "mxfp8"), quantize_mx(linear.weight, "mxfp8"), linear.bias)
         assert torch.equal(module(x), expected)
         assert torch.equal(module(x), expected)  # the weight cache built under inference mode is reused
+
+
+def _shared_pair(fmt_a: str, fmt_b: str) -> tuple[MXLinear, MXLinear]:
+    a, b = MXLinear.from_linear(_linear(64, 16), fmt_a), MXLinear.from_linear(_linear(64, 8), fmt_b)
+    a.input_casts = b.input_casts = InputCache()
+    return a, b
+
+
+def test_linears_reading_one_input_in_one_format_quantize_it_once():
+    a, b = _shared_pair("mxfp6_e2m3", "mxfp6_e2m3")
+    x = torch.randn(3, 64)
+    cast = a.quantized_input(x)
+    assert b.quantized_input(x) is cast and len(a.input_casts) == 1
+    assert torch.equal(cast, quantize_mx(x, "mxfp6_e2m3"))
+    other = torch.randn(3, 64)
+    assert b.quantized_input(other) is not cast and len(a.input_casts) == 2
+
+
+def test_shared_input_casts_follow_format_and_in_place_changes():
+    a, b = _shared_pair("mxfp4", "mxfp8")
+    x = torch.randn(2, 64)
+    assert torch.equal(b.quantized_input(x), quantize_mx(x, "mxfp8"))
+    assert torch.equal(a.quantized_input(x), quantize_mx(x, "mxfp4"))  # another format: its own cast
+    x.mul_(3.0)  # modified in place: the cached casts are stale
+    assert torch.equal(a.quantized_input(x), quantize_mx(x, "mxfp4"))
+    assert torch.equal(b(x), MXLinear.from_linear(_linear(64, 8), "mxfp8")(x))
+
+
+def test_shared_input_casts_do_not_outlive_their_inputs():
+    model = tiny_llama()
+    names = linear_names(model)
+    replace_with_mx_linear(model, {name: "mxfp6_e2m3" if "mlp" in name else "mxfp8" for name in names})
+    cache = model.get_submodule(names[0]).input_casts
+    assert all(model.get_submodule(name).input_casts is cache for name in names)
+    seen = []
+    model.model.layers[0].self_attn.v_proj.register_forward_pre_hook(lambda module, args: seen.append(len(cache)))
+    ids = torch.randint(0, 128, (2, 9))
+    with torch.no_grad():
+        shared = model(ids).logits
+        assert seen == [1]  # q/k/v: one cast of their common input
+        assert len(cache) == 0  # every input freed, and its casts with it
+        for name in names:
+            model.get_submodule(name).input_casts = None
+        assert torch.equal(model(ids).logits, shared)  # sharing changes no bit
+
+
+def test_a_copied_model_gets_its_own_empty_input_cache():
+    model = tiny_llama()
+    names = linear_names(model)
+    replace_with_mx_linear(model, {name: "mxfp4" for name in names})
+    cache = model.get_submodule(names[0]).input_casts
+    x = torch.randn(2, 64)
+    keep = model.get_submodule(names[0]).quantized_input(x)
+    copied = copy.deepcopy(model)
+    copied_cache = copied.get_submodule(names[0]).input_casts
+    assert copied_cache is not cache and len(copied_cache) == 0 and len(cache) == 1
+    assert all(copied.get_submodule(name).input_casts is copied_cache for name in names)
+    restored = pickle.loads(pickle.dumps(model))
+    assert len(restored.get_submodule(names[0]).input_casts) == 0
+    assert torch.equal(keep, quantize_mx(x, "mxfp4"))

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
@@ -13,6 +12,7 @@ from torch.nn import functional as F
 from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, FrozenWeightQuantization, get_format_pair
 from ..continuous import quantize_mx_continuous_fused, weight_block_max
 from ..formats import MXFormat, quantize_mx
+from ..nn import InputCache
 from ..nn.rotation import rotate_input_side, rotate_output_side
 from .schedule import discrete_offset, temperature_sigmoid
 
@@ -24,28 +24,24 @@ class SharedInputs:
 
     q/k/v read one normalized hidden state, gate/up another: when they are probed at the same endpoint their
     input quantizations are identical, so the first layer computes it and the others attach the same values
-    (`ContinuousQuantization`; each layer's backward pass recomputes the derivatives from the input). An entry
-    lives as long as its input tensor (a finalizer drops it when the input is freed, so an id is never matched by a
-    later tensor, and activation checkpointing can free a layer's quantizations with its activations); `clear()`
-    after each step's backward pass drops the rest.
+    (`ContinuousQuantization`; each layer's backward pass recomputes the derivatives from the input). Entries live
+    as long as their input tensor (`nn.InputCache`: activation checkpointing frees a layer's quantizations with
+    its activations); `clear()` after each step's backward pass drops the rest.
     """
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, tuple], ContinuousQuantization] = {}  # (id of the input, key) -> quantization
+        self._quantizations = InputCache()
 
     def quantize(self, x: torch.Tensor, beta: torch.Tensor, key: tuple) -> torch.Tensor:
         """``x`` quantized at ``beta`` (whose value, pair and block settings ``key`` names), computed once per key."""
-        entry_key = (id(x), key)
-        quantization = self._entries.get(entry_key)
-        if quantization is None:
-            offset, pair, block_size, scale_rule = key
-            quantization = ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule)
-            weakref.finalize(x, self._entries.pop, entry_key, None)
-            self._entries[entry_key] = quantization
+        offset, pair, block_size, scale_rule = key
+        quantization = self._quantizations.get(
+            x, key, lambda: ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule)
+        )
         return quantization.attach(x, beta)
 
     def clear(self) -> None:
-        self._entries.clear()
+        self._quantizations.clear()
 
 
 class DMXLinear(nn.Module):

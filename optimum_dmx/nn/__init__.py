@@ -2,6 +2,7 @@
 the bit accounting of a format assignment. Nothing here trains or reads data."""
 
 from .bits import BIT_AVERAGES, average_bits, bit_summary, format_map_bits, storage_bits, tensor_sizes
+from .input_cache import InputCache
 from .mx_linear import MXLinear
 from .surgery import (
     dequantize_mx_linears,
@@ -13,6 +14,7 @@ from .surgery import (
 
 __all__ = [
     "BIT_AVERAGES",
+    "InputCache",
     "MXLinear",
     "average_bits",
     "bit_summary",

@@ -8,6 +8,7 @@ from torch.nn import functional as F
 
 from ..formats import MXFormat, MXPackedTensor, get_format, pack_mx, packed_shapes, quantize_mx, unpack_mx
 from ..formats.spec import validate_scale_rule
+from .input_cache import InputCache, tensor_version
 from .transforms import RandomizedHadamard
 
 
@@ -27,6 +28,10 @@ class MXLinear(nn.Module):
 
     An `input_transform` (an online rotation, `nn.transforms`) is applied to the input before its quantization;
     the stored weight already holds its inverse. Like the format, it is rebuilt from config.json.
+
+    `input_casts`, when set (`replace_with_mx_linear` gives all the modules of a model one), is an `InputCache`
+    shared with the other modules: linears that read the same input tensor in the same format (q/k/v, gate/up)
+    quantize it once per forward pass. The results are the same bits either way.
     """
 
     def __init__(
@@ -62,6 +67,7 @@ class MXLinear(nn.Module):
             self.register_parameter("bias", None)
         self._weight_cache: torch.Tensor | None = None
         self._weight_cache_key: tuple | None = None
+        self.input_casts: InputCache | None = None
 
     @classmethod
     def from_linear(
@@ -121,7 +127,7 @@ class MXLinear(nn.Module):
         # Loading and `.to()` replace the buffers, in-place edits (`load_state_dict`) bump their version:
         # compare identity and version. (Tensors made under `torch.inference_mode` have no version.)
         packed, scale = self.weight_packed, self.weight_scale
-        key = (dtype, _version(packed), _version(scale))
+        key = (dtype, tensor_version(packed), tensor_version(scale))
         cached = self._weight_cache_key
         if cached is None or cached[0] is not packed or cached[1] is not scale or cached[2] != key:
             self._weight_cache = unpack_mx(self.packed_weight(), dtype)
@@ -133,16 +139,22 @@ class MXLinear(nn.Module):
         if self.input_transform is not None:
             x = self.input_transform(x)
         if self.quantize_activations:
-            x = quantize_mx(x, self.fmt, self.block_size, self.scale_rule)
+            x = self.quantized_input(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
+
+    def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` quantized to the module's format, computed once per input tensor among the modules sharing
+        `input_casts` (not inside `torch.compile`, which traces the cast itself)."""
+        def cast() -> torch.Tensor:
+            return quantize_mx(x, self.fmt, self.block_size, self.scale_rule)
+
+        if self.input_casts is None or torch.compiler.is_compiling():
+            return cast()
+        return self.input_casts.get(x, (self.fmt.name, self.block_size, self.scale_rule), cast)
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"fmt={self.fmt.name}, block_size={self.block_size}, quantize_activations={self.quantize_activations}, scale_rule={self.scale_rule}"
         )
-
-
-def _version(tensor: torch.Tensor) -> int | None:
-    return None if tensor.is_inference() else tensor._version

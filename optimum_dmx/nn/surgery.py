@@ -8,6 +8,7 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from .input_cache import InputCache
 from .mx_linear import MXLinear
 from .transforms import RandomizedHadamard, TransformedLinear
 
@@ -74,14 +75,16 @@ def emulate_format_map(
     """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
 
     Inside the block each named linear is an `MXLinear` built from it (the inference module: packed weight,
-    input quantized per call), so an assignment is evaluated exactly as a saved dMX model computes. Weights
-    are frozen and the model is in eval mode inside the block; the original linears are restored on exit.
+    input quantized per call, one input cast shared by the linears that read the same input in the same format),
+    so an assignment is evaluated exactly as a saved dMX model computes. Weights are frozen and the model is in
+    eval mode inside the block; the original linears are restored on exit.
     """
-    layers = {
-        name: MXLinear.from_linear(model.get_submodule(name), fmt, block_size=block_size,
-                                   quantize_activations=quantize_activations, scale_rule=scale_rule)
-        for name, fmt in format_map.items()
-    }
+    input_casts = InputCache()
+    layers = {}
+    for name, fmt in format_map.items():
+        layers[name] = MXLinear.from_linear(model.get_submodule(name), fmt, block_size=block_size,
+                                            quantize_activations=quantize_activations, scale_rule=scale_rule)
+        layers[name].input_casts = input_casts
     with swapped_modules(model, layers):
         yield
 
@@ -102,7 +105,10 @@ def replace_with_mx_linear(
     config.json records them) gives modules their online input transform; a `TransformedLinear` keeps its own. Raises `ValueError` naming the module when `format_map` names a module
     the model lacks, a module that is not an `nn.Linear`, or one that is already an `MXLinear` (the model
     was already quantized: quantizing twice would compound the error).
+
+    The new modules share one `InputCache`: linears reading the same input in the same format quantize it once.
     """
+    input_casts = InputCache()
     for name, fmt in format_map.items():
         try:
             module = model.get_submodule(name)
@@ -120,6 +126,7 @@ def replace_with_mx_linear(
             module, fmt, block_size=block_size, quantize_activations=quantize_activations, scale_rule=scale_rule,
             input_transform=None if spec is None else RandomizedHadamard.from_dict(spec),
         )
+        new.input_casts = input_casts
         model.set_submodule(name, new)
     return model
 
