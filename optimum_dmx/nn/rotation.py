@@ -132,9 +132,18 @@ def rotation_sites(model: nn.Module) -> RotationSites:
 def has_unit_norm_scales(model: nn.Module) -> bool:
     """Whether every RMSNorm of `model`'s residual stream has an identity scale, as after `rotate_model`'s fold:
     only then does rotating the stream commute with the norms."""
-    final_norm, layers = _final_norm(model), _decoder_layers(model)
-    norms = [final_norm, *(n for layer in layers for n in (layer.input_layernorm, layer.post_attention_layernorm))]
-    return all(bool((_norm_scale(norm) == 1).all()) for norm in norms)
+    return all(bool((_norm_scale(norm) == 1).all()) for norm, _ in _residual_norm_readers(model))
+
+
+def _residual_norm_readers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]]:
+    """Every RMSNorm of the residual stream with the linears that read its output: the final norm (`lm_head`),
+    and per decoder layer the attention norm (q/k/v) and the MLP norm (gate/up)."""
+    readers = [(_final_norm(model), [_output_linear(model)])]
+    for layer in _decoder_layers(model):
+        attention, mlp = layer.self_attn, layer.mlp
+        readers += [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
+                    (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
+    return readers
 
 
 def _transform_every_input(model: nn.Module, quantized: Collection[str], block_size: int, seed: int) -> dict[str, dict[str, Any]]:
@@ -254,12 +263,7 @@ def fold_norm_scales(model: nn.Module) -> None:
         head.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=embeddings.weight.requires_grad)
         for config in {id(c): c for c in (model.config, _text_config(model))}.values():
             config.tie_word_embeddings = False
-    readers = [(_final_norm(model), [head])]
-    for layer in _decoder_layers(model):
-        attention, mlp = layer.self_attn, layer.mlp
-        readers += [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
-                    (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
-    for norm, linears in readers:
+    for norm, linears in _residual_norm_readers(model):
         scale = _norm_scale(norm)
         for linear in linears:
             linear.weight.copy_((linear.weight.double() * scale.to(linear.weight.device)).to(linear.weight.dtype))
