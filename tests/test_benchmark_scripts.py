@@ -151,3 +151,24 @@ def test_learned_rotations_benchmark_runs_resumes_and_reports(tiny_text_model_di
     assert len(out.read_text().splitlines()) == 4
     table = run_benchmark("learned_rotations.py", "--report", "--out", out)
     assert len(re.findall(r"^\| hadamard \| yes \| mxfp8-mxfp4 \| 5 \| 0 \|", table, re.MULTILINE)) == 4
+
+
+def test_random_maps_fit_recovers_additive_effects_under_batch_offsets(monkeypatch):
+    """`random_maps.effects` (the ablation's estimator) finds known per-layer effects of maps drawn at a fixed
+    budget, although each batch adds an offset a hundred times larger than any effect."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    import torch
+    from random_maps import effects, spearman
+
+    generator = torch.Generator().manual_seed(0)
+    layers, samples, high, batches = 60, 400, 15, 8
+    true = torch.randn(layers, generator=generator, dtype=torch.float64) * 0.01
+    design = torch.zeros(samples, layers)
+    for row in design:
+        row[torch.randperm(layers, generator=generator)[:high]] = 1.0
+    batch = torch.arange(samples) % batches
+    offsets = torch.randn(batches, generator=generator, dtype=torch.float64)
+    losses = offsets[batch] + design.double() @ true + 1e-3 * torch.randn(samples, generator=generator, dtype=torch.float64)
+    fitted = effects(design, batch, losses)
+    assert spearman(fitted, true) > 0.95
+    assert spearman(effects(design, torch.zeros(samples, dtype=torch.long), losses), true) < 0.5  # offsets ignored
