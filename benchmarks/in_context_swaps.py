@@ -16,10 +16,8 @@ It reads the saved runs of `pareto.py` (run those first) and appends one line pe
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -27,7 +25,7 @@ from optimum_dmx.calibration.losses import next_token_kl, next_token_log_probs
 from optimum_dmx.continuous import get_format_pair
 from optimum_dmx.nn import MXLinear
 from optimum_dmx.nn.surgery import swapped_modules
-from pareto import Benchmark, Runner
+from pareto import Benchmark, Runner, cell_script_parser, parse_cells
 
 
 class MapDivergence:
@@ -70,32 +68,28 @@ def exchanged(format_map: dict[str, str], pair: str, effects: dict[str, float]) 
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cells", default="mxfp8-mxfp4:6:1", help="comma list of PAIR:TARGET:SEED")
+    p = cell_script_parser(__doc__, default_cells="mxfp8-mxfp4:6:1")
     p.add_argument("--method", default="dmx_kl", help="the pareto.py method whose map is refined")
-    p.add_argument("--out", type=Path, default=Benchmark().out)
-    p.add_argument("--threads", type=int, default=None)
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     cache = a.out / "in_context_swaps.jsonl"
     records = [json.loads(line) for line in cache.read_text().splitlines()] if cache.exists() else []
     runner = None
-    for cell in a.cells.split(","):
-        pair, target, seed = cell.split(":")
-        if any((r["pair"], r["target"], r["seed"], r["method"]) == (pair, target, int(seed), a.method) for r in records):
+    for pair, target, seed in parse_cells(a.cells):
+        if any((r["pair"], r["target"], r["seed"], r["method"]) == (pair, target, seed, a.method) for r in records):
             continue
         runner = runner or Runner(Benchmark(out=a.out))
         start = time.perf_counter()
-        base_map = runner.assign(a.method, pair, target, int(seed)).format_map
-        ids = runner.input_ids(int(seed))[: runner.bench.kl_samples]
+        base_map = runner.assign(a.method, pair, target, seed).format_map
+        ids = runner.input_ids(seed)[: runner.bench.kl_samples]
         divergence = MapDivergence(runner, list(base_map), pair, ids)
         base = divergence(base_map)
         effects = divergence.flip_effects(base_map, base)
         refined, swaps = exchanged(base_map, pair, effects)
         after = divergence(refined)
         seconds = time.perf_counter() - start
-        record = {"method": a.method, "pair": pair, "target": target, "seed": int(seed), "swaps": swaps,
+        record = {"method": a.method, "pair": pair, "target": target, "seed": seed, "swaps": swaps,
                   "scan_seconds": round(seconds, 1), "kl_base": base,
                   "kl_predicted": base + sum(effects[n] for n in refined if refined[n] != base_map[n]),
                   "kl_after": after,

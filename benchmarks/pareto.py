@@ -500,6 +500,21 @@ def _plot(rows: list[dict], texts: list[str], path: Path) -> None:
     plt.close(fig)
 
 
+def cell_script_parser(doc: str, default_cells: str) -> argparse.ArgumentParser:
+    """The options of the ablation scripts that revisit this sweep's cells: `--cells PAIR:TARGET:SEED,...`, its
+    results folder (`--out`, whose saved runs and KL scans they read) and `--threads`."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--cells", default=default_cells, help="comma list of PAIR:TARGET:SEED")
+    p.add_argument("--out", type=Path, default=Benchmark().out)
+    p.add_argument("--threads", type=int, default=None)
+    return p
+
+
+def parse_cells(cells: str) -> list[tuple[str, str, int]]:
+    """`PAIR:TARGET:SEED,...` as (pair, target, seed) tuples, the target as written (the CSV's key)."""
+    return [(pair, target, int(seed)) for pair, target, seed in (cell.split(":") for cell in cells.split(","))]
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Benchmark, bool, bool]:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     d = Benchmark()

@@ -26,10 +26,8 @@ It reads `pareto.py`'s cached KL scans and CSV (run those first), appends one li
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -39,7 +37,7 @@ from optimum_dmx.calibration.losses import next_token_kl, next_token_log_probs
 from optimum_dmx.continuous import get_format_pair
 from optimum_dmx.nn import MXLinear
 from optimum_dmx.nn.surgery import swapped_modules
-from pareto import Benchmark, Runner, _read_rows
+from pareto import Benchmark, Runner, _read_rows, cell_script_parser, parse_cells
 
 LOSSES = ("cross_entropy", "kl")
 RIDGE = 1.0  # in units of the design's Gram matrix, whose diagonal is samples * p * (1 - p) ~ 40-100 here
@@ -164,25 +162,21 @@ def report(records: list[dict], csv_rows: list[dict], command: str) -> str:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--cells", default="mxfp8-mxfp4:6:1", help="comma list of PAIR:TARGET:SEED")
+    p = cell_script_parser(__doc__, default_cells="mxfp8-mxfp4:6:1")
     p.add_argument("--samples", type=int, default=400, help="random maps per cell")
     p.add_argument("--batches", type=int, default=8, help="calibration batches the maps are spread over")
-    p.add_argument("--out", type=Path, default=Benchmark().out)
-    p.add_argument("--threads", type=int, default=None)
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     cache = a.out / "random_maps.jsonl"
     records = read_json_lines(cache) if cache.exists() else []
     runner = None
-    for cell in a.cells.split(","):
-        pair, target, seed = cell.split(":")
-        key = (pair, target, int(seed), a.samples, a.batches)
+    for pair, target, seed in parse_cells(a.cells):
+        key = (pair, target, seed, a.samples, a.batches)
         if any((r["pair"], r["target"], r["seed"], r["samples"], r["batches"]) == key for r in records):
             continue
         runner = runner or Runner(Benchmark(out=a.out))
-        record = measure(runner, pair, target, int(seed), a.samples, a.batches)
+        record = measure(runner, pair, target, seed, a.samples, a.batches)
         maps = format_maps(runner, record)
         record["perplexities"] = {name: list(runner.perplexities(m).values()) for name, m in maps.items()}
         record["texts"] = list(runner.texts)
