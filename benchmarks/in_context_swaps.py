@@ -29,8 +29,9 @@ from pareto import Benchmark, Runner, cell_script_parser, parse_cells
 
 
 class MapDivergence:
-    """KL(float || the model under a format map) per token on fixed sequences; each layer's modules in both formats
-    of the pair are built once, so a map (or a map with one layer flipped) costs one forward pass per batch."""
+    """KL(float || the model under a format map) per token on fixed sequences (and, one batch at a time, with the
+    cross-entropy of the text); each layer's modules in both formats of the pair are built once, so a map (or a map
+    with one layer flipped) costs one forward pass per batch."""
 
     def __init__(self, runner: Runner, layers: list[str], pair: str, ids: torch.Tensor):
         self.model, self.formats = runner.model, get_format_pair(pair)
@@ -46,6 +47,16 @@ class MapDivergence:
         with swapped_modules(self.model, {name: self.modules[name][fmt] for name, fmt in format_map.items()}):
             return sum(next_token_kl(r, next_token_log_probs(self.model, b)).item()
                        for b, r in zip(self.batches, self.reference)) / self.tokens
+
+    @torch.no_grad()
+    def batch_losses(self, format_map: dict[str, str], batch: int) -> dict[str, float]:
+        """Cross-entropy of the text and KL(float || quantized), per token, of one batch under `format_map`."""
+        ids = self.batches[batch]
+        with swapped_modules(self.model, {name: self.modules[name][fmt] for name, fmt in format_map.items()}):
+            log_probs = next_token_log_probs(self.model, ids)
+        cross_entropy = -log_probs[:, :-1].gather(-1, ids[:, 1:, None]).mean()
+        kl = next_token_kl(self.reference[batch], log_probs) / ids.numel()
+        return {"cross_entropy": cross_entropy.item(), "kl": kl.item()}
 
     def flip_effects(self, format_map: dict[str, str], base: float) -> dict[str, float]:
         """The change of the divergence (`base` under `format_map`) when each layer alone takes the other format."""

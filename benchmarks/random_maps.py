@@ -32,38 +32,14 @@ import time
 import torch
 
 from common import append_json_line, read_json_lines
+from in_context_swaps import MapDivergence
 from optimum_dmx.calibration.budget import blended_priority, budget_format_map
-from optimum_dmx.calibration.losses import next_token_kl, next_token_log_probs
 from optimum_dmx.continuous import get_format_pair
-from optimum_dmx.nn import MXLinear
-from optimum_dmx.nn.surgery import swapped_modules
 from pareto import Benchmark, Runner, _read_rows, cell_script_parser, parse_cells
 
 LOSSES = ("cross_entropy", "kl")
 RIDGE = 1.0  # in units of the design's Gram matrix, whose diagonal is samples * p * (1 - p) ~ 40-100 here
 MAPS = ["cross_entropy", "kl", "cross_entropy+kl_scan", "kl+kl_scan"]
-
-
-class MapLosses:
-    """Cross-entropy and KL(float || quantized) per token of one batch under a format map; each layer's modules in
-    both formats are built once, so a map costs one forward pass."""
-
-    def __init__(self, runner: Runner, layers: list[str], pair: str, batches: list[torch.Tensor]):
-        self.model, self.batches = runner.model, batches
-        formats = get_format_pair(pair)
-        with torch.no_grad():
-            self.reference = [next_token_log_probs(self.model, b) for b in batches]
-        self.modules = {name: {fmt: MXLinear.from_linear(self.model.get_submodule(name), fmt)
-                               for fmt in (formats.low.name, formats.high.name)} for name in layers}
-
-    @torch.no_grad()
-    def __call__(self, format_map: dict[str, str], batch: int) -> dict[str, float]:
-        ids = self.batches[batch]
-        with swapped_modules(self.model, {name: self.modules[name][fmt] for name, fmt in format_map.items()}):
-            log_probs = next_token_log_probs(self.model, ids)
-        cross_entropy = -log_probs[:, :-1].gather(-1, ids[:, 1:, None]).mean()
-        kl = next_token_kl(self.reference[batch], log_probs) / ids.numel()
-        return {"cross_entropy": cross_entropy.item(), "kl": kl.item()}
 
 
 def effects(design: torch.Tensor, batch: torch.Tensor, losses: torch.Tensor) -> torch.Tensor:
@@ -88,9 +64,8 @@ def measure(runner: Runner, pair: str, target: str, seed: int, samples: int, n_b
     layers = list(runner.sensitivities(settings, seed)[0])
     shapes = {name: tuple(runner.model.get_submodule(name).weight.shape) for name in layers}
     formats = get_format_pair(pair)
-    batches = list(runner.input_ids(seed)[: n_batches * bench.batch_size].split(bench.batch_size))
     start = time.perf_counter()
-    map_losses = MapLosses(runner, layers, pair, batches)
+    map_losses = MapDivergence(runner, layers, pair, runner.input_ids(seed)[: n_batches * bench.batch_size])
     generator = torch.Generator().manual_seed(seed)
     design, batch_of, measured = [], [], {loss: [] for loss in LOSSES}
     for i in range(samples):
@@ -99,7 +74,7 @@ def measure(runner: Runner, pair: str, target: str, seed: int, samples: int, n_b
                                        settings.quantize_activations)
         design.append([float(format_map[name] == formats.high.name) for name in layers])
         batch_of.append(i % n_batches)
-        for loss, value in map_losses(format_map, i % n_batches).items():
+        for loss, value in map_losses.batch_losses(format_map, i % n_batches).items():
             measured[loss].append(value)
         if (i + 1) % 50 == 0:
             print(f"{pair} {target} seed {seed}: {i + 1} of {samples} maps, {time.perf_counter() - start:.0f} s",
