@@ -9,6 +9,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import warnings
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_m
 from optimum_dmx.continuous.fused import _gradients_kernel, _Quantizer, _values_kernel
 from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, pack_mx, quantize_mx, set_compile_enabled, unpack_mx
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
-from optimum_dmx.formats.compilation import compile_enabled
+from optimum_dmx.formats.compilation import CompiledKernel, compile_enabled
 from optimum_dmx.formats.packing import fused_dequantize
 
 
@@ -274,3 +275,57 @@ def test_compiled_unpacking_is_bit_identical(compiled, dtype):
         assert compiles(packed.shape[-1], 32) and packed.codes.dim() == 2  # unpack_mx runs the compiled kernel
         assert torch.equal(_bits(unpack_mx(packed, dtype)), _bits(eager)), (name, dtype)
     assert fused_dequantize.compiled_variants > 0
+
+
+def _one_more_when_compiled(x: torch.Tensor) -> torch.Tensor:
+    """A function whose compiled kernel differs from it: the stand-in for a miscompiled kernel."""
+    return x + 1 if torch.compiler.is_compiling() else x.clone()
+
+
+def test_a_kernel_whose_first_result_differs_from_the_eager_function_is_rejected_with_one_warning(compiled):
+    kernel = CompiledKernel(_one_more_when_compiled)
+    x = torch.arange(64.0).reshape(2, 32).contiguous().clone()  # not a view: x + 2 has the same kernel key
+    with pytest.warns(RuntimeWarning, match="gave other values than its eager reference") as caught:
+        first = kernel(x)
+    assert len([w for w in caught if "eager reference" in str(w.message)]) == 1
+    assert torch.equal(first, x) and kernel.rejected_variants == 1
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no second warning: the rejected kernel runs eagerly, silently
+        assert torch.equal(kernel(x + 2), x + 2)
+    checked = CompiledKernel(lambda t: t * 2)  # a correct kernel is kept after its first call
+    assert torch.equal(checked(x), x * 2) and checked.rejected_variants == 0 and checked.compiled_variants == 1
+
+
+@pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="x86 with AVX2 only")
+def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
+    """A real process whose inductor emits AVX2 code (`ATEN_CPU_CAPABILITY=avx2`, an empty inductor cache): every
+    format's cast and unpacking equals the eager functions, and no kernel is rejected. (torch 2.13's AVX2 code
+    selected the wrong side of an int32 `where`: the casts returned unrounded values until `grid_exponent` clamped.)"""
+    script = textwrap.dedent(
+        """
+        import warnings
+        import torch
+        from optimum_dmx.formats import MX_FORMATS, get_format, pack_mx, quantize_mx, set_compile_enabled, unpack_mx
+        from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
+        from optimum_dmx.formats.packing import fused_dequantize
+
+        assert torch.backends.cpu.get_cpu_capability() == "AVX2"
+        x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
+        warnings.simplefilter("error", RuntimeWarning)  # a rejected kernel's warning fails the test
+        for name in MX_FORMATS:
+            assert torch.equal(quantize_mx(x, name), cast_mx(x, get_format(name), 32, "ocp", native_cast=False)), name
+            packed = pack_mx(x, name)
+            set_compile_enabled(False)
+            eager = unpack_mx(packed)
+            set_compile_enabled(True)
+            assert torch.equal(unpack_mx(packed), eager), name
+        assert fused_cast_mx.compiled_variants == len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
+        assert fused_dequantize.rejected_variants == 0
+        print("EXACT")
+        """
+    )
+    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+           "OPTIMUM_DMX_COMPILE": "1"}
+    result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "EXACT" in result.stdout

@@ -12,6 +12,11 @@ Compilation is on by default. It is skipped, and the eager function runs instead
 * compiling any kernel failed once in this process (no C++ compiler, no Triton, an unsupported device): one
   warning says so and every later call of every kernel runs eagerly, with the same results, more slowly.
 
+Each kernel's first call also runs the eager function on the same arguments and compares the results bit for bit
+(once per kernel: its cost is one eager call). A compiler that gets a kernel wrong (inductor's AVX2 code once
+selected the wrong side of an integer ``where``; a kernel cached for one instruction set and loaded under another)
+thus never yields a wrong value: that kernel runs eagerly from then on, with one warning that names it.
+
 Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
 a kernel of its own, with the number of rows (tokens) left dynamic: a calibration step, a last short batch or a
 generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling, and a model's
@@ -40,6 +45,7 @@ COMPILE_ENV_VAR = "OPTIMUM_DMX_COMPILE"
 # recomputing them where they are read (tests/test_compilation.py measures it). The values are the same either way (the same operations, no reductions).
 INDUCTOR_OPTIONS = {"realize_reads_threshold": 64}
 _FALSE_VALUES = ("0", "false", "no", "off")
+_SAME_SIZE_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 _enabled_override: bool | None = None
 _compilation_failed = False  # set by the first failure of any kernel: a missing compiler fails them all
@@ -73,6 +79,8 @@ class CompiledKernel:
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
         self._kernels: dict[tuple, Callable[..., Any]] = {}
+        self._checked: set[tuple] = set()  # keys whose kernel matched the eager function on its first call
+        self._rejected: set[tuple] = set()  # keys whose kernel did not: they run eagerly
         functools.update_wrapper(self, fn)
 
     @property
@@ -85,8 +93,12 @@ class CompiledKernel:
         """How many kernels were compiled (one per constant arguments and tensor dtypes, devices and widths)."""
         return len(self._kernels)
 
-    def _kernel(self, args: tuple) -> Callable[..., Any]:
-        key = tuple(_signature(arg) for arg in args)
+    @property
+    def rejected_variants(self) -> int:
+        """How many compiled kernels gave other bits than the eager function on their first call (they run eagerly)."""
+        return len(self._rejected)
+
+    def _kernel(self, key: tuple) -> Callable[..., Any]:
         kernel = self._kernels.get(key)
         if kernel is None:
             # A copy of fn's code object per key, under a name of its own: torch.compile keeps its cache and
@@ -102,12 +114,15 @@ class CompiledKernel:
     def __call__(self, *args: Any) -> Any:
         if not self.active:
             return self.fn(*args)
+        key = tuple(_signature(arg) for arg in args)
+        if key in self._rejected:
+            return self.fn(*args)
         try:
-            kernel = self._kernel(args)
+            kernel = self._kernel(key)
             for arg in args:
                 if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] > 1:
                     torch._dynamo.mark_dynamic(arg, 0)  # the rows (tokens): one kernel for every count
-            return kernel(*args)
+            result = kernel(*args)
         except Exception as error:  # a missing compiler or backend must never break quantization
             global _compilation_failed
             _compilation_failed = True
@@ -120,6 +135,45 @@ class CompiledKernel:
                 stacklevel=2,
             )
             return self.fn(*args)
+        if key not in self._checked:
+            return self._checked_result(key, result, args)
+        return result
+
+    def _checked_result(self, key: tuple, result: Any, args: tuple) -> Any:
+        """The eager result where the kernel's first result differs from it (and the key rejected), else ``result``."""
+        expected = self.fn(*args)
+        if _same_bits(result, expected):
+            self._checked.add(key)
+            return result
+        self._rejected.add(key)
+        warnings.warn(
+            f"optimum-dmx: the compiled MX kernel {self.fn.__name__!r} gave other values than its eager reference "
+            f"(inputs {[s for s in key if isinstance(s, tuple)]}, torch {torch.__version__}); this kernel runs "
+            f"eagerly from now on, with correct results but more slowly. Set {COMPILE_ENV_VAR}=0 to skip compilation "
+            "and this warning; an empty inductor cache (TORCHINDUCTOR_CACHE_DIR) may help if the instruction set "
+            "changed since it was filled.",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return expected
+
+
+def _same_bits(a: Any, b: Any) -> bool:
+    """Whether two kernel results (tensors, or tuples of them) hold the same values bit for bit (any NaN equal to
+    any NaN: its payload is not part of a format)."""
+    if isinstance(a, tuple):
+        return isinstance(b, tuple) and len(a) == len(b) and all(_same_bits(x, y) for x, y in zip(a, b))
+    if not isinstance(a, torch.Tensor):
+        return a == b
+    if not isinstance(b, torch.Tensor) or a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if not a.is_floating_point():
+        return torch.equal(a, b)
+    with torch.no_grad():
+        a_nan, b_nan = a.isnan(), b.isnan()
+        bits = _SAME_SIZE_INTEGER[a.element_size()]  # compares -0.0 and 0.0 as different, as they are
+        return torch.equal(a_nan, b_nan) and torch.equal(a.masked_fill(a_nan, 0).view(bits),
+                                                         b.masked_fill(b_nan, 0).view(bits))
 
 
 def _signature(arg: Any) -> Any:

@@ -91,9 +91,13 @@ def grid_exponent(floor_log2: torch.Tensor, mbits: Number, step_exponent_min: Nu
     """``eta = max(floor(log2|x|) - m, e_min)``: the exponent of the rounding step of each element.
 
     Normal elements keep ``m`` mantissa bits below their leading bit; subnormal ones share the smallest step.
-    Written with ``where`` so that, under autograd, a tie passes its gradient to ``floor(log2|x|) - m``.
+    Real-valued (the continuous quantizer) it is written with ``where``, so that under autograd a tie passes its
+    gradient to ``floor(log2|x|) - m``; integer-valued with ``clamp``: inductor's AVX2 C++ code (torch 2.13) selects
+    the wrong side of an int32 ``where``, which made the compiled casts return unrounded values on AVX2 CPUs.
     """
     normal = floor_log2 - mbits
+    if not normal.is_floating_point():
+        return normal.clamp(min=step_exponent_min)
     return torch.where(normal >= step_exponent_min, normal, step_exponent_min)
 
 
