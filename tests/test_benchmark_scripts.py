@@ -172,3 +172,21 @@ def test_random_maps_fit_recovers_additive_effects_under_batch_offsets(monkeypat
     fitted = effects(design, batch, losses)
     assert spearman(fitted, true) > 0.95
     assert spearman(effects(design, torch.zeros(samples, dtype=torch.long), losses), true) < 0.5  # offsets ignored
+
+
+def test_eval_reproducibility_report_counts_wins_and_spread_per_machine(monkeypatch):
+    """`eval_reproducibility.report` lines up the sweep's CSV values and each machine's re-evaluation of the same
+    maps: the default recipe's wins against KL counted per column, and how far one map's perplexity moved."""
+    monkeypatch.syspath_prepend(str(ROOT / "benchmarks"))
+    from eval_reproducibility import report
+
+    cell = {"pair": "mxfp8-mxfp4", "target": "5", "seed": 0, "texts": ["a", "b"], "threads": 1}
+    csv_rows = [{"method": m, "pair": "mxfp8-mxfp4", "target": "5", "seed": "0", "rotation": "none",
+                 "ppl_a": a, "ppl_b": b} for m, a, b in (("kl", "10", "20"), ("dmx_kl", "11", "19"))]
+    records = [{**cell, "method": "kl", "machine": "cpu X", "dispatch": "default", "perplexities": [10.0, 20.2]},
+               {**cell, "method": "dmx_kl", "machine": "cpu X", "dispatch": "default", "perplexities": [9.9, 19.0]}]
+    text = report(records, csv_rows, "COMMAND")
+    assert "| mxfp8-mxfp4 | 5 | 0 | 10.00 / 20.00 | 11.00 (+10.0%) / 19.00 (-5.0%) | 10.00 / 20.20 |" in text
+    assert "sweep: 1 of 2; machine 1, default: 2 of 2." in text
+    # the four map-text pairs moved by 0% (KL, a), 1% (KL, b: 20.2 / 20), 11.11% (default, a: 11 / 9.9) and 0%
+    assert "4 of them): median 0.50%, largest 11.11%." in text
