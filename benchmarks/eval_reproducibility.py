@@ -9,11 +9,11 @@ continuous in its inputs); the quantized model's does. This script evaluates sav
 on (the evaluation is otherwise the sweep's: the same tokens, windows and maps, one thread), and with another CPU's
 code paths forced on this one (`ATEN_CPU_CAPABILITY`, `MKL_ENABLE_INSTRUCTIONS`), so that the sweep's CSV values
 and each re-evaluation can be compared map by map, and the default recipe's wins against KL pre-selection counted
-under each. (The thread count does not move it: matrix products split their outputs, not their sums, across
-threads; measured identical with 1 and 2 threads.)
+under each. `--threads` gives another column (the committed table has a 2-thread column for one cell: every digit
+the same as with one thread).
 
 It reads `pareto.py`'s CSV and saved runs, appends one line per map to `<out>/eval_reproducibility.jsonl` as it
-finishes (one per machine and forced code path) and writes `<out>/eval_reproducibility.md`:
+finishes (one per machine, forced code path and thread count) and writes `<out>/eval_reproducibility.md`:
 
     python benchmarks/eval_reproducibility.py --threads 1
     ATEN_CPU_CAPABILITY=avx2 MKL_ENABLE_INSTRUCTIONS=AVX2 TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) \
@@ -32,7 +32,7 @@ import statistics
 import torch
 
 from common import append_json_line, read_json_lines
-from pareto import Benchmark, Runner, _read_rows, cell_script_parser, parse_cells
+from pareto import Benchmark, Runner, _read_rows, cell_script_parser, parse_cells, sweep_perplexities
 
 METHODS = ("kl", "dmx_kl")  # KL pre-selection and the default recipe
 # ATen's vectorised kernels and MKL's matrix products pick their instruction set at run time; these force another.
@@ -58,24 +58,20 @@ def dispatch() -> str:
     return " ".join(forced) or "default"
 
 
-def sweep_perplexities(csv_rows: list[dict], method: str, pair: str, target: str, seed: int,
-                       texts: list[str]) -> list[float] | None:
-    for row in csv_rows:
-        if (row["method"], row["pair"], row["target"], str(row["seed"]), row.get("rotation", "none")) == (
-                method, pair, target, str(seed), "none"):
-            return [float(row[f"ppl_{t}"]) for t in texts]
-    return None
+def evaluation_key(record: dict) -> tuple:
+    """What one evaluation of a map is: the map (method and cell) and where it ran (machine, code path, threads)."""
+    return (record["method"], record["pair"], record["target"], record["seed"], record["machine"],
+            record["dispatch"], record["threads"])
 
 
 def report(records: list[dict], csv_rows: list[dict], command: str) -> str:
     texts = records[0]["texts"]
     machines = list(dict.fromkeys(r["machine"] for r in records))
-    settings = sorted({(r["machine"], r["dispatch"]) for r in records},
-                      key=lambda s: (machines.index(s[0]), s[1] != "default", s[1]))
+    settings = sorted({evaluation_key(r)[4:] for r in records},
+                      key=lambda s: (machines.index(s[0]), s[1] != "default", s[1], s[2]))
     cells = list(dict.fromkeys((r["pair"], r["target"], r["seed"]) for r in records))
-    evaluated = {(r["method"], r["pair"], r["target"], r["seed"], r["machine"], r["dispatch"]): r["perplexities"]
-                 for r in records}
-    columns = [("sweep", None)] + [(f"machine {machines.index(s[0]) + 1}, {s[1]}", s) for s in settings]
+    evaluated = {evaluation_key(r): r["perplexities"] for r in records}
+    columns = [("sweep", None)] + [(f"machine {machines.index(s[0]) + 1}, {s[1]}, {s[2]} thr.", s) for s in settings]
 
     def values(method: str, cell: tuple, setting: tuple | None) -> list[float] | None:
         if setting is None:
@@ -118,26 +114,28 @@ def report(records: list[dict], csv_rows: list[dict], command: str) -> str:
 def main() -> None:
     p = cell_script_parser(__doc__, default_cells=ALL_CELLS)
     a = p.parse_args()
-    torch.set_num_threads(a.threads or 1)
+    threads = a.threads or 1
+    torch.set_num_threads(threads)
     cache = a.out / "eval_reproducibility.jsonl"
     records = read_json_lines(cache) if cache.exists() else []
     here, forced = machine(), dispatch()
     runner = None
     for pair, target, seed in parse_cells(a.cells):
         for method in METHODS:
-            key = (method, pair, target, seed, here, forced)
-            if any((r["method"], r["pair"], r["target"], r["seed"], r["machine"], r["dispatch"]) == key for r in records):
+            key = (method, pair, target, seed, here, forced, threads)
+            if any(evaluation_key(r) == key for r in records):
                 continue
             runner = runner or Runner(Benchmark(out=a.out))
             format_map = runner.saved_format_map({"method": method, "pair": pair, "target": target, "seed": seed})
             record = {"method": method, "pair": pair, "target": target, "seed": seed, "machine": here,
-                      "dispatch": forced, "threads": torch.get_num_threads(), "texts": list(runner.texts),
+                      "dispatch": forced, "threads": threads, "texts": list(runner.texts),
                       "perplexities": list(runner.perplexities(format_map).values())}
             append_json_line(cache, record)
             records.append(record)
     if records:
-        command = "python benchmarks/eval_reproducibility.py --threads 1 --cells " + ",".join(
-            dict.fromkeys(f"{r['pair']}:{r['target']}:{r['seed']}" for r in records))
+        command = "; ".join(f"python benchmarks/eval_reproducibility.py --threads {n} --cells " + ",".join(
+            dict.fromkeys(f"{r['pair']}:{r['target']}:{r['seed']}" for r in records if r["threads"] == n))
+            for n in sorted({r["threads"] for r in records}))
         (a.out / "eval_reproducibility.md").write_text(report(records, _read_rows(a.out / "pareto.csv"), command))
         print((a.out / "eval_reproducibility.md").read_text())
 

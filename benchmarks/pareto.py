@@ -186,6 +186,16 @@ def _read_rows(path: Path) -> list[dict]:
         return list(csv.DictReader(f))
 
 
+def sweep_perplexities(csv_rows: list[dict], method: str, pair: str, target: str, seed: int,
+                       texts: list[str]) -> list[float] | None:
+    """The held-out perplexities (one per text) of the unrotated sweep row of that run in `csv_rows`, if any."""
+    for row in csv_rows:
+        if (row["method"], row["pair"], row["target"], str(row["seed"]), row.get("rotation", "none")) == (
+                method, pair, target, str(seed), "none"):
+            return [float(row[f"ppl_{t}"]) for t in texts]
+    return None
+
+
 def _append_row(path: Path, row: dict) -> None:
     """Append `row`; when it brings a new column, rewrite the file with it (older rows hold its default)."""
     rows = _read_rows(path)

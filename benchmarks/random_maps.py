@@ -35,7 +35,7 @@ from common import append_json_line, read_json_lines
 from in_context_swaps import MapDivergence
 from optimum_dmx.calibration.budget import blended_priority, budget_format_map
 from optimum_dmx.continuous import get_format_pair
-from pareto import Benchmark, Runner, _read_rows, cell_script_parser, parse_cells
+from pareto import Benchmark, Runner, _read_rows, cell_script_parser, parse_cells, sweep_perplexities
 
 LOSSES = ("cross_entropy", "kl")
 RIDGE = 1.0  # in units of the design's Gram matrix, whose diagonal is samples * p * (1 - p) ~ 40-100 here
@@ -107,11 +107,7 @@ def format_maps(runner: Runner, record: dict) -> dict[str, dict[str, str]]:
 
 def report(records: list[dict], csv_rows: list[dict], command: str) -> str:
     def reference(method: str, r: dict) -> list[float] | None:
-        for row in csv_rows:
-            if (row["method"], row["pair"], row["target"], str(row["seed"]), row.get("rotation", "none")) == (
-                    method, r["pair"], r["target"], str(r["seed"]), "none"):
-                return [float(row[f"ppl_{t}"]) for t in r["texts"]]
-        return None
+        return sweep_perplexities(csv_rows, method, r["pair"], r["target"], r["seed"], r["texts"])
 
     def shown(values: list[float] | None, kl: list[float] | None) -> str:
         if values is None:

@@ -187,6 +187,6 @@ def test_eval_reproducibility_report_counts_wins_and_spread_per_machine(monkeypa
                {**cell, "method": "dmx_kl", "machine": "cpu X", "dispatch": "default", "perplexities": [9.9, 19.0]}]
     text = report(records, csv_rows, "COMMAND")
     assert "| mxfp8-mxfp4 | 5 | 0 | 10.00 / 20.00 | 11.00 (+10.0%) / 19.00 (-5.0%) | 10.00 / 20.20 |" in text
-    assert "sweep: 1 of 2; machine 1, default: 2 of 2." in text
+    assert "sweep: 1 of 2; machine 1, default, 1 thr.: 2 of 2." in text
     # the four map-text pairs moved by 0% (KL, a), 1% (KL, b: 20.2 / 20), 11.11% (default, a: 11 / 9.9) and 0%
     assert "4 of them): median 0.50%, largest 11.11%." in text
