@@ -104,14 +104,15 @@ class _Quantizer:
                          p.de, p.dm, p.dqmax, self.block_size, want_beta_grad)
 
     def _run(self, kernel: CompiledKernel, inputs: tuple[torch.Tensor | None, ...], *constants) -> tuple:
-        """``kernel(*inputs, block_amax, *constants)``, where ``inputs`` are ``x`` and tensors of its shape."""
+        """``kernel(*inputs, block_amax, *constants)`` without its block output (the scales, last), where ``inputs``
+        are ``x`` and tensors of its shape."""
         if not self.compiled:
-            return kernel.fn(*inputs, self.block_amax, *constants)
+            return kernel.fn(*inputs, self.block_amax, *constants)[:-1]
         # As matrices of rows: one kernel serves every number of rows (tokens) of a width.
         shape = inputs[0].shape
         rows = tuple(None if t is None else t.reshape(-1, shape[-1]) for t in inputs)
         amax = None if self.block_amax is None else self.block_amax.reshape(rows[0].shape[0], -1, 1)
-        return tuple(None if t is None else t.view(shape) for t in kernel(*rows, amax, *constants))
+        return tuple(None if t is None else t.view(shape) for t in kernel(*rows, amax, *constants)[:-1])
 
 
 def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
@@ -135,17 +136,18 @@ def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_s
 
 @CompiledKernel
 def _values_kernel(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
-    """The quantized values of ``x`` at given format parameters (0-dim tensors), in ``x``'s dtype: one fused kernel
-    when compiled (``formats.compilation``), the same bits eagerly."""
+    """The quantized values of ``x`` at given format parameters (0-dim tensors), in ``x``'s dtype, and the block
+    scales (a block output, ``formats.compilation``): one fused kernel when compiled, the same bits eagerly."""
     scale, v, q, _, clipped = _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size)
     y = torch.where(clipped, torch.copysign(qmax, v), q)
-    return (from_blocks(y.mul_(scale), x.shape).to(x.dtype),)
+    return from_blocks(y.mul_(scale), x.shape).to(x.dtype), scale
 
 
 @CompiledKernel
 def _gradients_kernel(x, grad_y, block_amax, m, e_min, qmax, scale_offset, rounding_bits, de, dm, dqmax, block_size,
                       want_beta_grad):
-    """``dL/dx`` from ``dL/dy`` (when given) and ``dy/dbeta`` (when wanted) per element, recomputed from ``x``."""
+    """``dL/dx`` from ``dL/dy`` (when given) and ``dy/dbeta`` (when wanted) per element, recomputed from ``x``, and
+    the block scales (a block output, ``formats.compilation``)."""
     scale, v, q, subnormal, clipped = _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size)
     grad_x = d_beta = None
     if want_beta_grad:
@@ -157,7 +159,7 @@ def _gradients_kernel(x, grad_y, block_amax, m, e_min, qmax, scale_offset, round
         # Straight through: y / x in the normal range, 1 in the subnormal range, 0 where saturated.
         d_x = torch.where(subnormal, 1.0, q / v).masked_fill_(clipped, 0.0)
         grad_x = from_blocks(to_blocks(grad_y, block_size) * d_x, x.shape).to(grad_y.dtype)
-    return grad_x, d_beta
+    return grad_x, d_beta, scale
 
 
 def _beta_gradient(grad_y: torch.Tensor, d_beta: torch.Tensor) -> torch.Tensor:

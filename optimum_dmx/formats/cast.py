@@ -75,16 +75,25 @@ def quantize_blocks(
     return round_elements(blocks * pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 1)), fmt), k, 0
 
 
-def cast_mx(x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str, native_cast: bool = True) -> torch.Tensor:
-    """``quantize_mx`` without argument checks: blocks, rounding (``quantize_blocks``), rescaling."""
+def cast_mx_blocks(
+    x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str, native_cast: bool = True
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``quantize_mx`` without argument checks (blocks, rounding by ``quantize_blocks``, rescaling), and the
+    blocks' shared exponents."""
     elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt, scale_rule, native_cast)
-    return from_blocks(elements.mul_(block_scale(k, shift)), x.shape).to(x.dtype)
+    return from_blocks(elements.mul_(block_scale(k, shift)), x.shape).to(x.dtype), k
+
+
+def cast_mx(x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str, native_cast: bool = True) -> torch.Tensor:
+    """``quantize_mx`` without argument checks: ``cast_mx_blocks``' values."""
+    return cast_mx_blocks(x, fmt, block_size, scale_rule, native_cast)[0]
 
 
 @CompiledKernel
-def fused_cast_mx(x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str) -> torch.Tensor:
-    """``cast_mx`` rounding on the bit pattern, compiled into one kernel (``compilation``); same bits."""
-    return cast_mx(x, fmt, block_size, scale_rule, native_cast=False)
+def fused_cast_mx(x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``cast_mx_blocks`` rounding on the bit pattern, compiled into one kernel (``compilation``); same bits. The
+    shared exponents are a block output (``compilation``): callers drop them."""
+    return cast_mx_blocks(x, fmt, block_size, scale_rule, native_cast=False)
 
 
 def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scale_rule: str = "ocp") -> torch.Tensor:
@@ -111,7 +120,7 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
         # bit patterns through memory one element at a time; converting outside is faster (benchmarks/README.md,
         # "Inference").
         rows = x.reshape(-1, x.shape[-1]).float()
-        return fused_cast_mx(rows, fmt, block_size, scale_rule).to(x.dtype).view(x.shape)
+        return fused_cast_mx(rows, fmt, block_size, scale_rule)[0].to(x.dtype).view(x.shape)
     return cast_mx(x, fmt, block_size, scale_rule)
 
 

@@ -17,6 +17,12 @@ Each kernel's first call also runs the eager function on the same arguments and 
 selected the wrong side of an integer ``where``; a kernel cached for one instruction set and loaded under another)
 thus never yields a wrong value: that kernel runs eagerly from then on, with one warning that names it.
 
+A kernel function also returns its per-block tensors (the block scales or shared exponents), which its callers
+drop: these *block outputs* make inductor compute them once per block, vectorised across blocks, and store them,
+where an intermediate would be inlined into every vector of elements that reads it, recomputing its few dozen
+scalar operations for each (the casts and the continuous quantizer take 1.2-1.4x as long that way on activations
+that fit in cache: benchmarks/README.md). The outputs are stored either way, so the bits do not change.
+
 Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
 a kernel of its own, with the number of rows (tokens) left dynamic: a calibration step, a last short batch or a
 generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling, and a model's

@@ -129,19 +129,20 @@ def unpack_mx(packed: MXPackedTensor, dtype: torch.dtype = torch.float32) -> tor
             f"scales {tuple(scales_shape)}, got {tuple(packed.codes.shape)} and {tuple(packed.scales.shape)}."
         )
     table = code_values(fmt).to(packed.codes.device)
-    if packed.codes.dim() != 2 or not compiles(packed.shape[-1], block_size):
-        return dequantize(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)
-    return fused_dequantize(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)
+    compiled = packed.codes.dim() == 2 and compiles(packed.shape[-1], block_size)
+    run = fused_dequantize if compiled else dequantize
+    return run(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)[0]
 
 
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, bits: int, block_size: int,
-               length: int, dtype: torch.dtype) -> torch.Tensor:
-    """``unpack_mx``'s arithmetic: codes to values (``table``), times their block scales, cut to ``length``."""
+               length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``unpack_mx``'s arithmetic: codes to values (``table``), times their block scales, cut to ``length``; and
+    the block scales (float32; a block output, ``compilation``)."""
     elements = table[unpack_codes(codes, bits)[..., : scales.shape[-1] * block_size]]
     elements = elements.reshape(*scales.shape, block_size)
-    k = scales.to(torch.int32).unsqueeze(-1) - E8M0_BIAS
-    values = elements.mul_(block_scale(k)).reshape(*scales.shape[:-1], -1)
-    return values[..., :length].to(dtype)
+    block_scales = block_scale(scales.to(torch.int32).unsqueeze(-1) - E8M0_BIAS)
+    values = elements.mul_(block_scales).reshape(*scales.shape[:-1], -1)
+    return values[..., :length].to(dtype), block_scales
 
 
 fused_dequantize = CompiledKernel(dequantize)  # one kernel (``compilation``), the same bits
