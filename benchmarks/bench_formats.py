@@ -15,18 +15,16 @@ eager.
 
 from __future__ import annotations
 
-import argparse
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import torch
 
 from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous, set_compile_enabled
 from optimum_dmx.continuous import quantize_mx_continuous_fused
 
-from common import median_seconds
+from common import kernel_benchmark_parser, median_seconds
 
 
 def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
@@ -80,11 +78,8 @@ def continuous_step(x: torch.Tensor, pair: str, quantize: Callable = quantize_mx
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = kernel_benchmark_parser(__doc__)
     parser.add_argument("--size", type=int, default=4096, help="the tensor is size x size float32")
-    parser.add_argument("--repeats", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
-    parser.add_argument("--output", type=Path, default=None, help="also write the markdown table here")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)

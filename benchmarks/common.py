@@ -264,6 +264,16 @@ def load_model_and_calibration(model_dir: Path | None, calibration: list[Path] |
     return model, Path(model_dir), ids
 
 
+def kernel_benchmark_parser(doc: str) -> argparse.ArgumentParser:
+    """A parser with the arguments the kernel benchmarks share: repeats, torch threads and output file; ``doc`` is
+    the script's docstring (its first paragraph describes it)."""
+    p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    p.add_argument("--output", type=Path, default=None, help="also write the markdown table here")
+    return p
+
+
 def calibration_benchmark_parser(doc: str) -> argparse.ArgumentParser:
     """A parser with the arguments the calibration benchmarks share: model, texts, batch sizes, sequence length,
     torch threads and output file; ``doc`` is the script's docstring (its first paragraph describes it)."""

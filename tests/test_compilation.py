@@ -78,6 +78,17 @@ def test_quantize_mx_runs_the_compiled_kernel_unless_a_gradient_is_wanted(compil
     assert y.requires_grad and fused_cast_mx.compiled_variants == before + 1
 
 
+def test_the_cast_kernels_block_output_is_each_blocks_shared_exponent(compiled):
+    """The cast kernel returns its blocks' shared exponents beside the values (a block output, so that inductor
+    computes them once per block): they are the E8M0 scales that pack_mx stores, 128 for NaN blocks."""
+    x = _awkward_tensor(8, 256)
+    for name in MX_FORMATS:
+        values, exponents = fused_cast_mx(x, get_format(name), 32, "ocp")
+        assert torch.equal(exponents.squeeze(-1), pack_mx(x, name).scales.to(torch.int32) - 127), name
+        assert torch.equal(_bits(values), _bits(cast_mx(x, get_format(name), 32, "ocp"))), name
+    assert fused_cast_mx.rejected_variants == 0
+
+
 def test_one_cast_kernel_serves_every_input_dtype_of_a_width(compiled):
     """bfloat16 and float16 activations are cast by the float32 kernel (converted before and after it: inductor's
     32-lane bfloat16 kernels reinterpret bit patterns element by element, several times slower), so a layer width
