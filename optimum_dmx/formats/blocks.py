@@ -89,9 +89,9 @@ def block_max_exponent(amax: torch.Tensor, rounding_bits: Number | None = None) 
 def shared_exponent(block_exponent: torch.Tensor, finite: torch.Tensor, emax: Number) -> torch.Tensor:
     """The block scale's exponent ``k = clamp(floor(log2 max|block|) - emax, -127, 127)``; 128 for NaN blocks.
 
-    ``emax`` may be real-valued (the continuous quantizer); then so is ``k``. NaN blocks get 128 as a maximum, with
-    128 there and with a number below every ``k`` elsewhere, not as a select: inductor's AVX2 C++ code (torch 2.13)
-    selects the wrong side of an int32 ``masked_fill`` or ``where`` (``spec.grid_exponent``).
+    ``emax`` may be real-valued (the continuous quantizer); then so is ``k``. NaN blocks get their 128 through a
+    maximum (with 128 for them, with -128, below every ``k``, for the others) rather than a select: inductor's AVX2
+    C++ code (torch 2.13) selects the wrong side of an int32 ``masked_fill`` or ``where`` (``spec.grid_exponent``).
     """
     k = (block_exponent - emax).clamp(SCALE_EXPONENT_MIN, SCALE_EXPONENT_MAX)
     span = NAN_SCALE_EXPONENT - (SCALE_EXPONENT_MIN - 1)

@@ -90,7 +90,9 @@ def cast_mx(x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str, na
 
 
 @CompiledKernel
-def fused_cast_mx(x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_cast_mx(
+    x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``cast_mx_blocks`` rounding on the bit pattern, compiled into one kernel (``compilation``); same bits. The
     shared exponents are a block output (``compilation``): callers drop them."""
     return cast_mx_blocks(x, fmt, block_size, scale_rule, native_cast=False)

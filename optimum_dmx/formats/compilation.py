@@ -20,8 +20,9 @@ thus never yields a wrong value: that kernel runs eagerly from then on, with one
 A kernel function also returns its per-block tensors (the block scales or shared exponents), which its callers
 drop: these *block outputs* make inductor compute them once per block, vectorised across blocks, and store them,
 where an intermediate would be inlined into every vector of elements that reads it, recomputing its few dozen
-scalar operations for each (the casts and the continuous quantizer take 1.2-1.4x as long that way on activations
-that fit in cache: benchmarks/README.md). The outputs are stored either way, so the bits do not change.
+scalar operations for each (without block outputs the casts take about 1.4x and the continuous quantizer's kernels
+5-6x as long on activations that fit in cache: benchmarks/README.md, "Block outputs"). Storing a value instead of
+recomputing it changes no bit of the results.
 
 Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
 a kernel of its own, with the number of rows (tokens) left dynamic: a calibration step, a last short batch or a
@@ -48,7 +49,8 @@ COMPILE_ENV_VAR = "OPTIMUM_DMX_COMPILE"
 # Inductor keeps an intermediate read more than `realize_reads_threshold` (default 4) times in a buffer. Inside one
 # fused kernel that becomes a per-block local buffer, and boolean ones (the continuous quantizer's subnormal and
 # saturation masks, read by both of its derivatives) are stored element by element: several times slower than
-# recomputing them where they are read (tests/test_compilation.py measures it). The values are the same either way (the same operations, no reductions).
+# recomputing them where they are read (tests/test_compilation.py measures it). The values are the same either way
+# (the same operations, no reductions).
 INDUCTOR_OPTIONS = {"realize_reads_threshold": 64}
 _FALSE_VALUES = ("0", "false", "no", "off")
 _SAME_SIZE_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
