@@ -3,7 +3,7 @@
 Every compiled MX kernel (``optimum_dmx.formats.compilation``) returns, beside its results, the per-block tensors
 its elements are scaled by (the cast's shared exponents, the continuous quantizer's and unpacking's block scales),
 which the library's callers drop. As a kernel output, inductor computes a block's scale once, vectorised across
-blocks, and stores it; dropped inside the compiled function (``[0]`` before the kernel ends, the variant here
+blocks, and stores it; dropped inside the compiled function (``[:-1]`` before the kernel returns, the variant here
 called "without"), it becomes an intermediate that inductor inlines into every vector of elements that reads it,
 recomputing its scalar arithmetic each time. Both variants are the same function, so their results are checked
 bit for bit; they run alternately in one process, on tensors the size of a SmolLM2-135M calibration batch's
@@ -24,7 +24,7 @@ from optimum_dmx.continuous.fused import _format_parameters, _gradients_kernel, 
 from optimum_dmx.continuous.pairs import get_format_pair
 from optimum_dmx.formats import get_format, pack_mx
 from optimum_dmx.formats.cast import fused_cast_mx
-from optimum_dmx.formats.compilation import CompiledKernel
+from optimum_dmx.formats.compilation import CompiledKernel, _same_bits
 from optimum_dmx.formats.packing import code_values, fused_dequantize
 
 from common import kernel_benchmark_parser, median_seconds, write_report
@@ -32,20 +32,21 @@ from common import kernel_benchmark_parser, median_seconds, write_report
 SHAPES = ((512, 576), (512, 1536), (4096, 4096))
 
 
-def cast_without_block_outputs(x, fmt, block_size, scale_rule):
-    return fused_cast_mx.fn(x, fmt, block_size, scale_rule)[0]
+# Each kernel returns its block output last: these return the rest.
+def cast_without_block_outputs(*args):
+    return fused_cast_mx.fn(*args)[:-1]
 
 
 def values_without_block_outputs(*args):
-    return _values_kernel.fn(*args)[0]
+    return _values_kernel.fn(*args)[:-1]
 
 
 def gradients_without_block_outputs(*args):
-    return _gradients_kernel.fn(*args)[:2]
+    return _gradients_kernel.fn(*args)[:-1]
 
 
 def dequantize_without_block_outputs(*args):
-    return fused_dequantize.fn(*args)[0]
+    return fused_dequantize.fn(*args)[:-1]
 
 
 WITHOUT = {
@@ -75,18 +76,6 @@ def kernel_calls(x: torch.Tensor) -> dict[str, tuple[CompiledKernel, tuple]]:
     return calls
 
 
-def results(out) -> tuple[torch.Tensor, ...]:
-    """A kernel's element results (its block outputs dropped), as a tuple."""
-    out = out if isinstance(out, tuple) else (out,)
-    return tuple(t for t in out if t is not None)
-
-
-def same_bits(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> bool:
-    return len(a) == len(b) and all(torch.equal(x.view(torch.int32 if x.element_size() == 4 else torch.int16),
-                                                y.view(torch.int32 if y.element_size() == 4 else torch.int16))
-                                    for x, y in zip(a, b))
-
-
 def main() -> None:
     parser = kernel_benchmark_parser(__doc__)
     args = parser.parse_args()
@@ -99,8 +88,7 @@ def main() -> None:
         n = x.numel()
         for label, (kernel, arguments) in kernel_calls(x).items():
             with_outputs, without = partial(kernel, *arguments), partial(WITHOUT[kernel], *arguments)
-            plain = results(without())
-            exact = same_bits(results(with_outputs())[: len(plain)], plain)
+            exact = _same_bits(with_outputs()[:-1], without())
             t_with, t_without = median_seconds([with_outputs, without], args.repeats)
             rows.append((label, shape, "yes" if exact else "NO", t_with / n * 1e9, t_without / n * 1e9))
 

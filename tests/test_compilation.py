@@ -310,28 +310,47 @@ def test_a_kernel_whose_first_result_differs_from_the_eager_function_is_rejected
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() not in ("AVX2", "AVX512"), reason="x86 with AVX2 only")
 def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
     """A real process whose inductor emits AVX2 code (`ATEN_CPU_CAPABILITY=avx2`, an empty inductor cache): every
-    format's cast and unpacking equals the eager functions, and no kernel is rejected. (torch 2.13's AVX2 code
-    selected the wrong side of an int32 `where`: the casts returned unrounded values until `grid_exponent` clamped.)"""
+    format's cast and unpacking (with NaN and Inf blocks) and the continuous quantizer's values and gradients equal
+    the eager functions, and no kernel is rejected. (torch 2.13's AVX2 code selects the wrong side of an int32
+    `where` or `masked_fill`: the casts returned unrounded values until `grid_exponent` clamped, and every block came
+    out NaN until `shared_exponent` marked NaN blocks with a maximum.)"""
     script = textwrap.dedent(
         """
         import warnings
         import torch
         from optimum_dmx.formats import MX_FORMATS, get_format, pack_mx, quantize_mx, set_compile_enabled, unpack_mx
+        from optimum_dmx.continuous import quantize_mx_continuous_fused
+        from optimum_dmx.continuous.fused import _gradients_kernel, _values_kernel
         from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
+        from optimum_dmx.formats.compilation import _same_bits
         from optimum_dmx.formats.packing import fused_dequantize
 
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
-        x = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
+        finite = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
+        x = finite.clone()
+        x[1, 3], x[2, 40] = float("nan"), float("inf")  # two blocks with the NaN scale
         warnings.simplefilter("error", RuntimeWarning)  # a rejected kernel's warning fails the test
         for name in MX_FORMATS:
-            assert torch.equal(quantize_mx(x, name), cast_mx(x, get_format(name), 32, "ocp", native_cast=False)), name
+            assert _same_bits(quantize_mx(x, name), cast_mx(x, get_format(name), 32, "ocp", native_cast=False)), name
             packed = pack_mx(x, name)
             set_compile_enabled(False)
             eager = unpack_mx(packed)
             set_compile_enabled(True)
-            assert torch.equal(unpack_mx(packed), eager), name
+            assert _same_bits(unpack_mx(packed), eager), name
+        for pair in ("mxfp8-mxfp4", "mxfp6-mxfp4"):
+            runs = []
+            for compiled in (True, False):
+                set_compile_enabled(compiled)
+                inputs, beta = finite.clone().requires_grad_(), torch.tensor(2.0, requires_grad=True)
+                y = quantize_mx_continuous_fused(inputs, beta, pair)
+                y.backward(finite)
+                runs.append((y.detach(), inputs.grad, beta.grad))
+            set_compile_enabled(True)
+            assert _same_bits(runs[0], runs[1]), pair
         assert fused_cast_mx.compiled_variants == len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
         assert fused_dequantize.rejected_variants == 0
+        assert _values_kernel.compiled_variants > 0 and _gradients_kernel.compiled_variants > 0
+        assert _values_kernel.rejected_variants == 0 and _gradients_kernel.rejected_variants == 0
         print("EXACT")
         """
     )
