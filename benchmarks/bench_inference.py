@@ -7,7 +7,9 @@ Measures, in one run:
    `nn.Linear` vs `MXLinear` with its cached dequantized weight vs `MXLinear` packed-only (dequantized
    on every call), in each of the four MX formats;
 2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
-   `common.py`): forward time of the float model vs the dMX model (cached and packed-only), `from_pretrained`
+   `common.py`): forward time of the float model vs the dMX model (cached and packed-only), greedy generation's
+   time per token (32 tokens after a 16-token prompt: one row per step, where a cast's per-call cost counts more
+   than its throughput), `from_pretrained`
    time and checkpoint bytes, float vs dMX, and the cached dMX model with every linear casting its own input
    (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence. The dMX model uses a fixed mixed map (every fourth decoder
    linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration. With `--rotation NAME[,NAME...]`
@@ -45,6 +47,7 @@ from optimum_dmx.nn.rotation import ROTATIONS
 from common import benchmark_model, median_seconds
 
 SHAPES = [(1, 512), (8, 128)]
+PROMPT_TOKENS, GENERATED_TOKENS = 16, 32
 DTYPES = [torch.bfloat16, torch.float32]
 # Whole-model forwards run in fp32, and in bf16 with --model-bf16: CPUs without native bf16 matmul take ~10x longer
 # in bf16, so it is opt-in.
@@ -81,6 +84,12 @@ def bench_linear(repeats: int) -> list[list[str]]:
 def mixed_format_map(model: nn.Module) -> dict[str, str]:
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
     return {name: "mxfp8_e4m3" if i % 4 == 0 else "mxfp4_e2m1" for i, name in enumerate(names)}
+
+
+def generate(model: nn.Module, prompt: torch.Tensor) -> torch.Tensor:
+    """Greedy generation of exactly ``GENERATED_TOKENS`` tokens after ``prompt`` (one row per step: the casts'
+    per-call cost, not their throughput)."""
+    return model.generate(prompt, max_new_tokens=GENERATED_TOKENS, min_new_tokens=GENERATED_TOKENS, do_sample=False)
 
 
 def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
@@ -156,6 +165,17 @@ def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
                     "SmolLM2-135M forward", str(dtype).removeprefix("torch."), f"{batch}x{seq}", f"{base * 1e3:.0f}",
                     *(f"{t * 1e3:.0f} ({t / base:.2f}x)" for t in others),
                 ])
+            prompt = torch.randint(0, float_model.config.vocab_size, (1, PROMPT_TOKENS),
+                                   generator=torch.Generator().manual_seed(0))
+            with torch.inference_mode():
+                base, *others = (t / GENERATED_TOKENS for t in median_seconds(
+                    [lambda m=m: generate(m, prompt) for m in models], repeats, time.process_time))
+            log(f"generation {dtype}: " + " / ".join(f"{t * 1e3:.1f}" for t in (base, *others)) + " ms per token")
+            rows.append([
+                "SmolLM2-135M generation, ms per token", str(dtype).removeprefix("torch."),
+                f"1x{PROMPT_TOKENS} + {GENERATED_TOKENS}", f"{base * 1e3:.1f}",
+                *(f"{t * 1e3:.1f} ({t / base:.2f}x)" for t in others),
+            ])
     return rows, notes
 
 

@@ -202,6 +202,31 @@ def test_kernels_do_not_recompile_when_the_number_of_tokens_changes(compiled):
     assert fused_cast_mx.compiled_variants == kernels + 1
 
 
+def test_single_row_kernels_are_compiled_without_dynamo_and_bit_identical(compiled):
+    """One row (a token being generated) gets a kernel traced and compiled by inductor directly, skipping
+    torch.compile's per-call frame evaluation: no graph goes through dynamo, and the casts and the continuous
+    quantizer's values and gradients equal the eager functions bit for bit."""
+    x = _awkward_tensor(24, 160)[:, None, None, :]  # rows of shape (1, 1, 160): a new width, no kernel yet
+    graphs, kernels = counters["stats"]["unique_graphs"], fused_cast_mx.compiled_variants
+    for name in MX_FORMATS:
+        fmt = get_format(name)
+        for dtype in (torch.float32, torch.bfloat16):
+            for row in x[:6].to(dtype):  # several rows through the same kernel (the first call is checked)
+                assert torch.equal(_bits(quantize_mx(row, fmt)), _bits(cast_mx(row, fmt, 32, "ocp"))), (name, dtype)
+    assert fused_cast_mx.compiled_variants > kernels and fused_cast_mx.rejected_variants == 0
+    for pair_name in FORMAT_PAIRS:
+        pair = get_format_pair(pair_name)
+        for row in x[6:12] * 1e-30:
+            grad_y = torch.randn(row.shape, generator=torch.Generator().manual_seed(1))
+            set_compile_enabled(False)
+            eager = _continuous(row, 2.0, pair, grad_y=grad_y)
+            set_compile_enabled(True)
+            for name, a, b in zip(("values", "dL/dx", "dy/dbeta"), eager, _continuous(row, 2.0, pair, grad_y=grad_y)):
+                assert torch.equal(_bits(a), _bits(b)), (pair_name, name)
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert _values_kernel.rejected_variants == 0 and _gradients_kernel.rejected_variants == 0
+
+
 def test_without_a_working_compiler_one_warning_and_identical_results(tmp_path):
     """A real process whose C++ compiler does not exist (and whose inductor cache is empty) warns once and casts
     eagerly; every result equals the eager cast."""
@@ -216,7 +241,8 @@ def test_without_a_working_compiler_one_warning_and_identical_results(tmp_path):
         x = torch.randn(4, 96)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            results = [(quantize_mx(x, name), cast_mx(x, get_format(name), 32, "ocp")) for name in ("mxfp4", "mxfp8")]
+            results = [(quantize_mx(rows, name), cast_mx(rows, get_format(name), 32, "ocp"))
+                       for name in ("mxfp4", "mxfp8") for rows in (x, x[:1])]
             beta = torch.tensor(2.0, requires_grad=True)
             quantize_mx_continuous_fused(x.requires_grad_(True), beta, "mxfp8-mxfp4").sum().backward()
         messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
@@ -331,7 +357,9 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         x[1, 3], x[2, 40] = float("nan"), float("inf")  # two blocks with the NaN scale
         warnings.simplefilter("error", RuntimeWarning)  # a rejected kernel's warning fails the test
         for name in MX_FORMATS:
-            assert _same_bits(quantize_mx(x, name), cast_mx(x, get_format(name), 32, "ocp", native_cast=False)), name
+            for rows in (x, x[1:2]):  # many rows (torch.compile) and one (inductor directly)
+                expected = cast_mx(rows, get_format(name), 32, "ocp", native_cast=False)
+                assert _same_bits(quantize_mx(rows, name), expected), name
             packed = pack_mx(x, name)
             set_compile_enabled(False)
             eager = unpack_mx(packed)
@@ -347,7 +375,7 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
                 runs.append((y.detach(), inputs.grad, beta.grad))
             set_compile_enabled(True)
             assert _same_bits(runs[0], runs[1]), pair
-        assert fused_cast_mx.compiled_variants == len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
+        assert fused_cast_mx.compiled_variants == 2 * len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
         assert fused_dequantize.rejected_variants == 0
         assert _values_kernel.compiled_variants > 0 and _gradients_kernel.compiled_variants > 0
         assert _values_kernel.rejected_variants == 0 and _gradients_kernel.rejected_variants == 0
