@@ -28,7 +28,10 @@ Each set of constant arguments (format, block size, scale rule) with each input 
 a kernel of its own, with the number of rows (tokens) left dynamic: a calibration step, a last short batch or a
 generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling, and a model's
 many formats, widths and dtypes never reach ``torch.compile``'s recompilation limit. (A kernel with every size
-dynamic would need no width key, but the inductor C++ backend then stops vectorising it: 3-4x slower.)
+dynamic would need no width key, but the inductor C++ backend then stops vectorising it: 3-4x slower.) A key of
+single rows (a token being generated) has only static sizes: its kernel is traced and compiled by inductor directly
+(``_compile_single_row``), without ``torch.compile``'s frame evaluation and guards, which cost more than such a
+kernel on every call.
 """
 
 from __future__ import annotations
