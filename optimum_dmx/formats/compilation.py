@@ -47,6 +47,8 @@ from typing import Any
 import torch
 from torch.fx.experimental.proxy_tensor import make_fx
 
+from torch._inductor import config as inductor_config
+
 try:  # torch >= 2.8
     from torch._inductor import standalone_compile as _standalone_compile
 except ImportError:
@@ -117,18 +119,23 @@ class CompiledKernel:
 
     def _kernel(self, key: tuple, args: tuple) -> Callable[..., Any]:
         kernel = self._kernels.get(key)
-        if kernel is None and _single_row(args) and _standalone_compile is not None:
-            kernel = self._kernels[key] = _compile_single_row(self.fn, args)
-        elif kernel is None:
-            # A copy of fn's code object per key, under a name of its own: torch.compile keeps its cache and
-            # recompilation limit per code object, and its shape history per code name, so each key compiles once
-            # with its own static sizes and never evicts or generalises another key's kernel.
-            name = f"{self.fn.__name__}_{len(self._kernels)}"
-            names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
-            code = self.fn.__code__.replace(**names)
-            copy = types.FunctionType(code, self.fn.__globals__, name, self.fn.__defaults__)
-            kernel = self._kernels[key] = torch.compile(copy, options=INDUCTOR_OPTIONS)
+        if kernel is None:
+            kernel = self._kernels[key] = self._compile(args)
         return kernel
+
+    def _compile(self, args: tuple) -> Callable[..., Any]:
+        """A kernel for the key of ``args``: compiled by inductor directly where all its sizes are static (single
+        rows), else by ``torch.compile`` with the rows dynamic."""
+        if _single_row(args) and _standalone_compile is not None:
+            return _compile_single_row(self.fn, args)
+        # A copy of fn's code object per key, under a name of its own: torch.compile keeps its cache and
+        # recompilation limit per code object, and its shape history per code name, so each key compiles once
+        # with its own static sizes and never evicts or generalises another key's kernel.
+        name = f"{self.fn.__name__}_{len(self._kernels)}"
+        names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
+        code = self.fn.__code__.replace(**names)
+        copy = types.FunctionType(code, self.fn.__globals__, name, self.fn.__defaults__)
+        return torch.compile(copy, options=INDUCTOR_OPTIONS)
 
     def __call__(self, *args: Any) -> Any:
         if not self.active:
@@ -186,9 +193,9 @@ def _single_row(args: tuple) -> bool:
 def _compile_single_row(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
     """``fn`` for arguments of ``args``' sizes, traced into a graph and compiled by inductor directly.
 
-    A call then skips ``torch.compile``'s frame evaluation and guards, which cost more than the kernel itself on one
-    row (a token being generated: 22 against 8 us per cast here). The sizes are static, so only single-row keys get
-    such a kernel; the other arguments than tensors are constants of the graph, as in ``torch.compile``.
+    A call then skips ``torch.compile``'s frame evaluation and guards, which cost more than the kernel itself on
+    one row (a token being generated: benchmarks/README.md, "Inference"). The sizes are static, so only single-row
+    keys get such a kernel; the other arguments than tensors are constants of the graph, as in ``torch.compile``.
     """
     positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
     constants = [None if isinstance(arg, torch.Tensor) else arg for arg in args]
@@ -201,7 +208,7 @@ def _compile_single_row(fn: Callable[..., Any], args: tuple) -> Callable[..., An
 
     examples = [args[i] for i in positions]
     graph = make_fx(of_tensors)(*examples)
-    with torch._inductor.config.patch(INDUCTOR_OPTIONS):
+    with inductor_config.patch(INDUCTOR_OPTIONS):
         artifact = _standalone_compile(graph, examples, dynamic_shapes="from_example_inputs")
 
     def kernel(*call_args: Any) -> Any:
