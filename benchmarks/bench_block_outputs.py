@@ -63,7 +63,7 @@ def kernel_calls(x: torch.Tensor) -> dict[str, tuple[CompiledKernel, tuple]]:
     for name in ("mxfp4_e2m1", "mxfp8_e4m3"):
         calls[f"cast {name}"] = (fused_cast_mx, (x, get_format(name), 32, "ocp"))
     for pair in ("mxfp8-mxfp4", "mxfp6-mxfp4"):
-        p = _format_parameters(get_format_pair(pair), torch.tensor(2.0), "ocp")
+        p = _format_parameters(get_format_pair(pair), 2.0, "ocp", x.device)
         grid = (p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits)
         calls[f"continuous {pair} beta 2, values"] = (_values_kernel, (x, None, *grid, 32))
         calls[f"continuous {pair} beta 2, dL/dx and dy/dbeta"] = (

@@ -5,10 +5,10 @@ compiled kernel, ``formats.compilation``, and its eager cast) and with torchao's
 scaling, the OCP rule), check that they agree bit for bit, and report the median time per element over
 interleaved repetitions (they run alternately, so machine noise hits all alike) with the ratio ours / torchao.
 A ``clone`` of the same tensor is the memory-bound floor. The time of the first compiled call (compilation) is
-reported separately. The continuous dMX quantizer's forward + backward (gradients for the input and beta) is
-timed on the same tensor: the autograd reference and the fused version at beta 0.5 (a fractional offset: the
-eager kernel), and the fused version at beta 2 (a format endpoint, what the default recipe probes), compiled and
-eager.
+reported separately. The continuous dMX quantizer's forward + backward (gradients for the input and beta, from a
+dense incoming gradient, as inside a network) is timed on the same tensor, both pairs interleaved: the autograd
+reference and the fused version at beta 0.5 (a fractional offset: the eager kernel), and the fused version at
+beta 2 (a format endpoint, what the default recipe probes), compiled and eager.
 
     python benchmarks/bench_formats.py [--size 4096] [--repeats 7] [--threads N] [--output results/formats.md]
 """
@@ -64,14 +64,15 @@ def first_call_seconds(fn: Callable[[], object]) -> float:
     return time.perf_counter() - start
 
 
-def continuous_step(x: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous,
+def continuous_step(x: torch.Tensor, grad: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous,
                     offset: float = 0.5) -> Callable[[], None]:
-    """Forward + backward of a continuous quantizer at beta ``offset``, with gradients for the input and beta."""
+    """Forward + backward of a continuous quantizer at beta ``offset`` with the incoming gradient ``grad`` (as
+    inside a network: a dense ``dL/dy``), computing the gradients for the input and beta."""
     beta = torch.tensor(offset, requires_grad=True)
     x = x.clone().requires_grad_()
 
     def step() -> None:
-        quantize(x, beta, pair).sum().backward()
+        quantize(x, beta, pair).backward(grad)
         x.grad = beta.grad = None
 
     return step
@@ -84,7 +85,9 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    x = torch.randn(args.size, args.size, generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(args.size, args.size, generator=generator)
+    grad = torch.randn(args.size, args.size, generator=generator)
     n = x.numel()
     reference = torchao_reference()
     rows = []
@@ -103,15 +106,17 @@ def main() -> None:
             exact = torch.equal(out.view(torch.int32), theirs.view(torch.int32))
             rows.append((f"`quantize_mx` {name}, {label}", "yes" if exact else "NO", t / n * 1e9,
                          times[2] / n * 1e9, t / times[2], f"{t / floor:.1f}"))
+    steps = {}  # both pairs in one interleaved group: they run the same compiled kernel
     for pair in FORMAT_PAIRS:
-        endpoint = continuous_step(x, pair, quantize_mx_continuous_fused, offset=2.0)
+        endpoint = continuous_step(x, grad, pair, quantize_mx_continuous_fused, offset=2.0)
         compile_seconds[f"continuous {pair}, fused, beta 2"] = first_call_seconds(endpoint)
-        steps = {"autograd reference, beta 0.5": continuous_step(x, pair, quantize_mx_continuous),
-                 "fused, beta 0.5 (eager kernel)": continuous_step(x, pair, quantize_mx_continuous_fused),
-                 "fused, beta 2, compiled": endpoint, "fused, beta 2, eager": eager(endpoint)}
-        for label, t in zip(steps, median_seconds(list(steps.values()), args.repeats)):
-            rows.append((f"continuous {pair}, {label}, forward+backward", "-", t / n * 1e9, None, None,
-                         f"{t / floor:.1f}"))
+        steps.update({
+            f"{pair}, autograd reference, beta 0.5": continuous_step(x, grad, pair, quantize_mx_continuous),
+            f"{pair}, fused, beta 0.5 (eager kernel)": continuous_step(x, grad, pair, quantize_mx_continuous_fused),
+            f"{pair}, fused, beta 2, compiled": endpoint, f"{pair}, fused, beta 2, eager": eager(endpoint),
+        })
+    for label, t in zip(steps, median_seconds(list(steps.values()), args.repeats)):
+        rows.append((f"continuous {label}, forward+backward", "-", t / n * 1e9, None, None, f"{t / floor:.1f}"))
 
     header = (
         f"{args.size}x{args.size} float32, torch {torch.__version__}, {torch.get_num_threads()} threads, "

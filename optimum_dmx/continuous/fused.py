@@ -23,6 +23,7 @@ at an offset revisited every step keeps only its values, in bfloat16 where that 
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -30,8 +31,8 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent
-from ..formats.blocks import to_blocks
+from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, pow2
+from ..formats.blocks import shared_exponent, to_blocks
 from ..formats.blocks import validate_input
 from ..formats.cast import compiles
 from ..formats.compilation import CompiledKernel
@@ -44,8 +45,13 @@ _LN2 = math.log(2.0)
 
 
 class _FormatParameters(NamedTuple):
-    """A pair's format at one offset, as the kernels read it (0-dim float32 tensors, detached), with the
-    derivatives of the exponent bits, mantissa bits and largest normal with respect to the offset."""
+    """A pair's format at one offset, as the kernels read it (0-dim tensors, detached), with the derivatives of
+    the exponent bits, mantissa bits and largest normal with respect to the offset (float32).
+
+    At an integer offset the mantissa bits, step exponent and scale offset are integers and are passed as int32:
+    the kernels then build every power of two from its bit pattern (``formats.blocks.pow2``, as the cast does)
+    instead of calling ``exp2`` and ``ldexp`` per element and per block. Same bits: both are exact there.
+    """
 
     m: torch.Tensor
     e_min: torch.Tensor
@@ -57,19 +63,28 @@ class _FormatParameters(NamedTuple):
     dqmax: torch.Tensor
 
 
-def _format_parameters(pair: FormatPair, beta: torch.Tensor, scale_rule: str) -> _FormatParameters:
-    """The pair's format parameters at ``beta``, computed exactly as the reference does, and their derivatives."""
+@functools.lru_cache(maxsize=256)
+def _format_parameters(pair: FormatPair, offset: float, scale_rule: str, device: torch.device) -> _FormatParameters:
+    """The pair's format parameters at ``offset``, computed exactly as the reference does, and their derivatives.
+
+    Kept for the offsets last used (a few hundred microseconds of small tensor operations and three
+    ``autograd.grad`` calls each, against a kernel's tens of microseconds on a small activation): a calibration step
+    quantizes every layer at one of a few offsets. The kernels never modify them.
+    """
+    beta = torch.tensor(offset, dtype=torch.float32, device=device)
     # Own saved-tensor hooks: this small graph keeps its tensors even inside an activation-checkpointed layer, whose
     # hooks would otherwise recompute the whole layer when `autograd.grad` unpacks them. They keep detached aliases:
     # a hook that kept an output saved by its own node would make a cycle the garbage collector cannot see.
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(torch.Tensor.detach, lambda t: t):
-        b = beta.detach().to(torch.float32).requires_grad_(True)
+        b = beta.requires_grad_(True)
         e, m, qmax = pair.exponent_bits(b), pair.mantissa_bits(b), pair.max_normal(b)
         de, dm, dqmax = (torch.autograd.grad(p, b, retain_graph=True)[0] for p in (e, m, qmax))
         e_min, scale_offset = pair.step_exponent_min(b), pair.scale_offset(b)
     rounding_bits = pair.scale_rounding_bits(b.detach(), scale_rule)
-    return _FormatParameters(m.detach(), e_min.detach(), qmax.detach(), scale_offset.detach(), rounding_bits, de, dm,
-                             dqmax)
+    m, e_min, scale_offset = (t.detach() for t in (m, e_min, scale_offset))
+    if offset.is_integer():
+        m, e_min, scale_offset = (t.to(torch.int32) for t in (m, e_min, scale_offset))
+    return _FormatParameters(m, e_min, qmax.detach(), scale_offset, rounding_bits, de, dm, dqmax)
 
 
 @dataclass(frozen=True, eq=False)
@@ -87,8 +102,9 @@ class _Quantizer:
         # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
         # formats (integer offsets, the default recipe's probes) run the compiled kernels, so results never depend
         # on them.
-        compiled = compiles(width, block_size) and float(beta).is_integer()
-        return cls(block_size, block_amax, _format_parameters(pair, beta, scale_rule), compiled)
+        offset = float(beta)
+        compiled = compiles(width, block_size) and offset.is_integer()
+        return cls(block_size, block_amax, _format_parameters(pair, offset, scale_rule, beta.device), compiled)
 
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` quantized, in its dtype."""
@@ -123,10 +139,12 @@ def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_s
     scale = block_scale(shared_exponent(*block_max_exponent(amax, rounding_bits), scale_offset))
     v = blocks / scale
 
-    normal_exponent = floor_log2(v).float()
+    normal_exponent = floor_log2(v)
+    if m.is_floating_point():
+        normal_exponent = normal_exponent.float()
     eta = grid_exponent(normal_exponent, m, e_min)
     subnormal = normal_exponent - m < e_min
-    step = eta.exp2_()
+    step = eta.exp2_() if eta.is_floating_point() else pow2(eta)  # integer eta: in [e_min, 127], a normal float32
     q = (v / step).round_().mul_(step)
     # Saturation exactly as the reference: strictly above qmax, or rounded onto qmax from above.
     magnitude = q.abs()

@@ -21,7 +21,7 @@ A kernel function also returns its per-block tensors (the block scales or shared
 drop: these *block outputs* make inductor compute them once per block, vectorised across blocks, and store them,
 where an intermediate would be inlined into every vector of elements that reads it, recomputing its few dozen
 scalar operations for each (without block outputs the casts take about 1.4x and the continuous quantizer's kernels
-5-6x as long on activations that fit in cache: benchmarks/README.md, "Block outputs"). Storing a value instead of
+6-14x as long on activations that fit in cache: benchmarks/README.md, "Block outputs"). Storing a value instead of
 recomputing it changes no bit of the results.
 
 Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
