@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Peak memory of a calibration step against an unquantized training step on the same batch (CPU, Linux).
+"""Peak memory of a calibration step against an unquantized training step on the same batch (CPU on Linux, or CUDA).
 
 Each measurement runs in a process of its own (this script started again with `--measure`), so that no
 allocation of one lingers in the next, with glibc's `MALLOC_MMAP_THRESHOLD_=65536`: every tensor buffer above
@@ -16,11 +16,15 @@ high-water mark (`/proc/self/clear_refs`), runs the measured work and reads the 
 * `dMX checkpointed`: the default recipe with `gradient_checkpointing=True` (decoder layers recomputed in the
   backward pass).
 
-Reported: the peak resident memory of the process during the work, and the same less the memory held before it
+With `--device cuda` the memory is the GPU's: the work's peak of `torch.cuda.max_memory_allocated` (reset after the
+warm-up), and the memory allocated before it as the baseline.
+
+Reported: the peak resident memory of the process (or allocated GPU memory) during the work, and the same less the memory held before it
 (the model, the batch, Python and torch), with ratios to the reference.
 
 usage: python benchmarks/bench_calibration_memory.py [--model DIR] [--calibration FILE ...] [--batch-sizes 2,4]
-                                                     [--seq-len 128] [--steps 2] [--threads 1] [--output FILE]
+                                                     [--seq-len 128] [--steps 2] [--threads 1] [--device cpu]
+                                                     [--dtype float32] [--output FILE]
 """
 
 from __future__ import annotations
@@ -28,14 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 
-from common import calibration_benchmark_parser, load_model_and_calibration, write_report
+from common import (MODEL_DTYPES, calibration_benchmark_parser, device_description, load_model_and_calibration,
+                    write_report)
 
 WORKLOADS = ("unquantized", "dMX", "dMX eager", "dMX checkpointed")
 
@@ -49,12 +53,15 @@ def resident_kib(field: str) -> int:
 
 
 def measure(workload: str, model_dir: Path | None, calibration: list[Path] | None, batch_size: int, seq_len: int,
-            steps: int) -> dict[str, float]:
-    """Peak and peak-over-baseline resident memory (MiB) of `workload`, measured in this process."""
+            steps: int, device: str, dtype: str) -> dict[str, float]:
+    """Peak and peak-over-baseline memory (MiB) of `workload`, measured in this process: resident memory on the
+    CPU, allocated memory on a CUDA device."""
     from optimum_dmx import set_compile_enabled
     from optimum_dmx.calibration import CalibrationSettings, calibrate
 
-    model, _, ids = load_model_and_calibration(model_dir, calibration, seq_len, batch_size)
+    model, _, ids = load_model_and_calibration(model_dir, calibration, seq_len, batch_size, device=device,
+                                               dtype=MODEL_DTYPES[dtype])
+    ids = ids.to(device)
 
     if workload == "unquantized":
         for p in model.parameters():
@@ -73,10 +80,18 @@ def measure(workload: str, model_dir: Path | None, calibration: list[Path] | Non
             calibrate(model, ids, settings, progress=False)
 
     work()  # warm-up: compilation, allocator pools
-    baseline = resident_kib("VmRSS")
-    Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
-    work()
-    peak = resident_kib("VmHWM")
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+        baseline = torch.cuda.memory_allocated(device) / 1024
+        torch.cuda.reset_peak_memory_stats(device)
+        work()
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device) / 1024
+    else:
+        baseline = resident_kib("VmRSS")
+        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current resident set
+        work()
+        peak = resident_kib("VmHWM")
     return {"peak_mib": peak / 1024, "over_baseline_mib": (peak - baseline) / 1024}
 
 
@@ -93,13 +108,14 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     if a.measure:
-        print(json.dumps(measure(a.measure, a.model, a.calibration, a.batch_size, a.seq_len, a.steps)))
+        print(json.dumps(measure(a.measure, a.model, a.calibration, a.batch_size, a.seq_len, a.steps, a.device,
+                                 a.dtype)))
         return
 
+    memory = "allocated GPU memory" if torch.device(a.device).type == "cuda" else "resident memory"
     lines = [
-        f"Model `{a.model.name if a.model else 'smollm2-135m-degridded'}` (float32), {a.threads} torch thread(s), "
-        f"{platform.processor() or platform.machine()}, torch {torch.__version__}; one process per measurement; "
-        f"dMX: {a.steps} default-recipe steps.",
+        f"Model `{a.model.name if a.model else 'smollm2-135m-degridded'}` ({a.dtype}), {device_description(a.device)}"
+        f", torch {torch.__version__}; {memory}; one process per measurement; dMX: {a.steps} default-recipe steps.",
         "",
         "| batch x seq | workload | peak MiB | / unquantized | over baseline MiB | / unquantized |",
         "|---|---|---|---|---|---|",
@@ -108,7 +124,8 @@ def main() -> None:
         results = {}
         for workload in WORKLOADS:
             command = [sys.executable, __file__, "--measure", workload, "--batch-size", str(batch_size),
-                       "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--threads", str(a.threads)]
+                       "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--threads", str(a.threads),
+                       "--device", a.device, "--dtype", a.dtype]
             if a.model:
                 command += ["--model", str(a.model)]
             if a.calibration:

@@ -24,12 +24,11 @@ machine from favouring one of them.
 usage: python benchmarks/bench_calibration_step.py [--model DIR] [--calibration FILE ...] [--batch-sizes 2,4]
                                                    [--seq-len 128] [--pair mxfp8-mxfp4] [--steps 2]
                                                    [--repeats 3] [--threads 1] [--trainers dMX,...]
-                                                   [--output FILE]
+                                                   [--device cpu] [--dtype float32] [--output FILE]
 """
 
 from __future__ import annotations
 
-import platform
 import statistics
 import sys
 import time
@@ -39,7 +38,8 @@ import torch
 from optimum_dmx import set_compile_enabled
 from optimum_dmx.calibration import CalibrationSettings, calibrate, calibrate_round_ste
 
-from common import calibration_benchmark_parser, fwd_bwd_seconds, load_model_and_calibration, write_report
+from common import (MODEL_DTYPES, calibration_benchmark_parser, device_description, fwd_bwd_seconds,
+                    load_model_and_calibration, write_report)
 
 # name -> (trainer, recipe, compiled kernels, gradient checkpointing)
 TRAINERS = {"dMX": (calibrate, "dmx", True, False), "dMX eager": (calibrate, "dmx", False, False),
@@ -101,11 +101,12 @@ def main() -> None:
     torch.set_num_threads(a.threads)
 
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    model, a.model, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, max(batch_sizes))
+    model, a.model, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, max(batch_sizes),
+                                                     device=a.device, dtype=MODEL_DTYPES[a.dtype])
 
     lines = [
-        f"Model `{a.model.name}` (float32), pair {a.pair}, {a.threads} torch thread(s), "
-        f"{platform.processor() or platform.machine()}; medians of {a.repeats} alternated repeats.",
+        f"Model `{a.model.name}` ({a.dtype}), pair {a.pair}, {device_description(a.device)}, torch "
+        f"{torch.__version__}; medians of {a.repeats} alternated repeats.",
         "",
         "| batch x seq | unquantized fwd+bwd ms | "
         + " | ".join(f"{name} step ms | {name} / unquantized" for name in trainers)

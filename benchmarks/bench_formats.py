@@ -8,23 +8,24 @@ A ``clone`` of the same tensor is the memory-bound floor. The time of the first 
 reported separately. The continuous dMX quantizer's forward + backward (gradients for the input and beta, from a
 dense incoming gradient, as inside a network) is timed on the same tensor, both pairs interleaved: the autograd
 reference and the fused version at beta 0.5 (a fractional offset: the eager kernel), and the fused version at
-beta 2 (a format endpoint, what the default recipe probes), compiled and eager.
+beta 2 (a format endpoint, what the default recipe probes, given as a number as the recipe does), compiled and
+eager. On a GPU each timed sample is ten calls in a row (the device's time per call, its launches overlapped).
 
-    python benchmarks/bench_formats.py [--size 4096] [--repeats 7] [--threads N] [--output results/formats.md]
+    python benchmarks/bench_formats.py [--size 4096] [--repeats 7] [--threads N] [--device cpu]
+                                       [--output results/formats.md]
 """
 
 from __future__ import annotations
 
-import platform
 import time
 from collections.abc import Callable
 
 import torch
 
 from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous, set_compile_enabled
-from optimum_dmx.continuous import quantize_mx_continuous_fused
+from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuous_fused
 
-from common import kernel_benchmark_parser, median_seconds
+from common import device_description, kernel_benchmark_parser, median_seconds, synchronize
 
 
 def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
@@ -58,9 +59,11 @@ def eager(fn: Callable[[], object]) -> Callable[[], None]:
     return run
 
 
-def first_call_seconds(fn: Callable[[], object]) -> float:
+def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
+    synchronize(device)
     start = time.perf_counter()
     fn()
+    synchronize(device)
     return time.perf_counter() - start
 
 
@@ -68,7 +71,7 @@ def continuous_step(x: torch.Tensor, grad: torch.Tensor, pair: str, quantize: Ca
                     offset: float = 0.5) -> Callable[[], None]:
     """Forward + backward of a continuous quantizer at beta ``offset`` with the incoming gradient ``grad`` (as
     inside a network: a dense ``dL/dy``), computing the gradients for the input and beta."""
-    beta = torch.tensor(offset, requires_grad=True)
+    beta = torch.tensor(offset, device=x.device, requires_grad=True)
     x = x.clone().requires_grad_()
 
     def step() -> None:
@@ -76,6 +79,12 @@ def continuous_step(x: torch.Tensor, grad: torch.Tensor, pair: str, quantize: Ca
         x.grad = beta.grad = None
 
     return step
+
+
+def fused_at_endpoint(x: torch.Tensor, beta: torch.Tensor, pair: str) -> torch.Tensor:
+    """The fused quantizer at beta 2 as calibration runs it: the offset given as a number (a tensor's value would
+    cost a device-to-host copy on a GPU), the values attached to the graphs of ``x`` and ``beta``."""
+    return ContinuousQuantization.compute(x, 2.0, pair).attach(x, beta)
 
 
 def main() -> None:
@@ -86,49 +95,52 @@ def main() -> None:
         torch.set_num_threads(args.threads)
 
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(args.size, args.size, generator=generator)
-    grad = torch.randn(args.size, args.size, generator=generator)
+    device = torch.device(args.device)
+    calls = 10 if device.type == "cuda" else 1  # on a GPU: the device's time per call, launches overlapped
+    x = torch.randn(args.size, args.size, generator=generator).to(device)
+    grad = torch.randn(args.size, args.size, generator=generator).to(device)
     n = x.numel()
     reference = torchao_reference()
     rows = []
-    (floor,) = median_seconds([x.clone], args.repeats)
+    (floor,) = median_seconds([x.clone], args.repeats, device=device, calls=calls)
     rows.append(("memory copy (`clone`)", "-", floor / n * 1e9, None, None, "-"))
     compile_seconds = {}
     for name in MX_FORMATS:
-        compile_seconds[f"`quantize_mx` {name}"] = first_call_seconds(lambda: quantize_mx(x, name))
+        compile_seconds[f"`quantize_mx` {name}"] = first_call_seconds(lambda: quantize_mx(x, name), device)
         compiled, theirs = quantize_mx(x, name), reference(x, name)
         set_compile_enabled(False)
         eager_out = quantize_mx(x, name)
         set_compile_enabled(None)
         times = median_seconds([lambda: quantize_mx(x, name), eager(lambda: quantize_mx(x, name)),
-                                lambda: reference(x, name)], args.repeats)
+                                lambda: reference(x, name)], args.repeats, device=device,
+                                calls=calls)
         for label, out, t in (("compiled", compiled, times[0]), ("eager", eager_out, times[1])):
             exact = torch.equal(out.view(torch.int32), theirs.view(torch.int32))
             rows.append((f"`quantize_mx` {name}, {label}", "yes" if exact else "NO", t / n * 1e9,
                          times[2] / n * 1e9, t / times[2], f"{t / floor:.1f}"))
     steps = {}  # both pairs in one interleaved group: they run the same compiled kernel
     for pair in FORMAT_PAIRS:
-        endpoint = continuous_step(x, grad, pair, quantize_mx_continuous_fused, offset=2.0)
-        compile_seconds[f"continuous {pair}, fused, beta 2"] = first_call_seconds(endpoint)
+        endpoint = continuous_step(x, grad, pair, fused_at_endpoint, offset=2.0)
+        compile_seconds[f"continuous {pair}, fused, beta 2"] = first_call_seconds(endpoint, device)
         steps.update({
             f"{pair}, autograd reference, beta 0.5": continuous_step(x, grad, pair, quantize_mx_continuous),
             f"{pair}, fused, beta 0.5 (eager kernel)": continuous_step(x, grad, pair, quantize_mx_continuous_fused),
             f"{pair}, fused, beta 2, compiled": endpoint, f"{pair}, fused, beta 2, eager": eager(endpoint),
         })
-    for label, t in zip(steps, median_seconds(list(steps.values()), args.repeats)):
+    for label, t in zip(steps, median_seconds(list(steps.values()), args.repeats, device=device, calls=calls)):
         rows.append((f"continuous {label}, forward+backward", "-", t / n * 1e9, None, None, f"{t / floor:.1f}"))
 
     header = (
-        f"{args.size}x{args.size} float32, torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"{platform.processor() or platform.machine()}, median of {args.repeats} interleaved repeats\n\n"
+        f"{args.size}x{args.size} float32, torch {torch.__version__}, {device_description(device)}, "
+        f"median of {args.repeats} interleaved repeats" + (f" of {calls} calls in a row" if calls > 1 else "") + "\n\n"
         "| operation | bit-exact vs torchao | ours ns/elem | torchao ns/elem | ratio ours/torchao | x copy floor |\n"
         "|---|---|---|---|---|---|"
     )
     lines = [header]
     for label, exact, ours_ns, theirs_ns, ratio, vs_floor in rows:
-        theirs = f"{theirs_ns:.2f}" if theirs_ns is not None else "-"
+        theirs = f"{theirs_ns:.3g}" if theirs_ns is not None else "-"
         ratio_s = f"**{ratio:.2f}**" if ratio is not None else "-"
-        lines.append(f"| {label} | {exact} | {ours_ns:.2f} | {theirs} | {ratio_s} | {vs_floor} |")
+        lines.append(f"| {label} | {exact} | {ours_ns:.3g} | {theirs} | {ratio_s} | {vs_floor} |")
     lines += ["", "First compiled call (compilation, paid once per format, dtype and device; 0 when compilation is off):",
               "", "| kernel | first call s |", "|---|---|"]
     lines += [f"| {label} | {seconds:.2f} |" for label, seconds in compile_seconds.items()]

@@ -5,7 +5,7 @@ Measures, in one run:
 
 1. one SmolLM2-135M-sized decoder linear (mlp.up_proj, 576 -> 1536) at batch x seq 1 x 512 and 8 x 128:
    `nn.Linear` vs `MXLinear` with its cached dequantized weight vs `MXLinear` packed-only (dequantized
-   on every call), in each of the four MX formats; and the time per call on one row (`bench_one_row`);
+   on every call), in each of the four MX formats; and the time per call on one row and on 64 (`bench_per_call`);
 2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
    `common.py`): forward time of the float model vs the dMX model (cached and packed-only), greedy generation's
    time per token (32 tokens after a 16-token prompt: one row per step, where a cast's per-call cost counts more
@@ -84,24 +84,21 @@ def bench_linear(repeats: int) -> list[list[str]]:
     return rows
 
 
-def bench_one_row(repeats: int, calls: int = 1000) -> list[list[str]]:
-    """Time per call on one row (a generated token's input to a 576 -> 576 linear, float32): the linear, its
-    `MXLinear`, `quantize_mx` (whose single-row kernel inductor compiled directly), that `CompiledKernel` call alone,
-    and the same cast function through `torch.compile` with the same options (how single rows ran before)."""
+def bench_per_call(repeats: int, calls: int = 1000) -> list[list[str]]:
+    """Time per call on one row (a generated token's input to a 576 -> 576 linear, float32) and on 64 rows (a short
+    prompt's): the linear, its `MXLinear`, `quantize_mx`, its `CompiledKernel` call alone (a kernel compiled by
+    inductor directly: sizes static on one row, the row count symbolic on 64), and the same cast function through
+    `torch.compile` with the same options and the rows dynamic (how kernels ran before)."""
     torch.manual_seed(0)
     linear = nn.Linear(576, 576, bias=False)
     module = MXLinear.from_linear(linear, "mxfp4_e2m1")
     fmt = get_format("mxfp4_e2m1")
-    x = torch.randn(1, 1, 576)
-    row = x.reshape(1, 576)
     through_torch_compile = torch.compile(fused_cast_mx.fn, options=INDUCTOR_OPTIONS)
-    candidates = {
-        "nn.Linear": lambda: linear(x),
-        "MXLinear cached": lambda: module(x),
-        "quantize_mx": lambda: quantize_mx(x, fmt),
-        "CompiledKernel call (single-row kernel)": lambda: fused_cast_mx(row, fmt, 32, "ocp"),
-        "the cast through torch.compile": lambda: through_torch_compile(row, fmt, 32, "ocp"),
-    }
+
+    def cast_through_torch_compile(rows: torch.Tensor) -> None:
+        if rows.shape[0] > 1:
+            torch._dynamo.mark_dynamic(rows, 0)
+        through_torch_compile(rows, fmt, 32, "ocp")
 
     def repeated(fn: Callable[[], object]) -> Callable[[], None]:
         def run() -> None:
@@ -109,14 +106,24 @@ def bench_one_row(repeats: int, calls: int = 1000) -> list[list[str]]:
                 fn()
         return run
 
-    with torch.inference_mode():
-        seconds = median_seconds([repeated(fn) for fn in candidates.values()], repeats, time.perf_counter)
-    reference = seconds[list(candidates).index("the cast through torch.compile")]
-    rows = []
-    for name, total in zip(candidates, seconds):
-        log(f"one row, {name}: {total / calls * 1e6:.1f} us per call")
-        rows.append([name, f"{total / calls * 1e6:.1f}", f"{total / reference:.2f}x"])
-    return rows
+    table = []
+    for count in (1, 64):
+        x = torch.randn(1, count, 576)
+        rows = x.reshape(count, 576)
+        candidates = {
+            "nn.Linear": lambda: linear(x),
+            "MXLinear cached": lambda: module(x),
+            "quantize_mx": lambda: quantize_mx(x, fmt),
+            "CompiledKernel call": lambda: fused_cast_mx(rows, fmt, 32, "ocp"),
+            "the cast through torch.compile": lambda: cast_through_torch_compile(rows),
+        }
+        with torch.inference_mode():
+            seconds = median_seconds([repeated(fn) for fn in candidates.values()], repeats, time.perf_counter)
+        reference = seconds[list(candidates).index("the cast through torch.compile")]
+        for name, total in zip(candidates, seconds):
+            log(f"{count} row(s), {name}: {total / calls * 1e6:.1f} us per call")
+            table.append([str(count), name, f"{total / calls * 1e6:.1f}", f"{total / reference:.2f}x"])
+    return table
 
 
 def mixed_format_map(model: nn.Module) -> dict[str, str]:
@@ -253,8 +260,9 @@ def main() -> None:
         table(["layer", "dtype", "batch x seq", "format", "nn.Linear", "MXLinear cached", "MXLinear packed-only"],
               bench_linear(args.repeats)),
         "",
-        f"### One row (a generated token), wall time per call in us (median of {args.repeats} x 1000 calls)",
-        table(["call", "us per call", "x the cast through torch.compile"], bench_one_row(args.repeats)),
+        f"### Per call: one row (a generated token) and 64 (a short prompt), wall time in us (median of "
+        f"{args.repeats} x 1000 calls)",
+        table(["rows", "call", "us per call", "x the cast through torch.compile"], bench_per_call(args.repeats)),
     ]
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)

@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import platform
 import shlex
 import statistics
 import sys
@@ -42,6 +43,7 @@ DEBIAN_MIRRORS = (
     "https://deb.debian.org/debian",
     "https://snapshot.debian.org/archive/debian/20250520T000000Z",
 )
+MODEL_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 CALIBRATION_BOOKS = ("emma", "mansfieldpark", "northangerabbey", "persuasion", "sensesensibility")
 
 
@@ -212,23 +214,44 @@ def benchmark_texts() -> BenchmarkTexts:
 # --- timing ---------------------------------------------------------------------------------------------
 
 
+def synchronize(device: torch.device | str | None) -> None:
+    """Wait for the work queued on ``device`` (a CUDA device runs kernels asynchronously; a CPU needs no wait)."""
+    if device is not None and torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def device_description(device: torch.device | str) -> str:
+    """What runs the work, for a table's header: the GPU's name, or the processor and torch's thread count."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
+    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s)"
+
+
 def median_seconds(
-    fns: Sequence[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter
+    fns: Sequence[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter,
+    device: torch.device | str | None = None, calls: int = 1,
 ) -> list[float]:
     """Median time of each of ``fns`` over ``repeats`` rounds, after one warm-up call of each.
 
     The functions are called in turn within each round, so a slow spell of the machine hits all of them
     alike. Pass ``clock=time.process_time`` to time computation in CPU time of this process: on a machine
-    shared with other jobs, wall time partly measures the other jobs.
+    shared with other jobs, wall time partly measures the other jobs. With a CUDA ``device``, each sample is timed
+    from an idle device to the end of the work it queued there. A sample is the mean of ``calls`` calls in a row:
+    on a GPU, several let the host queue the next call while the device runs the last, as in a model, so the
+    sample measures the device's work rather than the host's launch cost.
     """
     for fn in fns:
         fn()
     times: list[list[float]] = [[] for _ in fns]
     for _ in range(repeats):
         for fn, samples in zip(fns, times):
+            synchronize(device)
             start = clock()
-            fn()
-            samples.append(clock() - start)
+            for _ in range(calls):
+                fn()
+            synchronize(device)
+            samples.append((clock() - start) / calls)
     return [statistics.median(samples) for samples in times]
 
 
@@ -238,27 +261,31 @@ def fwd_bwd_seconds(model: torch.nn.Module, batch: torch.Tensor, repeats: int = 
     for p, _ in flags:
         p.requires_grad_(True)
 
+    device = next(model.parameters()).device
+    batch = batch.to(device)
+
     def step() -> None:
         model(input_ids=batch, labels=batch, use_cache=False).loss.backward()
         model.zero_grad(set_to_none=True)
 
     try:
-        return median_seconds([step], repeats)[0]
+        return median_seconds([step], repeats, device=device)[0]
     finally:
         for p, flag in flags:
             p.requires_grad_(flag)
 
 
 def load_model_and_calibration(model_dir: Path | None, calibration: list[Path] | None, seq_len: int, count: int,
-                               seed: int = 0) -> tuple[torch.nn.Module, Path, torch.Tensor]:
-    """The float32 model (default: the de-gridded SmolLM2-135M), its folder, and ``count`` calibration sequences
-    of ``seq_len`` tokens (default texts: the Austen novels)."""
+                               seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
+                               ) -> tuple[torch.nn.Module, Path, torch.Tensor]:
+    """The model (default: the de-gridded SmolLM2-135M) in ``dtype`` on ``device``, its folder, and ``count``
+    calibration sequences of ``seq_len`` tokens (default texts: the Austen novels), on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from optimum_dmx.calibration import build_calibration_batches
 
     model_dir = model_dir or benchmark_model()
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = build_calibration_batches(calibration or benchmark_texts().calibration, tokenizer, seq_len, count, seed=seed)
     return model, Path(model_dir), ids
@@ -271,6 +298,7 @@ def kernel_benchmark_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     p.add_argument("--output", type=Path, default=None, help="also write the markdown table here")
+    p.add_argument("--device", default="cpu", help="torch device of the tensors, e.g. cuda (default: cpu)")
     return p
 
 
@@ -283,6 +311,8 @@ def calibration_benchmark_parser(doc: str) -> argparse.ArgumentParser:
     p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--device", default="cpu", help="torch device of the model, e.g. cuda (default: cpu)")
+    p.add_argument("--dtype", choices=sorted(MODEL_DTYPES), default="float32", help="the model's dtype")
     p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
     return p
 

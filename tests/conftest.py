@@ -22,6 +22,17 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture
+def compiled():
+    """Compilation of the MX kernels on for the test (whatever the environment says), back to the environment's
+    setting after."""
+    from optimum_dmx.formats import set_compile_enabled
+
+    set_compile_enabled(True)
+    yield
+    set_compile_enabled(None)
+
+
 def _save_tiny(model_cls, config, path: Path) -> Path:
     torch.manual_seed(0)
     model = model_cls(config).eval()

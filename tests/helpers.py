@@ -146,14 +146,15 @@ def cycling_format_map(float_dir: Path) -> dict[str, str]:
 # --- tensors for the format tests --------------------------------------------------------------------------
 
 
-def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor) -> None:
-    """Equal bit patterns: distinguishes -0.0 from 0.0 and compares NaNs as equal only if both are NaN."""
-    assert actual.shape == expected.shape and actual.dtype == expected.dtype
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, message: str = "") -> None:
+    """Equal bit patterns: distinguishes -0.0 from 0.0 and compares NaNs as equal only if both are NaN. ``message``
+    says which case failed."""
+    assert actual.shape == expected.shape and actual.dtype == expected.dtype, message
     int_dtype = {4: torch.int32, 2: torch.int16}[actual.element_size()]
     both_nan = torch.isnan(actual) & torch.isnan(expected)
     mismatch = (actual.view(int_dtype) != expected.view(int_dtype)) & ~both_nan
     assert not mismatch.any(), (
-        f"{int(mismatch.sum())} mismatches, first at {mismatch.nonzero()[0].tolist()}: "
+        f"{message}: {int(mismatch.sum())} mismatches, first at {mismatch.nonzero()[0].tolist()}: "
         f"{actual[mismatch][:4].tolist()} vs {expected[mismatch][:4].tolist()}"
     )
 
@@ -164,6 +165,17 @@ def wide_range(shape, seed: int, dtype=torch.float32, decades: float = 8.0) -> t
     x = torch.randn(shape, generator=g)
     magnitude = torch.exp((torch.rand(*shape[:-1], shape[-1] // 32, 1, generator=g) * 2 - 1) * decades * math.log(10))
     return (x.reshape(*shape[:-1], -1, 32) * magnitude).reshape(shape).to(dtype)
+
+
+def awkward_tensor(rows: int = 24, cols: int = 128) -> torch.Tensor:
+    """Values across float32's range (tiny, subnormal, huge), a NaN, an Inf and a zero row."""
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(rows, cols, generator=generator)
+    x = x * torch.exp2(torch.randint(-140, 127, (rows, 1), generator=generator).float())
+    x[0, 3], x[1, 5], x[3, 7] = float("nan"), float("inf"), 3e38
+    x[2] = 0.0
+    x[4, 1:9] = 1e-42
+    return x
 
 
 def adversarial_blocks(fmt) -> torch.Tensor:

@@ -97,14 +97,13 @@ class _Quantizer:
     compiled: bool
 
     @classmethod
-    def at(cls, beta: torch.Tensor, pair: FormatPair, width: int, block_size: int, scale_rule: str,
+    def at(cls, offset: float, device: torch.device, pair: FormatPair, width: int, block_size: int, scale_rule: str,
            block_amax: torch.Tensor | None) -> "_Quantizer":
         # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
         # formats (integer offsets, the default recipe's probes) run the compiled kernels, so results never depend
         # on them.
-        offset = float(beta)
         compiled = compiles(width, block_size) and offset.is_integer()
-        return cls(block_size, block_amax, _format_parameters(pair, offset, scale_rule, beta.device), compiled)
+        return cls(block_size, block_amax, _format_parameters(pair, offset, scale_rule, device), compiled)
 
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` quantized, in its dtype."""
@@ -129,6 +128,15 @@ class _Quantizer:
         rows = tuple(None if t is None else t.reshape(-1, shape[-1]) for t in inputs)
         amax = None if self.block_amax is None else self.block_amax.reshape(rows[0].shape[0], -1, 1)
         return tuple(None if t is None else t.view(shape) for t in kernel(*rows, amax, *constants)[:-1])
+
+
+def _offset_value(beta: torch.Tensor | float) -> float:
+    """The offset as a Python float at float32 precision (the kernels' format parameters are float32). A number
+    costs nothing; a tensor on a GPU costs a device-to-host copy that waits for the queued work, so the calibration
+    loop passes its endpoint probes as numbers."""
+    if isinstance(beta, torch.Tensor):
+        return float(beta.detach().float())
+    return float(torch.tensor(float(beta), dtype=torch.float32))
 
 
 def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
@@ -226,8 +234,7 @@ class ContinuousQuantization:
         scale_rule: str = "ocp", block_amax: torch.Tensor | None = None,
     ) -> "ContinuousQuantization":
         pair = get_format_pair(pair)
-        beta = torch.as_tensor(beta, dtype=torch.float32, device=x.device).detach()
-        quantizer = _Quantizer.at(beta, pair, x.shape[-1], block_size, scale_rule, block_amax)
+        quantizer = _Quantizer.at(_offset_value(beta), x.device, pair, x.shape[-1], block_size, scale_rule, block_amax)
         with torch.no_grad():
             return cls(quantizer.values(x.detach()), quantizer)
 

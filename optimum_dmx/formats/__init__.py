@@ -5,7 +5,7 @@ scales and bit packing.
   bits) and the table ``MX_FORMATS``;
 * ``blocks``: blocks along the last dimension and their shared E8M0 scales;
 * ``cast``: ``quantize_mx``, bit-exact with the specification;
-* ``compilation``: the casts compiled into fused kernels by ``torch.compile``, with the eager path as fallback
+* ``compilation``: the casts compiled into fused kernels by inductor, with the eager path as fallback
   (``set_compile_enabled``, ``$OPTIMUM_DMX_COMPILE``);
 * ``packing``: ``pack_mx`` / ``unpack_mx``, the uint8 storage form.
 

@@ -7,7 +7,7 @@ inside the last block. Every step is exact, so the result is bit-identical to a 
 the specification.
 
 Two ways of rounding give the same bits: a native float8 cast (fast eagerly, but it needs one host-side check of
-the largest scale) and rounding on the float32 bit pattern (no host synchronisation, so ``torch.compile`` fuses
+the largest scale) and rounding on the float32 bit pattern (no host synchronisation, so inductor fuses
 the whole cast into one kernel: ``compilation``). ``quantize_mx`` runs the compiled kernel when compilation is on
 and no gradient is wanted, else the eager cast.
 """

@@ -1,4 +1,4 @@
-"""Compiled MX kernels: ``torch.compile`` (inductor: C++ on CPU, Triton on GPU) with the eager path as fallback.
+"""Compiled MX kernels: inductor (C++ on CPU, Triton on GPU) with the eager path as fallback.
 
 The MX casts are chains of cheap element-wise operations and one block reduction. Run eagerly, each operation is
 a pass over memory; compiled, the chain fuses into one kernel that reads each block once and writes it once. The
@@ -25,33 +25,36 @@ scalar operations for each (without block outputs the casts take about 1.4x and 
 recomputing it changes no bit of the results.
 
 Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
-a kernel of its own, with the number of rows (tokens) left dynamic: a calibration step, a last short batch or a
-generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling, and a model's
-many formats, widths and dtypes never reach ``torch.compile``'s recompilation limit. (A kernel with every size
-dynamic would need no width key, but the inductor C++ backend then stops vectorising it: 3-4x slower.) A key of
-single rows (a token being generated) has only static sizes: its kernel is traced and compiled by inductor directly
-(``_compile_single_row``), without ``torch.compile``'s frame evaluation and guards, which cost more than such a
-kernel on every call.
+a kernel of its own, with the number of rows (tokens) left symbolic: a calibration step, a last short batch or a
+generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling. (A kernel
+with every size symbolic would need no width key, but the inductor C++ backend then stops vectorising it: 3-4x
+slower.) Keys of zero or one row (a token being generated) get kernels with static sizes.
+
+A kernel is the function traced into a graph (``make_fx``, over fake tensors whose first size is a symbol) and
+compiled by inductor directly (``torch._inductor.standalone_compile``), not through ``torch.compile``: a call then
+costs the kernel and a few microseconds, where ``torch.compile``'s frame evaluation, guards and wrappers cost tens
+of microseconds on every call: more than the kernel itself on a small activation, and on a GPU time the device
+waits (benchmarks/README.md, "Inference").
 """
 
 from __future__ import annotations
 
 import functools
+import itertools
 import os
-import sys
-import types
 import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.fx.experimental.proxy_tensor import make_fx
-
 from torch._inductor import config as inductor_config
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
 try:  # torch >= 2.8
     from torch._inductor import standalone_compile as _standalone_compile
-except ImportError:
+except ImportError:  # compiling then fails once, with the warning, and every kernel runs eagerly
     _standalone_compile = None
 
 __all__ = ["COMPILE_ENV_VAR", "CompiledKernel", "compile_enabled", "set_compile_enabled"]
@@ -63,6 +66,12 @@ COMPILE_ENV_VAR = "OPTIMUM_DMX_COMPILE"
 # recomputing them where they are read (tests/test_compilation.py measures it). The values are the same either way
 # (the same operations, no reductions).
 INDUCTOR_OPTIONS = {"realize_reads_threshold": 64}
+# On a GPU, inductor's Triton code by default divides approximately (`div.full`) and contracts a multiply and an add
+# into one fused multiply-add: either moves a result by an ulp away from eager PyTorch's (the continuous quantizer's
+# gradients, where `q / v` and `dm + de * s * ln2` meet both). These options make it round as eager does (IEEE
+# division; no contraction, which `emulate_precision_casts` turns off along with keeping eager's bfloat16 roundings).
+# The C++ backend needs neither. Options this torch lacks are left out.
+GPU_EAGER_NUMERICS = {"eager_numerics.division_rounding": True, "emulate_precision_casts": True}
 _FALSE_VALUES = ("0", "false", "no", "off")
 _SAME_SIZE_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -87,12 +96,12 @@ def set_compile_enabled(enabled: bool | None) -> None:
 
 
 class CompiledKernel:
-    """``fn`` run through ``torch.compile`` when compilation is enabled and works here, else run eagerly.
+    """``fn`` compiled by inductor when compilation is enabled and works here, else run eagerly.
 
     ``fn`` must be free of host synchronisation (no ``.item()``, no data-dependent Python branches) so that it
-    compiles into one graph; its arguments other than tensors (formats, block sizes) are compile-time
-    constants and must be hashable. Tensors' first dimension (rows, tokens) is dynamic; the other sizes are part
-    of the kernel's key.
+    traces into one graph; its arguments other than tensors (formats, block sizes) are compile-time constants and
+    must be hashable. Tensors of two or more dimensions have their rows (tokens) first: their row count is
+    symbolic, their other sizes are part of the kernel's key, as are 0- and 1-dim tensors' sizes.
     """
 
     def __init__(self, fn: Callable[..., Any]):
@@ -117,44 +126,25 @@ class CompiledKernel:
         """How many compiled kernels gave other bits than the eager function on their first call (they run eagerly)."""
         return len(self._rejected)
 
-    def _kernel(self, key: tuple, args: tuple) -> Callable[..., Any]:
-        kernel = self._kernels.get(key)
-        if kernel is None:
-            kernel = self._kernels[key] = self._compile(args)
-        return kernel
-
-    def _compile(self, args: tuple) -> Callable[..., Any]:
-        """A kernel for the key of ``args``: compiled by inductor directly where all its sizes are static (single
-        rows), else by ``torch.compile`` with the rows dynamic."""
-        if _single_row(args) and _standalone_compile is not None:
-            return _compile_single_row(self.fn, args)
-        # A copy of fn's code object per key, under a name of its own: torch.compile keeps its cache and
-        # recompilation limit per code object, and its shape history per code name, so each key compiles once
-        # with its own static sizes and never evicts or generalises another key's kernel.
-        name = f"{self.fn.__name__}_{len(self._kernels)}"
-        names = {"co_name": name, **({"co_qualname": name} if sys.version_info >= (3, 11) else {})}
-        code = self.fn.__code__.replace(**names)
-        copy = types.FunctionType(code, self.fn.__globals__, name, self.fn.__defaults__)
-        return torch.compile(copy, options=INDUCTOR_OPTIONS)
-
     def __call__(self, *args: Any) -> Any:
         if not self.active:
             return self.fn(*args)
+        # Kernels are compiled for contiguous tensors (a view, e.g. a slice of a wider activation, is copied first).
+        args = tuple(arg.contiguous() if isinstance(arg, torch.Tensor) else arg for arg in args)
         key = tuple(_signature(arg) for arg in args)
         if key in self._rejected:
             return self.fn(*args)
         try:
-            kernel = self._kernel(key, args)
-            for arg in args:
-                if isinstance(arg, torch.Tensor) and arg.dim() > 0 and arg.shape[0] > 1:
-                    torch._dynamo.mark_dynamic(arg, 0)  # the rows (tokens): one kernel for every count
+            kernel = self._kernels.get(key)
+            if kernel is None:
+                kernel = self._kernels[key] = _compile(self.fn, args, inductor_options(args))
             result = kernel(*args)
         except Exception as error:  # a missing compiler or backend must never break quantization
             global _compilation_failed
             _compilation_failed = True
             message = str(error).strip().splitlines()[0] if str(error).strip() else ""
             warnings.warn(
-                f"optimum-dmx: torch.compile could not build the MX kernel {self.fn.__name__!r} "
+                f"optimum-dmx: inductor could not build the MX kernel {self.fn.__name__!r} "
                 f"({type(error).__name__}: {message}); it runs eagerly from now on, with identical results but "
                 f"more slowly. Set {COMPILE_ENV_VAR}=0 to skip compilation and this warning.",
                 RuntimeWarning,
@@ -184,38 +174,83 @@ class CompiledKernel:
         return expected
 
 
-def _single_row(args: tuple) -> bool:
-    """Whether every tensor argument is 0-dim or has exactly one row: a key's sizes are then all static (a kernel's
-    key tells one row from any other count, ``_signature``)."""
-    return all(arg.dim() == 0 or arg.shape[0] == 1 for arg in args if isinstance(arg, torch.Tensor))
+def inductor_options(args: tuple) -> dict[str, Any]:
+    """The inductor options of a kernel for ``args``: ``INDUCTOR_OPTIONS``, and on a GPU ``GPU_EAGER_NUMERICS``."""
+    on_gpu = any(isinstance(arg, torch.Tensor) and arg.device.type != "cpu" for arg in args)
+    if not on_gpu:
+        return dict(INDUCTOR_OPTIONS)
+    known = inductor_config.get_config_copy()
+    return {**INDUCTOR_OPTIONS, **{key: value for key, value in GPU_EAGER_NUMERICS.items() if key in known}}
 
 
-def _compile_single_row(fn: Callable[..., Any], args: tuple) -> Callable[..., Any]:
-    """``fn`` for arguments of ``args``' sizes, traced into a graph and compiled by inductor directly.
+def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Callable[..., Any]:
+    """``fn`` for arguments like ``args``, traced into a graph and compiled by inductor with ``options``.
 
-    A call then skips ``torch.compile``'s frame evaluation and guards, which cost more than the kernel itself on
-    one row (a token being generated: benchmarks/README.md, "Inference"). The sizes are static, so only single-row
-    keys get such a kernel; the other arguments than tensors are constants of the graph, as in ``torch.compile``.
+    The tensors are traced as fake tensors whose row count is a symbol when it is 2 or more (0 or 1 stays static,
+    as its key says), so one kernel serves every row count of its key. The other arguments than tensors are
+    constants of the graph.
     """
+    if _standalone_compile is None:
+        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor.standalone_compile (torch >= 2.8 has)")
     positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
     constants = [None if isinstance(arg, torch.Tensor) else arg for arg in args]
+    returned: dict[str, Any] = {}  # what fn returns besides tensors: inductor's graphs return tensors only
 
-    def of_tensors(*tensors: torch.Tensor) -> Any:
+    def of_tensors(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
         full = list(constants)
         for position, tensor in zip(positions, tensors):
             full[position] = tensor
-        return fn(*full)
+        outputs = fn(*full)
+        returned["tuple"] = isinstance(outputs, tuple)
+        outputs = outputs if returned["tuple"] else (outputs,)
+        returned["none"] = [output is None for output in outputs]
+        return tuple(output for output in outputs if output is not None)
 
-    examples = [args[i] for i in positions]
-    graph = make_fx(of_tensors)(*examples)
-    with inductor_config.patch(INDUCTOR_OPTIONS):
-        artifact = _standalone_compile(graph, examples, dynamic_shapes="from_example_inputs")
+    examples = _examples([args[i] for i in positions])
+    fake_mode = FakeTensorMode(shape_env=ShapeEnv())
+    fakes = [fake_mode.from_tensor(example, symbolic_context=_rows_symbolic(example)) for example in examples]
+    with fake_mode:
+        graph = make_fx(of_tensors)(*fakes)
+    with inductor_config.patch(options):
+        artifact = _standalone_compile(graph, examples, dynamic_shapes="from_graph")
 
     def kernel(*call_args: Any) -> Any:
-        result = artifact(*[call_args[i] for i in positions])
-        return tuple(result) if isinstance(result, list) else result
+        tensors = iter(artifact(*[call_args[i] for i in positions]))
+        outputs = tuple(None if none else next(tensors) for none in returned["none"])
+        return outputs if returned["tuple"] else outputs[0]
 
     return kernel
+
+
+def _has_rows(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor``'s first size is a row count its kernel leaves symbolic: it has two or more dimensions
+    (rows first) and two or more rows. 0- and 1-dim tensors (format parameters, code tables) are static."""
+    return tensor.dim() >= 2 and tensor.shape[0] >= 2
+
+
+def _examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Tensors to trace and compile with: ``tensors``, unless their row count equals another of their sizes; then
+    those with rows are extended, repeating their rows, by the fewest multiples of 16 rows that make it differ.
+    (Inductor gives sizes of equal value one symbol: traced with as many rows as the width, a kernel would take its
+    width for its row count.) The examples stay like the real call: its values, its row count to a multiple of 16."""
+    with_rows = [_has_rows(t) for t in tensors]
+    if not any(with_rows):
+        return tensors
+    others = {size for t, rows in zip(tensors, with_rows) for size in (t.shape[1:] if rows else t.shape)}
+    count = next(t.shape[0] for t, rows in zip(tensors, with_rows) if rows)
+    extended = next(n for n in itertools.count(count, 16) if n not in others)
+    if extended == count:
+        return tensors
+    index = torch.arange(extended, device=tensors[with_rows.index(True)].device) % count
+    return [t[index] if rows else t for t, rows in zip(tensors, with_rows)]
+
+
+def _rows_symbolic(tensor: torch.Tensor) -> StatelessSymbolicContext:
+    """Fake-tensor sizes for tracing: the row count symbolic (``_has_rows``), every other size static."""
+    sizes = [DimDynamic.STATIC] * tensor.dim()
+    if _has_rows(tensor):
+        sizes[0] = DimDynamic.DYNAMIC
+    return StatelessSymbolicContext(dynamic_sizes=sizes, constraint_sizes=[None] * tensor.dim())
 
 
 def _same_bits(a: Any, b: Any) -> bool:
@@ -237,9 +272,11 @@ def _same_bits(a: Any, b: Any) -> bool:
 
 
 def _signature(arg: Any) -> Any:
-    """What a kernel is specialised on: a tensor's dtype, device and sizes after the first, and which sizes of it
-    (or of the tensor it views) are 1 (torch.compile specialises a size of 1); any other argument's value."""
+    """What a kernel is specialised on: a (contiguous) tensor's dtype, device and sizes, of a tensor with rows
+    (two or more dimensions) only whether it has 0, 1 or more rows (a kernel keeps 0 and 1 static); any other
+    argument's value."""
     if isinstance(arg, torch.Tensor):
-        viewed = arg if arg._base is None else arg._base
-        return (arg.dtype, arg.device, tuple(arg.shape[1:]), tuple(size == 1 for size in (*arg.shape, *viewed.shape)))
+        if arg.dim() >= 2:
+            return (arg.dtype, arg.device, min(arg.shape[0], 2), tuple(arg.shape[1:]))
+        return (arg.dtype, arg.device, tuple(arg.shape))
     return arg

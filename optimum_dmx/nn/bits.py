@@ -40,7 +40,7 @@ def average_bits(bits: torch.Tensor, kind: str = "simple", sizes: torch.Tensor |
     if kind == "weighted":
         if sizes is None:
             raise ValueError("average_bits(kind='weighted') needs the per-layer tensor sizes.")
-        sizes = sizes.to(bits.dtype)
+        sizes = sizes.to(bits.device, bits.dtype)  # the bits of layers on a GPU, the sizes from tensor_sizes
         return (bits * sizes).sum() / sizes.sum()
     raise ValueError(f"bit average {kind!r} is not supported; allowed: {', '.join(BIT_AVERAGES)}.")
 
