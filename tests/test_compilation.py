@@ -200,6 +200,20 @@ def test_a_kernel_first_called_with_as_many_rows_as_its_width_serves_every_row_c
     assert fused_cast_mx.rejected_variants == 0
 
 
+def test_a_kernel_first_called_with_a_view_is_right_under_torchs_strict_aliasing_checks(compiled):
+    """`quantize_mx` hands its kernel a view of the caller's tensor. Traced from that view, with torch's stricter
+    aliasing checks on (their default when `$CI` is set), inductor built a cast returning garbage, which only the
+    first-call check caught; kernels are traced from copies."""
+    from torch._functorch import config as functorch_config
+
+    fmt = get_format("mxfp6_e2m3")
+    x = awkward_tensor(6, 416)  # a width no other test uses: a kernel of its own
+    rejected = fused_cast_mx.rejected_variants
+    with functorch_config.patch(error_on_custom_op_aliasing=True):
+        assert torch.equal(_bits(quantize_mx(x, fmt)), _bits(cast_mx(x, fmt, 32, "ocp")))
+    assert fused_cast_mx.rejected_variants == rejected
+
+
 def test_single_row_kernels_are_compiled_without_dynamo_and_bit_identical(compiled):
     """One row (a token being generated) gets a kernel traced and compiled by inductor directly, skipping
     torch.compile's per-call frame evaluation: no graph goes through dynamo, and the casts and the continuous

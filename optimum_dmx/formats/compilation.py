@@ -229,18 +229,20 @@ def _has_rows(tensor: torch.Tensor) -> bool:
 
 
 def _examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors to trace and compile with: ``tensors``, unless their row count equals another of their sizes; then
-    those with rows are extended, repeating their rows, by the fewest multiples of 16 rows that make it differ.
-    (Inductor gives sizes of equal value one symbol: traced with as many rows as the width, a kernel would take its
-    width for its row count.) The examples stay like the real call: its values, its row count to a multiple of 16."""
+    """Tensors to trace and compile with: copies of ``tensors`` (never views: traced from a view of a caller's
+    tensor, AOT autograd may treat the input as aliased and, with torch's stricter aliasing checks on, as when
+    ``$CI`` is set, inductor then built a kernel returning garbage for it), with their rows extended, repeating
+    them, by the fewest multiples of 16 rows that make the row count differ from every other size (inductor gives
+    sizes of equal value one symbol: traced with as many rows as the width, a kernel would take its width for its
+    row count). The examples stay like the real call: its values, its row count to a multiple of 16."""
     with_rows = [_has_rows(t) for t in tensors]
     if not any(with_rows):
-        return tensors
+        return [t.clone() for t in tensors]
     others = {size for t, rows in zip(tensors, with_rows) for size in (t.shape[1:] if rows else t.shape)}
     count = next(t.shape[0] for t, rows in zip(tensors, with_rows) if rows)
     extended = next(n for n in itertools.count(count, 16) if n not in others)
     if extended == count:
-        return tensors
+        return [t.clone() for t in tensors]
     index = torch.arange(extended, device=tensors[with_rows.index(True)].device) % count
     return [t[index] if rows else t for t, rows in zip(tensors, with_rows)]
 
