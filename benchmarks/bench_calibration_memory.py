@@ -19,8 +19,8 @@ high-water mark (`/proc/self/clear_refs`), runs the measured work and reads the 
 With `--device cuda` the memory is the GPU's: the work's peak of `torch.cuda.max_memory_allocated` (reset after the
 warm-up), and the memory allocated before it as the baseline.
 
-Reported: the peak resident memory of the process (or allocated GPU memory) during the work, and the same less the memory held before it
-(the model, the batch, Python and torch), with ratios to the reference.
+Reported: the peak resident memory of the process (or allocated GPU memory) during the work, and the same less
+the memory held before it (the model, the batch, Python and torch), with ratios to the reference.
 
 usage: python benchmarks/bench_calibration_memory.py [--model DIR] [--calibration FILE ...] [--batch-sizes 2,4]
                                                      [--seq-len 128] [--steps 2] [--threads 1] [--device cpu]

@@ -27,6 +27,8 @@ from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuou
 
 from common import device_description, kernel_benchmark_parser, median_seconds, synchronize
 
+ENDPOINT = 2.0  # the continuous quantizer's high end: an exact format, what the default recipe probes
+
 
 def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
     from torchao.prototype.mx_formats import constants
@@ -82,9 +84,9 @@ def continuous_step(x: torch.Tensor, grad: torch.Tensor, pair: str, quantize: Ca
 
 
 def fused_at_endpoint(x: torch.Tensor, beta: torch.Tensor, pair: str) -> torch.Tensor:
-    """The fused quantizer at beta 2 as calibration runs it: the offset given as a number (a tensor's value would
-    cost a device-to-host copy on a GPU), the values attached to the graphs of ``x`` and ``beta``."""
-    return ContinuousQuantization.compute(x, 2.0, pair).attach(x, beta)
+    """The fused quantizer at beta ``ENDPOINT`` as calibration runs it: the offset given as a number (a tensor's
+    value would cost a device-to-host copy on a GPU), the values attached to the graphs of ``x`` and ``beta``."""
+    return ContinuousQuantization.compute(x, ENDPOINT, pair).attach(x, beta)
 
 
 def main() -> None:
@@ -120,7 +122,7 @@ def main() -> None:
                          times[2] / n * 1e9, t / times[2], f"{t / floor:.1f}"))
     steps = {}  # both pairs in one interleaved group: they run the same compiled kernel
     for pair in FORMAT_PAIRS:
-        endpoint = continuous_step(x, grad, pair, fused_at_endpoint, offset=2.0)
+        endpoint = continuous_step(x, grad, pair, fused_at_endpoint, offset=ENDPOINT)
         compile_seconds[f"continuous {pair}, fused, beta 2"] = first_call_seconds(endpoint, device)
         steps.update({
             f"{pair}, autograd reference, beta 0.5": continuous_step(x, grad, pair, quantize_mx_continuous),

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import functools
 import math
+import struct
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -136,7 +137,7 @@ def _offset_value(beta: torch.Tensor | float) -> float:
     loop passes its endpoint probes as numbers."""
     if isinstance(beta, torch.Tensor):
         return float(beta.detach().float())
-    return float(torch.tensor(float(beta), dtype=torch.float32))
+    return struct.unpack("f", struct.pack("f", beta))[0]  # rounded to float32, without making a tensor
 
 
 def _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size):
