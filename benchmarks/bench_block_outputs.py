@@ -66,8 +66,8 @@ def kernel_calls(x: torch.Tensor) -> dict[str, tuple[CompiledKernel, tuple]]:
         p = _format_parameters(get_format_pair(pair), 2.0, "ocp", x.device)
         grid = (p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits)
         calls[f"continuous {pair} beta 2, values"] = (_values_kernel, (x, None, *grid, 32))
-        calls[f"continuous {pair} beta 2, dL/dx and dy/dbeta"] = (
-            _gradients_kernel, (x, torch.ones_like(x), None, *grid, p.de, p.dm, p.dqmax, 32, True))
+        calls[f"continuous {pair} beta 2, dL/dx and dL/dbeta's block sums"] = (
+            _gradients_kernel, (x, torch.ones_like(x), None, *grid, p.de, p.dm, p.dqmax, 32, True, True))
     for name, dtype in (("mxfp4_e2m1", torch.bfloat16), ("mxfp8_e4m3", torch.float32)):
         packed = pack_mx(x, name)
         table = code_values(packed.fmt)

@@ -81,6 +81,16 @@ def run_benchmark(script: str, *args) -> str:
     return result.stdout
 
 
+def test_layer_overhead_benchmark_times_the_reference_and_both_probes(tmp_path):
+    output = tmp_path / "layer.md"
+    stdout = run_benchmark("bench_layer_overhead.py", "--tokens", 2, "--width", 64, "--repeats", 1, "--calls", 2,
+                           "--threads", 1, "--output", output)
+    rows = [line for line in stdout.splitlines() if line.startswith("| `")]
+    assert len(rows) == 3 and rows[0].endswith("| 1.00x |")
+    assert all(float(row.split("|")[2]) > 0 for row in rows)
+    assert output.read_text().startswith("# Host cost of a quantized layer\n\nCommand: `python benchmarks/bench_layer")
+
+
 def test_pareto_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     inputs = ["--model", root / "model", "--calibration", root / "calibration.txt",

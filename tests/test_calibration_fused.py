@@ -8,6 +8,7 @@ from optimum_dmx.calibration import DMXLinear
 from optimum_dmx.continuous import FORMAT_PAIRS, ContinuousQuantization, FrozenWeightQuantization, quantize_mx_continuous
 from optimum_dmx.continuous import quantize_mx_continuous_fused
 from optimum_dmx.continuous import weight_block_max
+from optimum_dmx.continuous.fused import _pairwise_sum
 from optimum_dmx.formats import SCALE_RULES, quantize_mx
 
 BETAS = [0.0, 0.2, 0.5, 0.999, 1.0, 1.37, 1.8, 2.0]
@@ -67,6 +68,23 @@ def test_padded_last_block_and_leading_dims(last_dim):
     x = sample((12, last_dim), torch.float32).view(3, 4, last_dim)
     ((ref_y, ref_gx, ref_gb), (fused_y, fused_gx, fused_gb)), _ = both(x, 0.7, "mxfp8-mxfp4")
     assert torch.equal(fused_y, ref_y) and fused_y.shape == x.shape
+    torch.testing.assert_close(fused_gx, ref_gx, rtol=1e-4, atol=1e-5)
+    assert fused_gb.item() == pytest.approx(ref_gb.item(), rel=1e-4)
+
+
+@pytest.mark.parametrize("block_size", [1, 2, 5, 16, 32, 33, 47])
+def test_the_gradient_kernels_block_sums_add_every_element_once(block_size):
+    """`dL/dbeta` is reduced per block in a fixed pairwise order (`_pairwise_sum`), odd lengths included: on
+    integers, which add exactly in any order, it equals a plain sum."""
+    t = torch.randint(-1000, 1000, (3, 4, block_size), generator=torch.Generator().manual_seed(0)).float()
+    assert torch.equal(_pairwise_sum(t), t.sum(-1))
+
+
+@pytest.mark.parametrize("block_size", [16, 24, 32])
+def test_block_sizes_other_than_32_get_the_same_gradients(block_size):
+    x = sample((6, 96), torch.float32)
+    ((ref_y, ref_gx, ref_gb), (fused_y, fused_gx, fused_gb)), _ = both(x, 2.0, "mxfp8-mxfp4", block_size=block_size)
+    assert torch.equal(fused_y, ref_y)
     torch.testing.assert_close(fused_gx, ref_gx, rtol=1e-4, atol=1e-5)
     assert fused_gb.item() == pytest.approx(ref_gb.item(), rel=1e-4)
 

@@ -30,9 +30,9 @@ CUDA = torch.device("cuda")
 
 
 def _continuous(x: torch.Tensor, offset: float, pair, rule: str, amax, grad_y: torch.Tensor) -> tuple:
-    """The fused continuous quantizer's values, `dL/dx` and per-element `dy/dbeta` of `x` at `offset`."""
+    """The fused continuous quantizer's values, `dL/dx` and per-block sums of `dL/dy * dy/dbeta` of `x` at `offset`."""
     quantizer = _Quantizer.at(offset, x.device, pair, x.shape[-1], 32, rule, amax)
-    return (quantizer.values(x), *quantizer.gradients(x, grad_y, True))
+    return (quantizer.values(x), *quantizer.gradients(x, grad_y, True, True))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -72,8 +72,8 @@ def test_compiled_casts_on_cuda_match_torchao(compiled, name):
 @pytest.mark.parametrize("pair_name", list(FORMAT_PAIRS))
 def test_continuous_quantizer_on_cuda_equals_eager_and_cpu(compiled, pair_name):
     """At the pair's formats (compiled) and at a fractional offset (eager everywhere), both scale rules, with and
-    without the weights' block maxima, float32 and bfloat16: the values, `dL/dx` and per-element `dy/dbeta` compiled
-    on CUDA equal eager CUDA's bit for bit; at the formats they equal the CPU's bit for bit too. At a fractional
+    without the weights' block maxima, float32 and bfloat16: the values, `dL/dx` and `dL/dbeta`'s per-block sums
+    compiled on CUDA equal eager CUDA's bit for bit; at the formats they equal the CPU's bit for bit too. At a fractional
     offset CUDA's `exp2` and the CPU's may differ in the last bit, so only the values are compared with the CPU's
     there, to that rounding (`dy/dbeta` holds `v - q`, whose relative error such a bit can make large)."""
     pair = get_format_pair(pair_name)
@@ -91,7 +91,7 @@ def test_continuous_quantizer_on_cuda_equals_eager_and_cpu(compiled, pair_name):
                     cpu, eager = _continuous(*args), _continuous(*on_gpu)
                     set_compile_enabled(True)
                     fused = _continuous(*on_gpu)
-                    for label, a, b, c in zip(("values", "dL/dx", "dy/dbeta"), cpu, eager, fused):
+                    for label, a, b, c in zip(("values", "dL/dx", "dL/dbeta per block"), cpu, eager, fused):
                         assert_bitwise_equal(c.cpu(), b.cpu(), message=f"{case} {label}: compiled vs eager CUDA")
                         if float(offset).is_integer():
                             assert_bitwise_equal(b.cpu(), a, message=f"{case} {label}: CUDA vs CPU")

@@ -5,14 +5,16 @@ The reference builds a graph of about twenty element-wise nodes, each keeping it
 pass. Calibration needs two gradients, and both have closed forms (``docs/method.md``):
 
 * with respect to ``beta`` (a scalar), the per-element derivative ``dy/dbeta``, reduced against the incoming
-  gradient (one dot product);
+  gradient: ``sum(dL/dy * dy/dbeta)``;
 * with respect to ``x`` (needed for activations, so that gradients reach earlier layers), the
   straight-through derivative: ``y/x`` in the normal range, 1 in the subnormal range and 0 where the
   value saturates.
 
 The forward pass computes the values only and keeps ``x``; the backward pass recomputes the derivatives from it
-in one kernel that also applies the incoming gradient. Compiled, that extra read of ``x`` costs less than writing
-two float32 tensors of its size in the forward pass, keeping them until the backward pass and reading them again.
+in one kernel that also applies the incoming gradient and sums ``dL/dy * dy/dbeta`` per block, in an order fixed
+element-wise so that compiled and eager kernels give the same bits. Compiled, that extra read of ``x`` costs less
+than writing two float32 tensors of its size in the forward pass, keeping them until the backward pass and reading
+them again; neither derivative is ever written at ``x``'s size.
 Weights are frozen during calibration, so their block maxima can be computed once and passed back in
 (``block_amax``), and no input gradient is computed for them. The values are computed once
 (``ContinuousQuantization``) and attached to the graph by a small autograd function, so work that does not change
@@ -110,25 +112,29 @@ class _Quantizer:
         """``x`` quantized, in its dtype."""
         p = self.parameters
         return self._run(_values_kernel, (x,), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits,
-                         self.block_size)[0]
+                         self.block_size)[0].view(x.shape)
 
-    def gradients(self, x: torch.Tensor, grad_y: torch.Tensor | None, want_beta_grad: bool):
-        """``dL/dx = dL/dy * dy/dx`` (None without ``grad_y``) and the per-element ``dy/dbeta`` (float32; None
-        unless ``want_beta_grad``), recomputed from ``x``."""
+    def gradients(self, x: torch.Tensor, grad_y: torch.Tensor, want_x_grad: bool, want_beta_grad: bool):
+        """``dL/dx = dL/dy * dy/dx`` (None unless ``want_x_grad``) and the per-block sums of ``dL/dy * dy/dbeta``
+        (float32, ``[*x.shape[:-1], n_blocks]``; None unless ``want_beta_grad``), the derivatives recomputed from
+        ``x``. ``_beta_gradient`` adds the sums up."""
         p = self.parameters
-        return self._run(_gradients_kernel, (x, grad_y), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits,
-                         p.de, p.dm, p.dqmax, self.block_size, want_beta_grad)
+        grad_x, beta_block_sums = self._run(
+            _gradients_kernel, (x, grad_y), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits, p.de, p.dm,
+            p.dqmax, self.block_size, want_x_grad, want_beta_grad)
+        return (None if grad_x is None else grad_x.view(x.shape),
+                None if beta_block_sums is None else beta_block_sums.view(*x.shape[:-1], -1))
 
-    def _run(self, kernel: CompiledKernel, inputs: tuple[torch.Tensor | None, ...], *constants) -> tuple:
+    def _run(self, kernel: CompiledKernel, inputs: tuple[torch.Tensor, ...], *constants) -> tuple:
         """``kernel(*inputs, block_amax, *constants)`` without its block output (the scales, last), where ``inputs``
-        are ``x`` and tensors of its shape."""
+        are ``x`` and tensors of its shape; outputs of ``x``'s size come back as matrices of rows when compiled."""
         if not self.compiled:
             return kernel.fn(*inputs, self.block_amax, *constants)[:-1]
         # As matrices of rows: one kernel serves every number of rows (tokens) of a width.
-        shape = inputs[0].shape
-        rows = tuple(None if t is None else t.reshape(-1, shape[-1]) for t in inputs)
+        width = inputs[0].shape[-1]
+        rows = tuple(t.reshape(-1, width) for t in inputs)
         amax = None if self.block_amax is None else self.block_amax.reshape(rows[0].shape[0], -1, 1)
-        return tuple(None if t is None else t.view(shape) for t in kernel(*rows, amax, *constants)[:-1])
+        return kernel(*rows, amax, *constants)[:-1]
 
 
 def _offset_value(beta: torch.Tensor | float) -> float:
@@ -170,35 +176,52 @@ def _values_kernel(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, b
     return from_blocks(y.mul_(scale), x.shape).to(x.dtype), scale
 
 
+def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
+    """Sum over the last dimension in one fixed pairwise order (halves added element-wise until one is left).
+
+    Element-wise additions round alike eagerly and in every compiled kernel, where a reduction's order is the
+    backend's choice: this keeps a kernel's sums bit-identical to its eager reference."""
+    while t.shape[-1] > 1:
+        half = t.shape[-1] // 2
+        head = t[..., :half] + t[..., half:2 * half]
+        t = torch.cat((head, t[..., 2 * half:]), dim=-1) if t.shape[-1] % 2 else head
+    return t[..., 0]
+
+
 @CompiledKernel
 def _gradients_kernel(x, grad_y, block_amax, m, e_min, qmax, scale_offset, rounding_bits, de, dm, dqmax, block_size,
-                      want_beta_grad):
-    """``dL/dx`` from ``dL/dy`` (when given) and ``dy/dbeta`` (when wanted) per element, recomputed from ``x``, and
-    the block scales (a block output, ``formats.compilation``)."""
+                      want_x_grad, want_beta_grad):
+    """``dL/dx`` from ``dL/dy`` (when wanted), the per-block sums of ``dL/dy * dy/dbeta`` (when wanted; float32,
+    ``[*leading, n_blocks]``), the derivatives recomputed from ``x``, and the block scales (a block output,
+    ``formats.compilation``). Reducing ``dy/dbeta`` inside the kernel, per block, spares writing it as a float32
+    tensor of ``x``'s size and reading it back for a dot product."""
     scale, v, q, subnormal, clipped = _on_grid(x, block_amax, m, e_min, qmax, scale_offset, rounding_bits, block_size)
-    grad_x = d_beta = None
+    grad_blocks = to_blocks(grad_y, block_size)
+    grad_x = beta_block_sums = None
     if want_beta_grad:
         # dQ/dbeta: ln2 (v - Q) (dm/dbeta + [subnormal] 2^(e-1) ln2 de/dbeta), or +-dqmax/dbeta when saturated.
         per_element = torch.where(subnormal, (dm + de * scale_offset * _LN2) * _LN2, dm * _LN2)
         d_beta = (v - q).mul_(per_element)
-        d_beta = from_blocks(torch.where(clipped, torch.copysign(dqmax, v), d_beta).mul_(scale), x.shape)
-    if grad_y is not None:
+        d_beta = torch.where(clipped, torch.copysign(dqmax, v), d_beta).mul_(scale)
+        beta_block_sums = _pairwise_sum(grad_blocks * d_beta)  # the padding's dL/dy is 0
+    if want_x_grad:
         # Straight through: y / x in the normal range, 1 in the subnormal range, 0 where saturated.
         d_x = torch.where(subnormal, 1.0, q / v).masked_fill_(clipped, 0.0)
-        grad_x = from_blocks(to_blocks(grad_y, block_size) * d_x, x.shape).to(grad_y.dtype)
-    return grad_x, d_beta, scale
+        grad_x = from_blocks(grad_blocks * d_x, x.shape).to(grad_y.dtype)
+    return grad_x, beta_block_sums, scale
 
 
-def _beta_gradient(grad_y: torch.Tensor, d_beta: torch.Tensor) -> torch.Tensor:
-    """``dL/dbeta = sum(dL/dy * dy/dbeta)``: the chain rule for a scalar offset shared by every element."""
-    return torch.dot(grad_y.float().reshape(-1), d_beta.reshape(-1))
+def _beta_gradient(beta_block_sums: torch.Tensor) -> torch.Tensor:
+    """``dL/dbeta = sum(dL/dy * dy/dbeta)``, the chain rule for a scalar offset shared by every element, from the
+    gradient kernel's per-block sums."""
+    return beta_block_sums.sum()
 
 
 class _AttachContinuousMX(torch.autograd.Function):
     """Returns precomputed quantized values of ``x``, attached to the graphs of ``x`` and ``beta``. Only ``x`` is
-    saved: the backward pass recomputes the derivatives from it (one kernel that also applies ``dL/dy``) instead of
-    the forward pass keeping two float32 tensors of ``x``'s size until then, and reduces ``dy/dbeta`` against
-    ``dL/dy`` (one dot product)."""
+    saved: the backward pass recomputes the derivatives from it instead of the forward pass keeping two float32
+    tensors of ``x``'s size until then, in one kernel that gives ``dL/dx`` and the per-block sums of
+    ``dL/dy * dy/dbeta``."""
 
     @staticmethod
     def forward(ctx, x, beta, values, quantizer):
@@ -210,9 +233,8 @@ class _AttachContinuousMX(torch.autograd.Function):
     def backward(ctx, grad_y):
         (x,) = ctx.saved_tensors
         want_x_grad, want_beta_grad = ctx.needs_input_grad[:2]
-        grad_x, d_beta = ctx.quantizer.gradients(x, grad_y if want_x_grad else None, want_beta_grad)
-        grad_beta = _beta_gradient(grad_y, d_beta) if want_beta_grad else None
-        return grad_x, grad_beta, None, None
+        grad_x, beta_block_sums = ctx.quantizer.gradients(x, grad_y, want_x_grad, want_beta_grad)
+        return grad_x, None if beta_block_sums is None else _beta_gradient(beta_block_sums), None, None
 
 
 @dataclass(frozen=True)
@@ -273,7 +295,7 @@ class _FrozenWeightLinear(torch.autograd.Function):
             grad_x = grad_rows.mm(quantization.dequantized(grad_y.dtype)).view(x.shape)
         if want_beta_grad:
             grad_weight = grad_rows.t().mm(x.reshape(-1, x.shape[-1]))
-            grad_beta = _beta_gradient(grad_weight, quantization.beta_derivative())
+            grad_beta = quantization.beta_gradient(grad_weight)
         if want_bias_grad:
             grad_bias = grad_rows.sum(0)
         return grad_x, grad_beta, grad_bias, None
@@ -311,10 +333,10 @@ class FrozenWeightQuantization:
         """The quantized weight in ``dtype`` (the stored tensor itself when it already has that dtype)."""
         return self.values.to(dtype)
 
-    def beta_derivative(self) -> torch.Tensor:
-        """``dy/dbeta`` at the offset, per element (float32), computed afresh."""
+    def beta_gradient(self, grad_values: torch.Tensor) -> torch.Tensor:
+        """``dL/dbeta = sum(dL/dW_q * dW_q/dbeta)`` at the offset, ``dW_q/dbeta`` recomputed from the weight."""
         with torch.no_grad():
-            return self.quantizer.gradients(self.weight.detach(), None, True)[1]
+            return _beta_gradient(self.quantizer.gradients(self.weight.detach(), grad_values, False, True)[1])
 
     def linear(self, x: torch.Tensor, beta: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """``F.linear(x, W_q, bias)``, in the autograd graphs of ``x`` and ``beta`` (``beta`` holds the offset's

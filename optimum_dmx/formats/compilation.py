@@ -62,9 +62,9 @@ __all__ = ["COMPILE_ENV_VAR", "CompiledKernel", "compile_enabled", "set_compile_
 COMPILE_ENV_VAR = "OPTIMUM_DMX_COMPILE"
 # Inductor keeps an intermediate read more than `realize_reads_threshold` (default 4) times in a buffer. Inside one
 # fused kernel that becomes a per-block local buffer, and boolean ones (the continuous quantizer's subnormal and
-# saturation masks, read by both of its derivatives) are stored element by element: several times slower than
-# recomputing them where they are read (tests/test_compilation.py measures it). The values are the same either way
-# (the same operations, no reductions).
+# saturation masks, read by both of its derivatives) are stored element by element: with the default, the gradient
+# kernel took about 8x the values kernel, several times what recomputing the masks where they are read costs
+# (tests/test_compilation.py bounds it). The values are the same either way (the same operations, no reductions).
 INDUCTOR_OPTIONS = {"realize_reads_threshold": 64}
 # On a GPU, inductor's Triton code by default divides approximately (`div.full`) and contracts a multiply and an add
 # into one fused multiply-add: either moves a result by an ulp away from eager PyTorch's (the continuous quantizer's
@@ -106,9 +106,9 @@ class CompiledKernel:
 
     def __init__(self, fn: Callable[..., Any]):
         self.fn = fn
+        # key -> what runs for it: the compiled kernel once its first call matched the eager function, else `fn`
         self._kernels: dict[tuple, Callable[..., Any]] = {}
-        self._checked: set[tuple] = set()  # keys whose kernel matched the eager function on its first call
-        self._rejected: set[tuple] = set()  # keys whose kernel did not: they run eagerly
+        self._rejected: set[tuple] = set()  # keys whose kernel did not match: they run eagerly
         functools.update_wrapper(self, fn)
 
     @property
@@ -131,13 +131,12 @@ class CompiledKernel:
             return self.fn(*args)
         # Kernels are compiled for contiguous tensors (a view, e.g. a slice of a wider activation, is copied first).
         args = tuple(arg.contiguous() if isinstance(arg, torch.Tensor) else arg for arg in args)
-        key = tuple(_signature(arg) for arg in args)
-        if key in self._rejected:
-            return self.fn(*args)
+        key = tuple(map(_signature, args))
+        kernel = self._kernels.get(key)  # one lookup per call: this runs once per quantized tensor
+        first_call = kernel is None
         try:
-            kernel = self._kernels.get(key)
-            if kernel is None:
-                kernel = self._kernels[key] = _compile(self.fn, args, inductor_options(args))
+            if first_call:
+                kernel = _compile(self.fn, args, inductor_options(args))
             result = kernel(*args)
         except Exception as error:  # a missing compiler or backend must never break quantization
             global _compilation_failed
@@ -151,16 +150,18 @@ class CompiledKernel:
                 stacklevel=2,
             )
             return self.fn(*args)
-        if key not in self._checked:
-            return self._checked_result(key, result, args)
+        if first_call:
+            return self._checked_result(key, kernel, result, args)
         return result
 
-    def _checked_result(self, key: tuple, result: Any, args: tuple) -> Any:
-        """The eager result where the kernel's first result differs from it (and the key rejected), else ``result``."""
+    def _checked_result(self, key: tuple, kernel: Callable[..., Any], result: Any, args: tuple) -> Any:
+        """A new kernel's first result, checked: ``key`` keeps ``kernel`` if ``result`` equals the eager function's
+        bit for bit; otherwise it keeps the eager function (with one warning), and its result is returned."""
         expected = self.fn(*args)
         if _same_bits(result, expected):
-            self._checked.add(key)
+            self._kernels[key] = kernel
             return result
+        self._kernels[key] = self.fn
         self._rejected.add(key)
         warnings.warn(
             f"optimum-dmx: the compiled MX kernel {self.fn.__name__!r} gave other values than its eager reference "
