@@ -5,7 +5,9 @@ On a GPU a small model's training step is bound by the host, which launches the 
 waits for them (results/gpu_h100.md: an unquantized SmolLM2-135M step takes the same 110-134 ms from 256 to 16384
 tokens). What dMX adds there is the host's work per quantized layer, paid 210 times per SmolLM2 step whatever the
 batch: the Python around the quantizers, their kernels' call paths and the autograd functions. This script
-measures it on few tokens, where the arithmetic is negligible, for one decoder-sized linear:
+measures it on a narrow layer (64 features) and few tokens, where a CPU's arithmetic is negligible too (on a
+decoder-sized layer a CPU spends most of the time recomputing the weight's `dy/dbeta`, which a GPU does in
+microseconds; `--width 576` on a GPU):
 
 * the reference: an `nn.Linear` with a trainable weight, forward + backward (what an unquantized trainable step
   runs per layer);
@@ -17,7 +19,7 @@ Both `DMXLinear` rows run as in calibration: the frozen weight's quantization at
 reused, the input's quantization computed afresh every call (`SharedInputs`, cleared per call as per step).
 Medians of `--repeats` rounds, each the mean of `--calls` calls.
 
-usage: python benchmarks/bench_layer_overhead.py [--tokens 8] [--width 576] [--repeats 7] [--calls 200]
+usage: python benchmarks/bench_layer_overhead.py [--tokens 8] [--width 64] [--repeats 7] [--calls 200]
                                                  [--threads 1] [--device cpu] [--output FILE]
 """
 
@@ -57,7 +59,7 @@ def dmx_step(layer: DMXLinear, x: torch.Tensor, offset: float, beta_grad: bool):
 def main() -> None:
     p = kernel_benchmark_parser(__doc__)
     p.add_argument("--tokens", type=int, default=8, help="rows of the input (few: the arithmetic stays negligible)")
-    p.add_argument("--width", type=int, default=576, help="in and out features (SmolLM2-135M's hidden size)")
+    p.add_argument("--width", type=int, default=64, help="in and out features (SmolLM2-135M's hidden size: 576)")
     p.add_argument("--calls", type=int, default=200, help="calls per sample")
     a = p.parse_args()
     if a.threads:
