@@ -108,7 +108,6 @@ class CompiledKernel:
         self.fn = fn
         # key -> what runs for it: the compiled kernel once its first call matched the eager function, else `fn`
         self._kernels: dict[tuple, Callable[..., Any]] = {}
-        self._rejected: set[tuple] = set()  # keys whose kernel did not match: they run eagerly
         functools.update_wrapper(self, fn)
 
     @property
@@ -124,7 +123,7 @@ class CompiledKernel:
     @property
     def rejected_variants(self) -> int:
         """How many compiled kernels gave other bits than the eager function on their first call (they run eagerly)."""
-        return len(self._rejected)
+        return sum(kernel is self.fn for kernel in self._kernels.values())
 
     def __call__(self, *args: Any) -> Any:
         if not self.active:
@@ -162,7 +161,6 @@ class CompiledKernel:
             self._kernels[key] = kernel
             return result
         self._kernels[key] = self.fn
-        self._rejected.add(key)
         warnings.warn(
             f"optimum-dmx: the compiled MX kernel {self.fn.__name__!r} gave other values than its eager reference "
             f"(inputs {[s for s in key if isinstance(s, tuple)]}, torch {torch.__version__}); this kernel runs "
