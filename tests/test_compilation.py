@@ -23,7 +23,7 @@ from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, compile_enabled
 from optimum_dmx.formats.packing import fused_dequantize
 
-from .helpers import awkward_tensor
+from .helpers import awkward_tensor, last_json_line, run_python
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -190,9 +190,10 @@ def test_kernels_do_not_recompile_when_the_number_of_tokens_changes(compiled):
 
 
 def test_a_kernel_first_called_with_as_many_rows_as_its_width_serves_every_row_count(compiled):
-    """Inductor gives sizes of equal value one symbol: compiled from a first call whose row count equals the width,
-    a kernel would take its width for its row count and fail on any other (and with it, compilation everywhere).
-    The kernel is compiled from rows of another count instead: later calls of any row count use it."""
+    """Inductor gives symbolic sizes of equal value one symbol: had the width been symbolic too, a kernel compiled
+    from a first call whose row count equals the width would take its width for its row count and fail on any other
+    (and with it, compilation everywhere). The width is a constant of the kernel: later calls of any row count use
+    it."""
     fmt = get_format("mxfp6_e3m2")
     first = torch.randn(352, 352)  # a width no other test uses: a kernel of its own
     before = fused_cast_mx.compiled_variants
@@ -200,6 +201,33 @@ def test_a_kernel_first_called_with_as_many_rows_as_its_width_serves_every_row_c
         assert torch.equal(_bits(quantize_mx(x, fmt)), _bits(cast_mx(x, fmt, 32, "ocp")))
     assert fused_cast_mx.compiled_variants == before + 1 and fused_cast_mx.active
     assert fused_cast_mx.rejected_variants == 0
+
+
+def test_a_kernel_compiled_for_one_width_is_never_served_to_another(tmp_path):
+    """A kernel is compiled with its width static and only its row count symbolic, so inductor's on-disk cache
+    keeps an entry per width. (Compiled with every size symbolic, the cast's kernel for rows of one block laid out
+    its shared exponents with a stride that only holds for one block per row, and the cache served it to wider rows:
+    wrong scales, which only the first-call check caught.) A fresh process with an empty cache casts rows of one
+    block, then of two, then of two in a second process that finds both widths in the cache."""
+    script = textwrap.dedent("""
+        import json, warnings
+        import torch
+        from optimum_dmx.formats import quantize_mx
+        from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
+        from optimum_dmx.formats.spec import get_format
+        warnings.simplefilter("ignore")
+        same = []
+        for width in WIDTHS:
+            x = torch.randn(48, width, generator=torch.Generator().manual_seed(width))
+            x = x * torch.logspace(-4, 4, 48).unsqueeze(-1)  # rows of very different scales
+            eager = cast_mx(x, get_format("mxfp8_e4m3"), 32, "compressed-tensors")
+            same.append(torch.equal(quantize_mx(x, "mxfp8_e4m3", scale_rule="compressed-tensors"), eager))
+        print(json.dumps({"same": same, "rejected": fused_cast_mx.rejected_variants}))
+    """)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"), "OPTIMUM_DMX_COMPILE": "1"}
+    for widths in ((32, 64), (64,)):
+        result = last_json_line(run_python(script.replace("WIDTHS", repr(widths)), env=env))
+        assert result == {"same": [True] * len(widths), "rejected": 0}, widths
 
 
 def test_a_kernel_first_called_with_a_view_is_right_under_torchs_strict_aliasing_checks(compiled):

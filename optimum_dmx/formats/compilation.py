@@ -26,9 +26,12 @@ recomputing it changes no bit of the results.
 
 Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
 a kernel of its own, with the number of rows (tokens) left symbolic: a calibration step, a last short batch or a
-generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling. (A kernel
-with every size symbolic would need no width key, but the inductor C++ backend then stops vectorising it: 3-4x
-slower.) Keys of zero or one row (a token being generated) get kernels with static sizes.
+generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling. The width
+must be static in the compiled graph, not only in the key: inductor's on-disk cache keys a graph by its operations,
+which are the same for every width, and with every size symbolic it specialised a kernel on its example's width
+without a guard (the cast's kernel for rows of one block stored the block outputs with a stride that only holds for
+one block per row), so the cache served a kernel to widths it is wrong for. Keys of zero or one row (a token being
+generated) get kernels with static sizes.
 
 A kernel is the function traced into a graph (``make_fx``, over fake tensors whose first size is a symbol) and
 compiled by inductor directly (``torch._inductor.standalone_compile``), not through ``torch.compile``: a call then
@@ -40,7 +43,6 @@ waits (benchmarks/README.md, "Inference").
 from __future__ import annotations
 
 import functools
-import itertools
 import os
 import warnings
 from collections.abc import Callable
@@ -205,11 +207,14 @@ def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Ca
         returned["none"] = [output is None for output in outputs]
         return tuple(output for output in outputs if output is not None)
 
-    examples = _examples([args[i] for i in positions])
+    # Copies, never views: traced from a view of a caller's tensor, AOT autograd may treat the input as aliased and,
+    # with torch's stricter aliasing checks on (as when `$CI` is set), inductor then built a kernel returning garbage.
+    examples = [args[i].clone() for i in positions]
     fake_mode = FakeTensorMode(shape_env=ShapeEnv())
     fakes = [fake_mode.from_tensor(example, symbolic_context=_rows_symbolic(example)) for example in examples]
     with fake_mode:
         graph = make_fx(of_tensors)(*fakes)
+    _mark_fake_mode(graph)
     with inductor_config.patch(options):
         artifact = _standalone_compile(graph, examples, dynamic_shapes="from_graph")
 
@@ -221,29 +226,20 @@ def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Ca
     return kernel
 
 
+def _mark_fake_mode(graph: torch.fx.GraphModule) -> None:
+    """Tag ``graph``'s outputs with their fake tensors as ``example_value``, where ``standalone_compile``'s
+    "from_graph" looks for the fake mode (and so the sizes, symbolic or static) the graph was traced with. ``make_fx``
+    records them as ``val`` only; untagged, inductor fakifies the examples afresh with every size symbolic."""
+    output = next(node for node in reversed(graph.graph.nodes) if node.op == "output")
+    for node in output.args[0]:
+        if isinstance(node, torch.fx.Node) and "val" in node.meta:
+            node.meta["example_value"] = node.meta["val"]
+
+
 def _has_rows(tensor: torch.Tensor) -> bool:
     """Whether ``tensor``'s first size is a row count its kernel leaves symbolic: it has two or more dimensions
     (rows first) and two or more rows. 0- and 1-dim tensors (format parameters, code tables) are static."""
     return tensor.dim() >= 2 and tensor.shape[0] >= 2
-
-
-def _examples(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Tensors to trace and compile with: copies of ``tensors`` (never views: traced from a view of a caller's
-    tensor, AOT autograd may treat the input as aliased and, with torch's stricter aliasing checks on, as when
-    ``$CI`` is set, inductor then built a kernel returning garbage for it), with their rows extended, repeating
-    them, by the fewest multiples of 16 rows that make the row count differ from every other size (inductor gives
-    sizes of equal value one symbol: traced with as many rows as the width, a kernel would take its width for its
-    row count). The examples stay like the real call: its values, its row count to a multiple of 16."""
-    with_rows = [_has_rows(t) for t in tensors]
-    if not any(with_rows):
-        return [t.clone() for t in tensors]
-    others = {size for t, rows in zip(tensors, with_rows) for size in (t.shape[1:] if rows else t.shape)}
-    count = next(t.shape[0] for t, rows in zip(tensors, with_rows) if rows)
-    extended = next(n for n in itertools.count(count, 16) if n not in others)
-    if extended == count:
-        return [t.clone() for t in tensors]
-    index = torch.arange(extended, device=tensors[with_rows.index(True)].device) % count
-    return [t[index] if rows else t for t, rows in zip(tensors, with_rows)]
 
 
 def _rows_symbolic(tensor: torch.Tensor) -> StatelessSymbolicContext:
