@@ -20,7 +20,7 @@ from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_m
 from optimum_dmx.continuous.fused import _gradients_kernel, _Quantizer, _values_kernel
 from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, pack_mx, quantize_mx, set_compile_enabled, unpack_mx
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
-from optimum_dmx.formats.compilation import CompiledKernel, compile_enabled
+from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
 from optimum_dmx.formats.packing import fused_dequantize
 
 from .helpers import awkward_tensor, last_json_line, run_python
@@ -228,6 +228,18 @@ def test_a_kernel_compiled_for_one_width_is_never_served_to_another(tmp_path):
     for widths in ((32, 64), (64,)):
         result = last_json_line(run_python(script.replace("WIDTHS", repr(widths)), env=env))
         assert result == {"same": [True] * len(widths), "rejected": 0}, widths
+
+
+def test_a_compiled_kernel_takes_its_width_as_a_constant():
+    """The graph's traced sizes reach inductor (its row count symbolic, its width static): the kernel serves any row
+    count of its width and refuses another width, where a kernel with every size symbolic would run it."""
+    fmt = get_format("mxfp8_e4m3")
+    x = awkward_tensor(40, 64)
+    kernel = _compile(fused_cast_mx.fn, (x, fmt, 32, "ocp"), inductor_options((x,)))
+    for rows in (x, x[:7].contiguous()):
+        assert torch.equal(_bits(kernel(rows, fmt, 32, "ocp")[0]), _bits(cast_mx(rows, fmt, 32, "ocp")))
+    with pytest.raises(AssertionError):
+        kernel(awkward_tensor(40, 96), fmt, 32, "ocp")
 
 
 def test_a_kernel_first_called_with_a_view_is_right_under_torchs_strict_aliasing_checks(compiled):
