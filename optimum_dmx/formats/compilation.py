@@ -46,18 +46,12 @@ import functools
 import os
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from torch._inductor import config as inductor_config
-from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-try:  # torch >= 2.8
-    from torch._inductor import standalone_compile as _standalone_compile
-except ImportError:  # compiling then fails once, with the warning, and every kernel runs eagerly
-    _standalone_compile = None
+if TYPE_CHECKING:
+    from torch.fx.experimental.symbolic_shapes import StatelessSymbolicContext
 
 __all__ = ["COMPILE_ENV_VAR", "CompiledKernel", "compile_enabled", "set_compile_enabled"]
 
@@ -180,6 +174,8 @@ def inductor_options(args: tuple) -> dict[str, Any]:
     on_gpu = any(isinstance(arg, torch.Tensor) and arg.device.type != "cpu" for arg in args)
     if not on_gpu:
         return dict(INDUCTOR_OPTIONS)
+    from torch._inductor import config as inductor_config  # imported when first needed, as in `_compile`
+
     known = inductor_config.get_config_copy()
     return {**INDUCTOR_OPTIONS, **{key: value for key, value in GPU_EAGER_NUMERICS.items() if key in known}}
 
@@ -191,8 +187,19 @@ def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Ca
     as its key says), so one kernel serves every row count of its key. The other arguments than tensors are
     constants of the graph.
     """
-    if _standalone_compile is None:
-        raise RuntimeError(f"torch {torch.__version__} has no torch._inductor.standalone_compile (torch >= 2.8 has)")
+    # The tracer and inductor are imported when a first kernel is compiled, not with the package: their imports take
+    # about a second, which a process that compiles nothing (`--help`, eager runs) does not pay.
+    from torch._inductor import config as inductor_config
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import ShapeEnv
+
+    try:
+        from torch._inductor import standalone_compile
+    except ImportError:  # compiling then fails once, with the warning, and every kernel runs eagerly
+        raise RuntimeError(
+            f"torch {torch.__version__} has no torch._inductor.standalone_compile (torch >= 2.8 has)"
+        ) from None
     positions = [i for i, arg in enumerate(args) if isinstance(arg, torch.Tensor)]
     constants = [None if isinstance(arg, torch.Tensor) else arg for arg in args]
     returned: dict[str, Any] = {}  # what fn returns besides tensors: inductor's graphs return tensors only
@@ -216,7 +223,7 @@ def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Ca
         graph = make_fx(of_tensors)(*fakes)
     _mark_fake_mode(graph)
     with inductor_config.patch(options):
-        artifact = _standalone_compile(graph, examples, dynamic_shapes="from_graph")
+        artifact = standalone_compile(graph, examples, dynamic_shapes="from_graph")
 
     def kernel(*call_args: Any) -> Any:
         tensors = iter(artifact(*[call_args[i] for i in positions]))
@@ -244,6 +251,8 @@ def _has_rows(tensor: torch.Tensor) -> bool:
 
 def _rows_symbolic(tensor: torch.Tensor) -> StatelessSymbolicContext:
     """Fake-tensor sizes for tracing: the row count symbolic (``_has_rows``), every other size static."""
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, StatelessSymbolicContext
+
     sizes = [DimDynamic.STATIC] * tensor.dim()
     if _has_rows(tensor):
         sizes[0] = DimDynamic.DYNAMIC
