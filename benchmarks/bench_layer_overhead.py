@@ -17,10 +17,12 @@ microseconds; `--width 576` on a GPU):
 
 Both `DMXLinear` rows run as in calibration: the frozen weight's quantization at the endpoint computed once and
 reused, the input's quantization computed afresh every call (`SharedInputs`, cleared per call as per step).
-Medians of `--repeats` rounds, each the mean of `--calls` calls.
+Medians of `--repeats` rounds, each the mean of `--calls` calls. With `--profile N`, a second table splits each
+`DMXLinear` row's host time by operation and autograd function (torch.profiler, `--calls` calls, the N with the
+most time of their own; the profiler's own cost inflates every row alike).
 
 usage: python benchmarks/bench_layer_overhead.py [--tokens 8] [--width 64] [--repeats 7] [--calls 200]
-                                                 [--threads 1] [--device cpu] [--output FILE]
+                                                 [--threads 1] [--device cpu] [--profile N] [--output FILE]
 """
 
 from __future__ import annotations
@@ -56,11 +58,33 @@ def dmx_step(layer: DMXLinear, x: torch.Tensor, offset: float, beta_grad: bool):
     return step
 
 
+def host_profile(step, calls: int, rows: int) -> list[tuple[str, float]]:
+    """The ``rows`` operations (and autograd functions) with the most host time of their own over ``calls`` calls of
+    ``step``, with that time in microseconds per call."""
+    from torch.profiler import ProfilerActivity, profile
+
+    step()
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        for _ in range(calls):
+            step()
+    events = sorted(profiled.key_averages(), key=lambda event: event.self_cpu_time_total, reverse=True)
+    return [(_operation_name(event.key), event.self_cpu_time_total / calls) for event in events[:rows]]
+
+
+def _operation_name(key: str) -> str:
+    """A profiler key, with an inductor kernel's (``## Call CompiledFxGraph <hash> ##``) shortened."""
+    if key.startswith("## Call CompiledFxGraph"):
+        return f"compiled kernel {key.split()[3][:8]}"
+    return key
+
+
 def main() -> None:
     p = kernel_benchmark_parser(__doc__)
     p.add_argument("--tokens", type=int, default=8, help="rows of the input (few: the arithmetic stays negligible)")
     p.add_argument("--width", type=int, default=64, help="in and out features (SmolLM2-135M's hidden size: 576)")
     p.add_argument("--calls", type=int, default=200, help="calls per sample")
+    p.add_argument("--profile", type=int, default=0, metavar="N",
+                   help="also list each DMXLinear row's N operations with the most host time of their own")
     a = p.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -86,6 +110,11 @@ def main() -> None:
         "|---|---|---|",
         *(f"| {name} | {t * 1e6:.1f} | {t / reference:.2f}x |" for name, t in zip(runs, times)),
     ]
+    if a.profile:
+        lines += ["", "Host time by operation (torch.profiler, self time):", "",
+                  "| layer, forward + backward | operation | us per call |", "|---|---|---|"]
+        for name, step in list(runs.items())[1:]:
+            lines += [f"| {name} | `{op}` | {us:.1f} |" for op, us in host_profile(step, a.calls, a.profile)]
     write_report("\n".join(lines) + "\n", a.output, "Host cost of a quantized layer")
 
 

@@ -84,10 +84,14 @@ def run_benchmark(script: str, *args) -> str:
 def test_layer_overhead_benchmark_times_the_reference_and_both_probes(tmp_path):
     output = tmp_path / "layer.md"
     stdout = run_benchmark("bench_layer_overhead.py", "--tokens", 2, "--width", 64, "--repeats", 1, "--calls", 2,
-                           "--threads", 1, "--output", output)
-    rows = [line for line in stdout.splitlines() if line.startswith("| `")]
+                           "--threads", 1, "--profile", 4, "--output", output)
+    timed, profiled = stdout.split("Host time by operation")
+    rows = [line for line in timed.splitlines() if line.startswith("| `")]
     assert len(rows) == 3 and rows[0].endswith("| 1.00x |")
     assert all(float(row.split("|")[2]) > 0 for row in rows)
+    # Four operations for each DMXLinear row; the backward pass's autograd functions are among them.
+    operations = [line.split("|")[2].strip() for line in profiled.splitlines() if line.startswith("| `")]
+    assert len(operations) == 8 and "`_AttachContinuousMXBackward`" in operations
     assert output.read_text().startswith("# Host cost of a quantized layer\n\nCommand: `python benchmarks/bench_layer")
 
 
