@@ -19,13 +19,15 @@ Both `DMXLinear` rows run as in calibration: the frozen weight's quantization at
 reused, the input's quantization computed afresh every call (`SharedInputs`, cleared per call as per step).
 Medians of `--repeats` rounds, each the mean of `--calls` calls. With `--profile N`, a second table splits each
 `DMXLinear` row's host time by operation and autograd function (torch.profiler, `--calls` calls, the N with the
-most time of their own; the profiler's own cost inflates every row alike).
+most time of their own; the profiler's own work inflates the times).
 
 usage: python benchmarks/bench_layer_overhead.py [--tokens 8] [--width 64] [--repeats 7] [--calls 200]
                                                  [--threads 1] [--device cpu] [--profile N] [--output FILE]
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -58,7 +60,7 @@ def dmx_step(layer: DMXLinear, x: torch.Tensor, offset: float, beta_grad: bool):
     return step
 
 
-def host_profile(step, calls: int, rows: int) -> list[tuple[str, float]]:
+def host_profile(step: Callable[[], None], calls: int, rows: int) -> list[tuple[str, float]]:
     """The ``rows`` operations (and autograd functions) with the most host time of their own over ``calls`` calls of
     ``step``, with that time in microseconds per call."""
     from torch.profiler import ProfilerActivity, profile
