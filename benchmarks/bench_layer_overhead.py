@@ -31,6 +31,7 @@ from collections.abc import Callable
 
 import torch
 from torch import nn
+from torch.profiler import ProfilerActivity, profile
 
 from optimum_dmx.calibration.dmx_linear import DMXLinear, SharedInputs
 
@@ -63,8 +64,6 @@ def dmx_step(layer: DMXLinear, x: torch.Tensor, offset: float, beta_grad: bool):
 def host_profile(step: Callable[[], None], calls: int, rows: int) -> list[tuple[str, float]]:
     """The ``rows`` operations (and autograd functions) with the most host time of their own over ``calls`` calls of
     ``step``, with that time in microseconds per call."""
-    from torch.profiler import ProfilerActivity, profile
-
     step()
     with profile(activities=[ProfilerActivity.CPU]) as profiled:
         for _ in range(calls):

@@ -144,8 +144,8 @@ for script in scripts:
         with contextlib.redirect_stdout(stdout):
             runpy.run_path(script, run_name="__main__")
         code = "returned without exiting"
-    except SystemExit as exit:
-        code = exit.code
+    except SystemExit as stopped:
+        code = stopped.code
     except Exception:
         code = traceback.format_exc()
     answers[script] = [code, stdout.getvalue()]
