@@ -1,5 +1,9 @@
 """Speed of MX quantize-dequantize: optimum-dmx (compiled and eager) vs torchao (eager), against a memory-copy floor.
 
+Regenerate `results/formats.md` (a few minutes on one CPU core):
+
+    python benchmarks/bench_formats.py --repeats 7 --threads 1 --output benchmarks/results/formats.md
+
 For each MX format, quantize-dequantize one float32 tensor (default 4096 x 4096) with ``quantize_mx`` (its
 compiled kernel, ``formats.compilation``, and its eager cast) and with torchao's ``to_mx`` + ``to_dtype`` (FLOOR
 scaling, the OCP rule), check that they agree bit for bit, and report the median time per element over
@@ -25,7 +29,7 @@ import torch
 from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous, set_compile_enabled
 from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuous_fused
 
-from common import device_description, kernel_benchmark_parser, median_seconds, synchronize
+from common import device_description, kernel_benchmark_parser, median_seconds, synchronize, write_report
 
 ENDPOINT = 2.0  # the continuous quantizer's high end: an exact format, what the default recipe probes
 
@@ -146,11 +150,7 @@ def main() -> None:
     lines += ["", "First compiled call (compilation, paid once per format, dtype and device; 0 when compilation is off):",
               "", "| kernel | first call s |", "|---|---|"]
     lines += [f"| {label} | {seconds:.2f} |" for label, seconds in compile_seconds.items()]
-    table = "\n".join(lines)
-    print(table)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(table + "\n")
+    write_report("\n".join(lines) + "\n", args.output, "MX quantize-dequantize speed")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Inference cost of dMX checkpoints: MXLinear vs nn.Linear, load time and checkpoint size.
 
+Regenerate `results/inference.md` (about 15 minutes on one CPU core):
+
+    python benchmarks/bench_inference.py --repeats 9 --model-bf16 --output benchmarks/results/inference.md
+
 Measures, in one run:
 
 1. one SmolLM2-135M-sized decoder linear (mlp.up_proj, 576 -> 1536) at batch x seq 1 x 512 and 8 x 128:
@@ -46,7 +50,7 @@ from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS
 from optimum_dmx.integration.model_card import checkpoint_bytes
 from optimum_dmx.nn.rotation import ROTATIONS
 
-from common import benchmark_model, median_seconds
+from common import benchmark_model, median_seconds, write_report
 
 SHAPES = [(1, 512), (8, 128)]
 PROMPT_TOKENS, GENERATED_TOKENS = 16, 32
@@ -265,11 +269,7 @@ def main() -> None:
         header += [f"dMX cached, rotation {rotation}" for rotation in rotations]
         parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]
         parts += [f"- {note}" for note in notes]
-    report = "\n".join(parts) + "\n"
-    print(report)
-    if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text("# Inference benchmark\n\n" + report)
+    write_report("\n".join(parts) + "\n", args.output, "Inference")
 
 
 if __name__ == "__main__":

@@ -335,19 +335,3 @@ def append_json_line(path: Path, row: dict) -> None:
     with open(path, "a") as f:
         f.write(json.dumps(row) + "\n")
     print(row, flush=True)
-
-
-def run_or_report(parser: argparse.ArgumentParser, argv: list[str] | None, report: Callable[[Path], str],
-                  out: Path) -> argparse.Namespace | None:
-    """Parse a JSON-lines benchmark's arguments, adding `--threads`, `--out` and `--report`: with `--report`, print
-    `report(out)` and return None (nothing to run); otherwise set the torch thread count and return the arguments."""
-    parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
-    parser.add_argument("--out", type=Path, default=out, help="JSON-lines results file, appended to")
-    parser.add_argument("--report", action="store_true", help="only print the table of --out")
-    args = parser.parse_args(argv)
-    if args.report:
-        print(report(args.out))
-        return None
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    return args

@@ -22,9 +22,10 @@ def main() -> None:
     parser.add_argument("--dataset", nargs="+", type=Path, help="calibration text files (default: Shakespeare)")
     parser.add_argument("--target-bits", type=float, default=5.0)
     parser.add_argument("--pair", default="mxfp8-mxfp4", choices=["mxfp8-mxfp4", "mxfp6-mxfp4"])
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--seq-len", type=int, default=128)
-    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--preset", default="cpu-demo", help="calibration sizes (optimum_dmx.calibration.presets)")
+    parser.add_argument("--steps", type=int, help="override the preset's steps")
+    parser.add_argument("--seq-len", type=int, help="override the preset's tokens per sequence")
+    parser.add_argument("--batch-size", type=int, help="override the preset's sequences per step")
     parser.add_argument("--output", type=Path, default=Path("dmx-model"))
     args = parser.parse_args()
 
@@ -32,15 +33,15 @@ def main() -> None:
     dataset = args.dataset or default_corpus().calibration
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     config = DMXConfig(
-        target_bits=args.target_bits, format_pair=args.pair, dataset=dataset, tokenizer=tokenizer,
+        target_bits=args.target_bits, format_pair=args.pair, dataset=dataset, tokenizer=tokenizer, preset=args.preset,
         steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
-        num_samples=args.steps * args.batch_size,  # every calibration sample is seen once
     )
     model = AutoModelForCausalLM.from_pretrained(model_id, quantization_config=config)  # calibrates
 
     applied = model.config.quantization_config
-    print(f"average bits {applied.bits_simple:.3f} (target {applied.target_bits}), "
-          f"storage {applied.storage_bits:.3f} bits per weight")
+    bits = applied.achieved_bits
+    print(f"average bits {bits['bits_simple']:.3f} (target {applied.target_bits}), "
+          f"storage {bits['storage_bits']:.3f} bits per weight")
     model.save_pretrained(args.output)  # packed MX weights, the format map, and the model card
     tokenizer.save_pretrained(args.output)
     print(f"saved to {args.output}")

@@ -1,6 +1,7 @@
 """The ``optimum-dmx`` command: quantize a model with dMX, evaluate a checkpoint, inspect its format map.
 
-    optimum-dmx quantize [MODEL] --target-bits 5 [--pair mxfp8-mxfp4] [--dataset NAME|PATH ...] [--output DIR]
+    optimum-dmx quantize [MODEL] --target-bits 5 [--pair mxfp8-mxfp4] [--method dmx|paper|kl] [--preset NAME]
+                         [--dataset NAME|PATH ...] [--output DIR]
     optimum-dmx eval DIR --text PATH
     optimum-dmx inspect DIR
 
@@ -25,9 +26,7 @@ from typing import Any
 # the command handlers, so that `--help` and usage errors answer at once.
 
 EXIT_USAGE = 2
-# Settings of the embedded default run, sized to finish in about 10 minutes on 2 CPU cores: the paper's
-# 400 steps of 8 x 2048 tokens are GPU-sized, so it takes 40 short steps (the default recipe keeps the budget).
-DEFAULT_RUN = {"steps": 40, "seq_len": 128, "batch_size": 4, "num_samples": 160}
+DEFAULT_RUN_PRESET = "cpu-demo"  # the embedded default run: about 10 minutes on 2 CPU cores
 DEFAULT_RUN_MINUTES = 10
 EVAL_SEQ_LEN = 512
 QUANTIZE_EVAL_TOKENS, EVAL_MAX_TOKENS = 4096, 8192  # before/after perplexity of `quantize`; `eval`'s default
@@ -45,6 +44,8 @@ def _positive_int(text: str) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .calibration.presets import PRESETS
+    from .calibration.settings import METHODS
     from .continuous import FORMAT_PAIRS
     from .export.targets import EXPORT_TARGETS
     from .nn.rotation import ROTATIONS
@@ -64,9 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--seq-len", type=_positive_int, help="tokens per calibration sample")
     quantize.add_argument("--batch-size", type=_positive_int, help="samples per step")
     quantize.add_argument("--num-samples", type=_positive_int, help="calibration samples drawn from the data")
-    quantize.add_argument("--recipe", choices=["dmx", "paper"],
-                          help="calibration procedure (default dmx; paper: the dMX paper's, exactly)")
-    quantize.add_argument("--lr", type=float, help="learning rate of the format offsets (recipe paper)")
+    quantize.add_argument("--method", choices=list(METHODS),
+                          help="how the map is chosen (default dmx; paper: the dMX paper's procedure, exactly; kl: "
+                               "KL pre-selection, no training)")
+    quantize.add_argument("--preset", choices=list(PRESETS),
+                          help=f"calibration sizes (default: {DEFAULT_RUN_PRESET} for the default run, else paper)")
     quantize.add_argument("--rotation", choices=list(ROTATIONS),
                           help="rotate the model before calibration (default none; see docs/method.md)")
     quantize.add_argument("--learn-rotations", action="store_const", const=True, default=None,
@@ -174,12 +177,14 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
 
 
 def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
-    """The calibration settings given on the command line; the default run fills the rest with DEFAULT_RUN."""
-    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "recipe", "lr",
+    """The calibration settings given on the command line; the default run takes the DEFAULT_RUN_PRESET."""
+    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "method", "preset",
                                                 "rotation", "learn_rotations", "offset_groups",
                                                 "gradient_checkpointing")}
     given = {key: value for key, value in given.items() if value is not None}
-    return {**DEFAULT_RUN, **given} if args.model is None and not args.dataset else given
+    if args.model is None and not args.dataset:
+        given.setdefault("preset", DEFAULT_RUN_PRESET)
+    return given
 
 
 def run_quantize(args) -> int:
@@ -190,8 +195,6 @@ def run_quantize(args) -> int:
     from .calibration.distributed import is_main_process
     from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
 
-    if args.lr is not None and args.recipe != "paper":
-        raise UsageError(f"--lr {args.lr:g} applies to --recipe paper only (the default recipe has no learning rate)")
     try:
         config = DMXConfig(target_bits=args.target_bits, format_pair=args.pair, seed=args.seed,
                            **calibration_overrides(args))
@@ -253,9 +256,10 @@ def _print_summary(applied: dict, info, before, after, output: Path) -> None:
     counts = Counter(applied["format_map"].values())
     print("\ndMX quantization done")
     print(f"  formats        {', '.join(f'{n}: {c}' for n, c in sorted(counts.items()))}")
-    print(f"  average bits   {applied['bits_simple']:.3f} (simple), {applied['bits_weighted']:.3f} (weighted), "
+    bits = applied["achieved_bits"]
+    print(f"  average bits   {bits['bits_simple']:.3f} (simple), {bits['bits_weighted']:.3f} (weighted), "
           f"target {applied['target_bits']}")
-    print(f"  storage bits   {applied['storage_bits']:.3f} per weight (with E8M0 scales)")
+    print(f"  storage bits   {bits['storage_bits']:.3f} per weight (with E8M0 scales)")
     if info.float_checkpoint_bytes:
         print(f"  checkpoint     {info.checkpoint_bytes / 2**20:.1f} MiB "
               f"({info.checkpoint_bytes / info.float_checkpoint_bytes:.3f} x the float checkpoint)")
@@ -301,8 +305,9 @@ def run_inspect(args) -> int:
     layers, projections, cells = layer_grid(format_map)
     formats = sorted(set(format_map.values()))
     print(f"{folder}: {len(format_map)} MX linears, pair {quant.get('format_pair')}, target {quant.get('target_bits')}")
-    print(f"average bits {quant.get('bits_simple')} (simple), {quant.get('bits_weighted')} (weighted); "
-          f"storage {quant.get('storage_bits')} bits per weight; checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB")
+    bits = quant.get("achieved_bits") or quant  # checkpoints of 0.1.0.dev0 hold the bits at the top level
+    print(f"average bits {bits.get('bits_simple')} (simple), {bits.get('bits_weighted')} (weighted); "
+          f"storage {bits.get('storage_bits')} bits per weight; checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB")
     print("\nby layer type:")
     _print_counts({p: [cells[(layer, p)] for layer in layers if (layer, p) in cells] for p in projections}, formats)
     if layers:

@@ -5,7 +5,7 @@ from torch.nn import functional as F
 from .helpers import sensitive_llama_and_data, tiny_llama
 from optimum_dmx.calibration import (
     CalibrationSettings,
-    calibrate_round_ste,
+    calibrate,
     kl_preselection,
     kl_sensitivities,
     uniform,
@@ -89,12 +89,15 @@ def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target
 
 
 def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
-    """`kl_samples` bounds the scan wherever it runs (KL pre-selection, the default recipe's blend), so a caller
-    passing the whole calibration set does not pay one pass per layer over all of it."""
+    """The scan reads the first `KL_SAMPLES` sequences wherever it runs (KL pre-selection, the default method's
+    blend), so a caller passing the whole calibration set does not pay one pass per layer over all of it."""
+    from optimum_dmx.calibration import sensitivity
+
     model, ids = sensitive
+    assert sensitivity.KL_SAMPLES == 4
     assert kl_sensitivities(model, ids[:4], CalibrationSettings(batch_size=4), progress=False) == sensitivities
-    more = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4, kl_samples=8), progress=False)
-    assert more != sensitivities and set(more) == set(sensitivities)
+    different = torch.cat([ids[4:], ids[:4]])
+    assert kl_sensitivities(model, different, CalibrationSettings(batch_size=4), progress=False) != sensitivities
 
 
 def test_kl_preselection_computes_sensitivities_itself(sensitive, sensitivities):
@@ -107,12 +110,9 @@ def test_kl_preselection_computes_sensitivities_itself(sensitive, sensitivities)
         kl_preselection(model, ids, s, sensitivities={k: v for k, v in list(sensitivities.items())[1:]})
 
 
-def test_round_ste_uses_discrete_formats_and_moves_toward_the_target(sensitive):
+def test_method_kl_is_kl_preselection(sensitive):
     model, ids = sensitive
-    result = calibrate_round_ste(model, ids, settings(target_bits=6.0, steps=20), progress=False)
-    assert result.method == "round_ste"
-    # Every forward pass sees only 4- or 8-bit layers: the average is a multiple of 4 / 14.
-    for h in result.history:
-        assert (h["bits_simple"] - 4.0) * 14 / 4 == pytest.approx(round((h["bits_simple"] - 4.0) * 14 / 4), abs=1e-5)
-    assert result.history[-1]["bits"] > 4.0
-    assert abs(result.bits_simple - 6.0) < 2.0
+    s = settings(target_bits=5.0, method="kl")
+    result = calibrate(model, ids, s, progress=False)
+    assert result.method == "kl" and result.history == []
+    assert result.format_map == kl_preselection(model, ids, s, progress=False).format_map

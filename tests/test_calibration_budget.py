@@ -4,7 +4,7 @@ average bits land within 0.05 of `target_bits`, never above; and the budget rule
 import pytest
 import torch
 
-from optimum_dmx.calibration import CalibrationSettings, calibrate, calibrate_round_ste
+from optimum_dmx.calibration import CalibrationSettings, PaperRecipe, calibrate
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE, budget_format_map
 from optimum_dmx.continuous import FORMAT_PAIRS
 from optimum_dmx.nn import average_bits, tensor_sizes
@@ -38,31 +38,20 @@ def test_default_recipe_keeps_the_budget_in_20_steps(deep, pair, target, bit_ave
     assert set(result.format_map.values()) <= {FORMAT_PAIRS[pair].low.name, FORMAT_PAIRS[pair].high.name}
 
 
-@pytest.mark.parametrize("offset_probe", ["path", "swap"])
-@pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 6.0), ("mxfp6-mxfp4", 4.5)])
-def test_every_offset_probe_keeps_the_budget(deep, offset_probe, pair, target):
-    model, ids = deep
-    settings = CalibrationSettings(target_bits=target, format_pair=pair, steps=20, batch_size=2, seq_len=16,
-                                   num_samples=40, offset_probe=offset_probe)
-    result = calibrate(model, ids, settings, progress=False)
-    assert target - BUDGET_TOLERANCE - 1e-9 <= result.bits_simple <= target + BUDGET_TOLERANCE + 1e-9
-
-
 @pytest.mark.parametrize("steps", [20, 60])
-@pytest.mark.parametrize("trainer", ["paper_budget", "round_ste"])
-def test_the_paper_trainer_and_round_ste_keep_it_too_with_the_budget_rule(deep, steps, trainer):
+def test_the_paper_trainer_keeps_it_too_with_the_budget_rule(deep, steps):
     model, ids = deep
-    settings = CalibrationSettings(recipe="paper", discretization="budget", target_bits=5.5, steps=steps,
-                                   batch_size=2, seq_len=16, num_samples=40)
-    result = (calibrate if trainer == "paper_budget" else calibrate_round_ste)(model, ids, settings, progress=False)
+    settings = CalibrationSettings(method="paper", paper=PaperRecipe(discretization="budget"), target_bits=5.5,
+                                   steps=steps, batch_size=2, seq_len=16, num_samples=40)
+    result = calibrate(model, ids, settings, progress=False)
     assert abs(result.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
 
 
 def test_the_papers_procedure_is_selectable_and_misses_the_budget_at_a_short_run(deep):
-    """recipe="paper": SGD at lr 1 and `beta_hat >= 1`; 20 steps leave every offset near 0 (all MXFP4)."""
+    """method="paper": SGD at lr 1 and `beta_hat >= 1`; 20 steps leave every offset near 0 (all MXFP4)."""
     model, ids = deep
-    settings = CalibrationSettings(recipe="paper", target_bits=6.0, steps=20, batch_size=2, seq_len=16, num_samples=40)
-    assert settings.discretization == "threshold" and settings.lr == 1.0
+    settings = CalibrationSettings(method="paper", target_bits=6.0, steps=20, batch_size=2, seq_len=16, num_samples=40)
+    assert settings.discretization == "threshold" and settings.paper.lr == 1.0
     result = calibrate(model, ids, settings, progress=False)
     assert result.bits_simple < 5.0  # what the budget rule of the default recipe fixes
     for name, fmt in result.format_map.items():
@@ -73,23 +62,24 @@ def test_the_simple_regularizer_has_no_target_it_reaches_what_lambda_gives(deep)
     """regularizer="simple" sets no budget (the threshold rule decides): a strong size penalty ends at the bottom
     of the pair whatever `target_bits` says, and no penalty at all lets the task loss raise layers."""
     model, ids = deep
-    common = dict(recipe="paper", regularizer="simple", lr=50.0, target_bits=6.0, steps=20, batch_size=2, seq_len=16,
-                  num_samples=40)
-    assert CalibrationSettings(**common).discretization == "threshold"
-    penalized = calibrate(model, ids, CalibrationSettings(**common, reg_lambda=50.0), progress=False)
+    common = dict(method="paper", target_bits=6.0, steps=20, batch_size=2, seq_len=16, num_samples=40)
+
+    def recipe(reg_lambda: float) -> PaperRecipe:
+        return PaperRecipe(regularizer="simple", lr=50.0, reg_lambda=reg_lambda)
+
+    assert CalibrationSettings(**common, paper=recipe(50.0)).discretization == "threshold"
+    penalized = calibrate(model, ids, CalibrationSettings(**common, paper=recipe(50.0)), progress=False)
     assert penalized.bits_simple == 4.0
-    free = calibrate(model, ids, CalibrationSettings(**common, reg_lambda=0.0), progress=False)
+    free = calibrate(model, ids, CalibrationSettings(**common, paper=recipe(0.0)), progress=False)
     assert free.bits_simple > 4.0 and {h["reg_loss"] for h in free.history} == {0.0}
 
 
-@pytest.mark.parametrize("offset_probe", ["low", "swap"])
-def test_learned_offsets_carry_the_signal(offset_probe):
+def test_learned_offsets_carry_the_signal():
     """The default recipe's map has a lower task loss than the map its offsets rank last (same budget)."""
     from optimum_dmx.nn import emulate_format_map
 
     model, ids = sensitive_llama_and_data(num_samples=24)
-    settings = CalibrationSettings(target_bits=6.0, steps=40, batch_size=4, seq_len=32, num_samples=16,
-                                   offset_probe=offset_probe)
+    settings = CalibrationSettings(target_bits=6.0, steps=40, batch_size=4, seq_len=32, num_samples=16)
     result = calibrate(model, ids[:16], settings, progress=False)
     shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in result.format_map}
     reversed_map = budget_format_map({n: -v for n, v in result.beta_hat.items()}, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 6.0)
@@ -157,30 +147,20 @@ def test_blended_priority_averages_ranks():
         blended_priority(offsets, {"a": 1.0}, 0.5)
 
 
-def test_kl_weight_one_is_kl_preselection_and_the_blend_keeps_the_budget(deep):
-    """kl_weight=1 ranks by the KL scan alone (the map KL pre-selection gives); 0.5 lands on the budget too."""
-    from optimum_dmx.calibration import kl_preselection
+def test_the_default_method_ranks_by_its_offsets_blended_with_the_kl_scan(deep):
+    """The map is the budget rule on `blended_priority(offsets, KL scan, KL_WEIGHT)`; `method="kl"` ranks by the
+    same scan alone (KL pre-selection)."""
+    from optimum_dmx.calibration import kl_preselection, kl_sensitivities
+    from optimum_dmx.calibration.budget import blended_priority
+    from optimum_dmx.calibration.trainer import KL_WEIGHT
 
     model, ids = deep
-    common = dict(target_bits=5.5, steps=20, batch_size=2, seq_len=16, num_samples=40, kl_samples=4)
-    kl_only = calibrate(model, ids, CalibrationSettings(**common, kl_weight=1.0), progress=False)
-    reference = kl_preselection(model, ids[:4], CalibrationSettings(**common), progress=False)
-    assert kl_only.format_map == reference.format_map
-    assert kl_only.kl_sensitivities and set(kl_only.kl_sensitivities) == set(kl_only.format_map)
-    blended = calibrate(model, ids, CalibrationSettings(**common, kl_weight=0.5), progress=False)
-    learned = calibrate(model, ids, CalibrationSettings(**common, kl_weight=0.0), progress=False)
-    assert blended.beta_hat == learned.beta_hat  # the blend changes the ranking only
-    assert abs(blended.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
-    assert not learned.kl_sensitivities
-
-
-def test_kl_weight_defaults_to_the_blend_for_the_default_recipe_only():
-    assert CalibrationSettings().kl_weight == 0.5
-    assert CalibrationSettings(recipe="paper").kl_weight == 0.0  # the paper's procedure, exactly
-
-
-def test_kl_weight_is_validated():
-    with pytest.raises(ValueError, match=r"kl_weight=1.5 must lie in \[0, 1\]"):
-        CalibrationSettings(kl_weight=1.5)
-    with pytest.raises(ValueError, match="discretization='threshold' has none"):
-        CalibrationSettings(recipe="paper", kl_weight=0.5)
+    settings = CalibrationSettings(target_bits=5.5, steps=20, batch_size=2, seq_len=16, num_samples=40)
+    result = calibrate(model, ids, settings, progress=False)
+    assert result.kl_sensitivities == kl_sensitivities(model, ids, settings, progress=False)
+    shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in result.format_map}
+    priority = blended_priority(result.beta_hat, result.kl_sensitivities, KL_WEIGHT)
+    assert result.format_map == budget_format_map(priority, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 5.5)
+    assert abs(result.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
+    kl_only = budget_format_map(result.kl_sensitivities, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 5.5)
+    assert kl_preselection(model, ids, settings, progress=False).format_map == kl_only

@@ -33,13 +33,13 @@ def forward_calls(monkeypatch):
     return calls
 
 
-@pytest.mark.parametrize("recipe", ["dmx", "paper"])
-def test_checkpointed_calibration_gives_the_same_result(sensitive, forward_calls, recipe):
+@pytest.mark.parametrize("method", ["dmx", "paper"])
+def test_checkpointed_calibration_gives_the_same_result(sensitive, forward_calls, method):
     model, data = sensitive
     results, calls = [], []
     for checkpointing in (False, True):
-        settings = CalibrationSettings(recipe=recipe, target_bits=5.0, num_samples=len(data), seq_len=data.shape[1],
-                                       batch_size=4, steps=3, kl_weight=0.0, gradient_checkpointing=checkpointing)
+        settings = CalibrationSettings(method=method, target_bits=5.0, num_samples=len(data), seq_len=data.shape[1],
+                                       batch_size=4, steps=3, gradient_checkpointing=checkpointing)
         forward_calls["count"] = 0
         results.append(calibrate(model, data, settings, progress=False))
         calls.append(forward_calls["count"])
@@ -57,7 +57,7 @@ def test_checkpointing_keeps_a_model_that_had_it_on(sensitive):
     model.activation_checkpointing_enable()
     try:
         settings = CalibrationSettings(target_bits=5.0, num_samples=len(data), seq_len=data.shape[1], batch_size=4,
-                                       steps=2, kl_weight=0.0, gradient_checkpointing=True)
+                                       steps=2, gradient_checkpointing=True)
         calibrate(model, data, settings, progress=False)
         assert model.is_activation_checkpointing
     finally:
@@ -67,8 +67,6 @@ def test_checkpointing_keeps_a_model_that_had_it_on(sensitive):
 def test_checkpointing_settings_are_checked():
     with pytest.raises(ValueError, match="gradient_checkpointing='yes' must be True or False"):
         CalibrationSettings(gradient_checkpointing="yes")
-    with pytest.raises(ValueError, match="offset_probe='swap'.*gradient_checkpointing=False"):
-        CalibrationSettings(offset_probe="swap", gradient_checkpointing=True)
     assert DMXConfig(target_bits=5, gradient_checkpointing=True).calibration_settings().gradient_checkpointing
 
 
@@ -84,6 +82,6 @@ class _NoDecoderLayers(nn.Module):
 
 def test_a_model_without_checkpointable_layers_is_refused():
     settings = CalibrationSettings(target_bits=5.0, num_samples=2, seq_len=4, batch_size=2, steps=1,
-                                   kl_weight=0.0, gradient_checkpointing=True)
+                                   gradient_checkpointing=True)
     with pytest.raises(ValueError, match="_NoDecoderLayers has none.*gradient_checkpointing=False"):
         calibrate(_NoDecoderLayers(), torch.zeros(2, 4, dtype=torch.long), settings, progress=False)

@@ -4,7 +4,7 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from optimum_dmx.calibration import DMXLinear
+from optimum_dmx.calibration import DMXLinear, EndpointProbe, RelaxedOffset
 from optimum_dmx.continuous import FORMAT_PAIRS, ContinuousQuantization, FrozenWeightQuantization, quantize_mx_continuous
 from optimum_dmx.continuous import quantize_mx_continuous_fused
 from optimum_dmx.continuous import weight_block_max
@@ -123,7 +123,7 @@ def test_beta_must_be_a_scalar_tensor():
 def test_dmx_linear_matches_the_reference_layer(dtype, pair):
     torch.manual_seed(0)
     linear = torch.nn.Linear(64, 48).to(dtype)
-    layer = DMXLinear(linear, pair, temperature=8.0)
+    layer = DMXLinear(linear, pair, offset=RelaxedOffset(8.0))
     assert layer.weight is linear.weight and layer.bias is linear.bias
     layer.beta_hat.data.fill_(0.9)
     x = torch.randn(5, 7, 64, dtype=dtype, requires_grad=True)
@@ -142,16 +142,34 @@ def test_dmx_linear_matches_the_reference_layer(dtype, pair):
     torch.testing.assert_close(x.grad, x_ref.grad, rtol=1e-3, atol=1e-5)
 
 
-def test_dmx_linear_discrete_format_and_straight_through():
-    layer = DMXLinear(torch.nn.Linear(32, 8), "mxfp6-mxfp4", straight_through=True)
-    assert layer.discrete_format.name == "mxfp4_e2m1" and layer.beta().item() == 0.0
+def test_dmx_linear_discrete_format_and_relaxed_offset():
+    layer = DMXLinear(torch.nn.Linear(32, 8), "mxfp6-mxfp4")
+    assert layer.discrete_format.name == "mxfp4_e2m1"
     layer.beta_hat.data.fill_(1.0)
-    assert layer.discrete_format.name == "mxfp6_e2m3" and layer.beta().item() == 2.0
-    assert layer.element_bits().item() == 6.0
+    assert layer.discrete_format.name == "mxfp6_e2m3" and layer.beta().item() == 1.0  # F(1, T) = 1
+    assert layer.element_bits().item() == 5.0
     layer.element_bits().backward()
     assert layer.beta_hat.grad.item() == pytest.approx(8.0 / 4)  # dF/dbeta_hat at 1 is T / 4 (T = 8)
+
+
+@pytest.mark.parametrize("endpoint, fmt", [(0.0, "mxfp4_e2m1"), (2.0, "mxfp6_e2m3")])
+def test_an_endpoint_probe_runs_the_exact_format_and_reads_the_offsets_derivative(endpoint, fmt):
+    torch.manual_seed(0)
+    probe = EndpointProbe()
+    layer = DMXLinear(torch.nn.Linear(32, 8), "mxfp6-mxfp4", offset=probe)
+    with pytest.raises(RuntimeError, match="set"):
+        layer(torch.randn(3, 32))
+    probe.set(endpoint, torch.device("cpu"), measure=True)
     x = torch.randn(3, 32)
-    assert torch.equal(layer(x), F.linear(quantize_mx(x, "mxfp6_e2m3"), quantize_mx(layer.weight, "mxfp6_e2m3"), layer.bias))
+    y = layer(x)
+    torch.testing.assert_close(y, F.linear(quantize_mx(x, fmt), quantize_mx(layer.weight, fmt), layer.bias),
+                               rtol=0, atol=1e-6)
+    y.square().sum().backward()
+    beta = torch.tensor(endpoint, requires_grad=True)
+    y_ref = F.linear(quantize_mx_continuous(x, beta, "mxfp6-mxfp4"),
+                     quantize_mx_continuous(layer.weight.detach(), beta, "mxfp6-mxfp4"), layer.bias.detach())
+    y_ref.square().sum().backward()
+    assert probe.gain().item() == pytest.approx(-beta.grad.item(), rel=1e-4)
 
 
 @pytest.mark.parametrize("pair", list(FORMAT_PAIRS))

@@ -5,9 +5,8 @@ import torch
 
 from optimum_dmx.calibration import (
     CalibrationSettings,
+    PaperRecipe,
     calibrate,
-    calibrate_round_ste,
-    kl_preselection,
 )
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE, budget_format_map
 from optimum_dmx.calibration.groups import offset_groups
@@ -29,18 +28,15 @@ def settings(**overrides):
                                   "offset_groups": "fused", **overrides})
 
 
-@pytest.mark.parametrize("method", ["dmx", "paper_budget", "paper_threshold", "round_ste", "kl"])
+@pytest.mark.parametrize("method", ["dmx", "paper_budget", "paper_threshold", "kl"])
 def test_every_method_gives_fused_projections_one_format(deep, method):
     model, ids = deep
-    if method == "dmx":
-        result = calibrate(model, ids, settings(), progress=False)
-    elif method == "kl":
-        result = kl_preselection(model, ids, settings(), progress=False)
-    elif method == "round_ste":
-        result = calibrate_round_ste(model, ids, settings(recipe="paper", discretization="budget"), progress=False)
+    if method in ("dmx", "kl"):
+        result = calibrate(model, ids, settings(method=method), progress=False)
     else:
         kind = method.split("_")[1]
-        result = calibrate(model, ids, settings(recipe="paper", discretization=kind, lr=200.0), progress=False)
+        paper = PaperRecipe(discretization=kind, lr=200.0)
+        result = calibrate(model, ids, settings(method="paper", paper=paper), progress=False)
     assert len(fused_projection_groups(result.format_map)) == 14  # 7 layers x (q/k/v, gate/up)
     assert mixed_groups(result.format_map) == []
     assert len(set(result.format_map.values())) == 2  # the budget is met with both formats, not by a corner
@@ -50,7 +46,7 @@ def test_every_method_gives_fused_projections_one_format(deep, method):
 
 def test_grouped_layers_share_one_learned_offset_in_the_papers_trainer(deep):
     model, ids = deep
-    result = calibrate(model, ids, settings(recipe="paper", lr=50.0), progress=False)
+    result = calibrate(model, ids, settings(method="paper", paper=PaperRecipe(lr=50.0)), progress=False)
     for group in fused_projection_groups(result.beta_hat):
         assert len({result.beta_hat[name] for name in group}) == 1
     assert len(set(result.beta_hat.values())) > 14  # the others keep their own

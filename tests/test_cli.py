@@ -10,7 +10,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from optimum_dmx.cli import DEFAULT_RUN, build_parser, calibration_overrides
+from optimum_dmx.cli import DEFAULT_RUN_PRESET, build_parser, calibration_overrides
 
 FAST = ["--steps", "4", "--seq-len", "16", "--batch-size", "2", "--num-samples", "8"]
 
@@ -92,7 +92,7 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
         (["quantize", "{root}/model", "--dataset", "{tmp}/missing.txt"], ["calibration data not found", "missing.txt"]),
         (["quantize", "{root}/model", "--dataset", "{tmp}/table.csv"], ["cannot read calibration data", ".csv"]),
         (["quantize", "{root}/model", "--pair", "mxfp5-mxfp4"], ["invalid choice", "mxfp5-mxfp4"]),
-        (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--lr", "3"], ["--lr 3", "--recipe paper"]),
+        (["quantize", "{root}/model", "--preset", "huge"], ["invalid choice", "huge"]),
         (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--learn-rotations"],
          ["learn_rotations=True", "rotation='hadamard' or 'block_hadamard'", "rotation='none'"]),
         (["eval", "{tmp}/nowhere", "--text", "{root}/heldout.txt"], ["model folder", "does not exist"]),
@@ -117,11 +117,12 @@ def test_console_script_is_installed():
 @pytest.mark.parametrize(
     "argv, expected",
     [
-        (["quantize"], DEFAULT_RUN),
-        (["quantize", "--steps", "10"], {**DEFAULT_RUN, "steps": 10}),
+        (["quantize"], {"preset": DEFAULT_RUN_PRESET}),
+        (["quantize", "--steps", "10"], {"preset": DEFAULT_RUN_PRESET, "steps": 10}),
+        (["quantize", "--preset", "paper"], {"preset": "paper"}),
         (["quantize", "m", "--dataset", "d.txt"], {}),
-        (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--recipe", "paper", "--lr", "2"],
-         {"seq_len": 64, "recipe": "paper", "lr": 2.0}),
+        (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--method", "paper", "--preset", "gpu"],
+         {"seq_len": 64, "method": "paper", "preset": "gpu"}),
         (["quantize", "m", "--dataset", "d.txt", "--gradient-checkpointing"], {"gradient_checkpointing": True}),
         (["quantize", "m", "--dataset", "d.txt", "--rotation", "hadamard", "--learn-rotations"],
          {"rotation": "hadamard", "learn_rotations": True}),
@@ -144,7 +145,7 @@ def test_default_run_on_the_embedded_model_finishes_within_15_minutes(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     assert minutes < 15, f"the default run took {minutes:.1f} minutes"
     quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
-    assert len(quant["format_map"]) == 210 and abs(quant["bits_simple"] - 5.0) <= 0.5
+    assert len(quant["format_map"]) == 210 and abs(quant["achieved_bits"]["bits_simple"] - 5.0) <= 0.5
     assert "x the float checkpoint" in result.stdout and float(result.stdout.split(" x the float")[0].split("(")[-1]) < 0.55
     card = (tmp_path / "out" / "README.md").read_text()
     assert "tempest_gut.txt" in card and "SmolLM2-135M-Instruct" in card

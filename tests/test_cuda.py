@@ -155,16 +155,16 @@ def test_bf16_calibration_on_cuda_through_from_pretrained(tmp_path, tiny_llama_d
     assert difference <= 0.05 * logits.float().abs().max().item(), difference
 
 
-@pytest.mark.parametrize("recipe", ["dmx", "paper"])
-def test_cuda_calibration_is_the_same_compiled_or_eager_and_with_checkpointing(recipe):
+@pytest.mark.parametrize("method", ["dmx", "paper"])
+def test_cuda_calibration_is_the_same_compiled_or_eager_and_with_checkpointing(method):
     """On the GPU in bfloat16, the same offsets, losses and format map from the compiled kernels, the eager ones,
     and the compiled ones with gradient checkpointing (transformers' layers recomputed in the backward pass)."""
     model, data = sensitive_llama_and_data()
     model = model.to(CUDA, torch.bfloat16)
     runs = []
     for compile_kernels, checkpointing in ((True, False), (False, False), (True, True)):
-        settings = CalibrationSettings(recipe=recipe, target_bits=5.0, num_samples=len(data), seq_len=data.shape[1],
-                                       batch_size=4, steps=3, kl_weight=0.0, gradient_checkpointing=checkpointing)
+        settings = CalibrationSettings(method=method, target_bits=5.0, num_samples=len(data), seq_len=data.shape[1],
+                                       batch_size=4, steps=3, gradient_checkpointing=checkpointing)
         set_compile_enabled(compile_kernels)
         try:
             runs.append(calibrate(copy.deepcopy(model), data, settings, progress=False))

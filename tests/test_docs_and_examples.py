@@ -5,21 +5,37 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def readme_python_blocks() -> list[str]:
-    return re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), flags=re.DOTALL)
+DOCUMENTS = ["README.md", *(f"docs/{p.name}" for p in sorted((ROOT / "docs").glob("*.md")))]
 
 
-def test_readme_python_snippets_run_in_order():
-    # the opening example downloads a model from the Hub; the examples' tests cover that workflow offline
-    blocks = [block for block in readme_python_blocks() if "HuggingFaceTB/" not in block]
-    assert len(blocks) >= 2
+def python_blocks(document: str) -> list[str]:
+    return re.findall(r"```python\n(.*?)```", (ROOT / document).read_text(), flags=re.DOTALL)
+
+
+@pytest.mark.parametrize("document", DOCUMENTS)
+def test_python_snippets_run_in_order(document):
+    # examples that download a model from the Hub are left out; the examples' tests cover that workflow offline
+    blocks = [block for block in python_blocks(document) if "HuggingFaceTB/" not in block]
     namespace: dict = {}
     for block in blocks:
-        exec(compile(block, "README.md", "exec"), namespace)  # noqa: S102 - executing our own documentation
+        exec(compile(block, document, "exec"), namespace)  # noqa: S102 - executing our own documentation
+
+
+def test_the_readme_stays_short_and_the_docs_stand_alone():
+    assert len((ROOT / "README.md").read_text().splitlines()) <= 150
+    assert sum(len(python_blocks(d)) for d in DOCUMENTS) >= 3
+    for document in DOCUMENTS:
+        text = (ROOT / document).read_text()
+        assert "../shared" not in text, document
+        for link in re.findall(r"\]\(([^)#]+)\)", text):
+            if not link.startswith("http"):
+                assert ((ROOT / document).parent / link).exists(), (document, link)
 
 
 def run_example(script: str, *args) -> str:

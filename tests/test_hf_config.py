@@ -51,7 +51,7 @@ def test_target_bits_at_the_range_ends_is_accepted(pair, bits):
     ("field", "value", "message"),
     [
         ("format_pair", "mxfp8-mxfp6", "'mxfp8-mxfp6'.*mxfp8-mxfp4, mxfp6-mxfp4"),
-        ("regularizer", "l2", "regularizer='l2'.*target, simple"),
+        ("method", "ste", "method='ste'.*'dmx', 'paper', 'kl'"),
         ("bit_average", "median", "bit_average='median'.*simple, weighted"),
         ("steps", 0, "steps=0"),
     ],
@@ -99,19 +99,24 @@ def test_to_dict_never_holds_dataset_or_tokenizer():
     assert dict(config) == serialized
 
 
-def test_from_dict_accepts_to_dict_output_and_unknown_keys():
-    config = DMXConfig(target_bits=6.0, format_pair="mxfp6-mxfp4", format_map={"m": "mxfp6"}, bits_simple=6.0)
-    loaded = DMXConfig.from_dict({**config.to_dict(), "a_future_key": {"x": 1}})
-    assert loaded.to_dict() == config.to_dict()
+def test_from_dict_accepts_to_dict_output_and_refuses_unknown_keys():
+    config = DMXConfig(target_bits=6.0, format_pair="mxfp6-mxfp4", format_map={"m": "mxfp6"},
+                       achieved_bits={"bits_simple": 6.0})
+    assert DMXConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
     assert AutoQuantizationConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
+    paper = DMXConfig(method="paper", paper={"lr": 20.0}, preset="cpu-bench")
+    assert DMXConfig.from_dict(paper.to_dict()).to_dict() == paper.to_dict()
+    with pytest.raises(TypeError, match=r"unknown fields \['a_future_key'\]"):
+        DMXConfig.from_dict({**config.to_dict(), "a_future_key": {"x": 1}})
 
 
 def test_with_result_records_the_map_without_runtime_inputs():
     config = DMXConfig(target_bits=5.5, dataset=["x"], tokenizer=_tokenizer(), steps=10)
-    result = config.with_result({"m": "mxfp8"}, bits_simple=5.5, bits_weighted=5.2, storage_bits=5.45)
+    bits = {"bits_simple": 5.5, "bits_weighted": 5.2, "storage_bits": 5.45}
+    result = config.with_result({"m": "mxfp8"}, achieved_bits=bits)
     assert result.dataset is None and result.tokenizer is None
     assert result.format_map == {"m": "mxfp8_e4m3"} and result.steps == 10 and result.target_bits == 5.5
-    assert (result.bits_simple, result.bits_weighted, result.storage_bits) == (5.5, 5.2, 5.45)
+    assert result.achieved_bits == bits
 
 
 def test_importing_registers_dmx_idempotently():
@@ -136,17 +141,19 @@ def test_registration_refuses_to_override_another_package():
         AUTO_QUANTIZER_MAPPING["dmx"] = original
 
 
-@pytest.mark.parametrize(
-    "kwargs, warns",
-    [
-        ({"lr": 3.0}, True),
-        ({"reg_lambda": 1.0}, True),
-        ({"recipe": "paper", "lr": 3.0}, False),
-        ({"lr": 3.0, "format_map": {"model.layers.0.mlp.up_proj": "mxfp4_e2m1"}}, False),  # a reloaded checkpoint
-        ({}, False),
-    ],
-)
-def test_paper_only_settings_given_to_the_default_recipe_are_reported(kwargs, warns, caplog):
-    with caplog.at_level(logging.WARNING, logger="optimum_dmx.integration.configuration"):
-        DMXConfig(**kwargs)
-    assert ("only apply to recipe='paper'" in caplog.text) == warns
+def test_paper_hyper_parameters_belong_to_the_paper_method():
+    with pytest.raises(ValueError, match="paper=.*sets the hyper-parameters of method='paper'; method='dmx'"):
+        DMXConfig(paper={"lr": 3.0})
+    with pytest.raises(TypeError, match=r"unknown fields \['momentum'\].*paper=PaperRecipe"):
+        DMXConfig(momentum=3.0)
+    assert DMXConfig(method="paper", paper={"lr": 3.0}).paper.lr == 3.0
+
+
+def test_a_preset_sets_the_sizes_and_explicit_fields_override_it():
+    demo = DMXConfig(preset="cpu-demo")
+    assert (demo.num_samples, demo.seq_len, demo.batch_size, demo.steps) == (160, 128, 4, 40)
+    assert DMXConfig(preset="cpu-demo", steps=7).steps == 7
+    assert DMXConfig(preset="gpu").gradient_checkpointing
+    assert DMXConfig(method="paper", preset="cpu-bench").paper.lr == 20.0
+    with pytest.raises(ValueError, match="preset='huge' is not a preset"):
+        DMXConfig(preset="huge")

@@ -6,6 +6,7 @@ import pytest
 from huggingface_hub import ModelCard
 from PIL import Image
 
+from optimum_dmx import DMXConfig
 from optimum_dmx.integration.model_card import (
     HEATMAP_NAME,
     ModelCardInfo,
@@ -19,17 +20,14 @@ PROJECTIONS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self
                "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
 
 
-def quantization_config(n_layers: int = 3) -> dict:
+def quantization_config(n_layers: int = 3, method: str = "dmx") -> dict:
+    """What a saved checkpoint's config.json holds under `quantization_config`."""
     formats = ["mxfp4_e2m1", "mxfp8_e4m3", "mxfp6_e3m2"]
     format_map = {f"model.layers.{i}.{p}": formats[(i + j) % 3] for i in range(n_layers) for j, p in enumerate(PROJECTIONS)}
     format_map["model.extra_proj"] = "mxfp8_e4m3"
-    return {
-        "quant_method": "dmx", "format_pair": "mxfp8-mxfp4", "target_bits": 5.0, "bits_simple": 5.714,
-        "bits_weighted": 5.9, "storage_bits": 6.15, "format_map": format_map, "steps": 80, "batch_size": 4,
-        "seq_len": 256, "num_samples": 320, "lr": 1.0, "regularizer": "target", "reg_lambda": 5.0,
-        "bit_average": "simple", "t_start": 8.0, "t_end": 400.0, "t_warmup_ratio": 0.6, "seed": 0,
-        "block_size": 32, "modules_to_not_convert": ["lm_head"],
-    }
+    bits = {"bits_simple": 5.714, "bits_weighted": 5.9, "storage_bits": 6.15}
+    return DMXConfig(method=method, target_bits=5.0, steps=80, batch_size=4, seq_len=256, num_samples=320,
+                     format_map=format_map, achieved_bits=bits).to_dict()
 
 
 INFO = ModelCardInfo(
@@ -57,18 +55,15 @@ def test_card_states_bits_size_calibration_evaluation_and_loading():
     assert "$" not in text.replace("$ ", "")  # every template placeholder was filled
 
 
-@pytest.mark.parametrize("recipe", ["dmx", "paper", None])
-def test_calibration_section_names_the_recipe_and_only_the_settings_it_used(recipe):
-    """Old checkpoints (no recipe key) were calibrated with the paper's procedure; the default recipe has no lr."""
-    config = quantization_config()
-    if recipe is not None:
-        config["recipe"] = recipe
-    section = render_model_card(config, INFO).split("Calibration data:")[1].split("\n## ")[0]
-    shown = recipe or "paper"
-    assert f"recipe `{shown}`" in section
-    assert ("lr=1.0" in section) == (shown == "paper")
-    assert ("reg_lambda=5.0" in section) == (shown == "paper")
-    assert "steps=80" in section and "seed=0" in section
+@pytest.mark.parametrize("method", ["dmx", "paper", "kl"])
+def test_calibration_section_names_the_method_and_only_the_settings_it_used(method):
+    """Only the paper's method has a learning rate and a regularizer; KL pre-selection trains no steps."""
+    section = render_model_card(quantization_config(method=method), INFO).split("Calibration data:")[1]
+    section = section.split("\n## ")[0]
+    assert f"Method: `{method}`" in section
+    assert ("lr=1.0" in section) == (method == "paper")
+    assert ("reg_lambda=5.0" in section) == (method == "paper")
+    assert ("steps=80" in section) == (method != "kl") and "seed=0" in section
 
 
 def test_format_table_lists_every_layer_and_other_modules():
@@ -107,7 +102,7 @@ def test_card_requires_a_format_map():
 
 @pytest.mark.parametrize("learned", [False, True])
 def test_card_states_the_rotation_and_whether_it_was_learned(learned):
-    config = {**quantization_config(), "rotation": "hadamard", "learn_rotations": learned, "rotation_lr": 1.5}
+    config = {**quantization_config(), "rotation": "hadamard", "learn_rotations": learned}
     text = render_model_card(config, INFO)
     assert "full-size randomized Hadamard (merged into the weights" in text
-    assert ("trained with the formats (Cayley SGD, step 1.5)" in text) is learned
+    assert ("trained with the formats (Cayley SGD)" in text) is learned

@@ -12,7 +12,7 @@ from torch import nn
 from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from optimum_dmx import DMXConfig, MXLinear
-from optimum_dmx.calibration import CalibrationSettings, calibrate, dmx_linears
+from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrate, dmx_linears
 from optimum_dmx.export import ExportError, export_checkpoint
 from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
@@ -128,9 +128,10 @@ def test_mx_and_dmx_linears_apply_the_online_transform():
     model = nn.Sequential(transformed)
     settings = CalibrationSettings(target_bits=6, num_samples=1, seq_len=2, batch_size=1, steps=1,
                                    modules_to_not_convert=[])
-    with dmx_linears(model, settings) as layers:
+    probe = EndpointProbe()
+    with dmx_linears(model, settings, lambda: probe) as layers:
         layer = layers["0"]
-        layer.probe = torch.tensor(2.0)
+        probe.set(2.0, torch.device("cpu"), measure=False)
         assert torch.equal(layer(x), MXLinear.from_linear(linear, "mxfp8_e4m3", input_transform=transform)(x))
 
 

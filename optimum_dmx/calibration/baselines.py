@@ -1,15 +1,12 @@
 """Baselines that dMX is compared with, on the same data and with the same bit accounting.
 
 * uniform: every targeted layer in one format (weights and activations);
-* KL pre-selection: rank layers by KL(float || model with only that layer in the pair's low format) on
-  calibration tokens, and give the high format to the most sensitive layers while the budget allows;
-* ROUND+STE: the dMX trainer with the format discretized in every forward pass and straight-through
-  gradients.
+* KL pre-selection (`method="kl"`): rank layers by KL(float || model with only that layer in the pair's low
+  format) on calibration tokens, and give the high format to the most sensitive layers while the budget allows.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 
 import torch
@@ -23,9 +20,8 @@ from .groups import offset_groups
 from .result import CalibrationResult, result_from_format_map
 from .sensitivity import kl_sensitivities
 from .settings import CalibrationSettings
-from .trainer import calibrate
 
-__all__ = ["calibrate_round_ste", "kl_preselection", "kl_sensitivities", "uniform", "uniform_format_map"]
+__all__ = ["kl_preselection", "kl_sensitivities", "uniform", "uniform_format_map"]
 
 
 def uniform_format_map(model: nn.Module, fmt: str, modules_to_not_convert: list[str] | None = None) -> dict[str, str]:
@@ -70,13 +66,3 @@ def kl_preselection(
     return result_from_format_map(
         format_map, targets, settings, method="kl", seconds=time.perf_counter() - start
     )
-
-
-def calibrate_round_ste(
-    model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
-) -> CalibrationResult:
-    """ROUND+STE: the paper's trainer (`recipe="paper"`) with the discrete format in every forward pass and
-    straight-through gradients. The offsets become formats by `settings.discretization`, so it meets the same
-    budget as dMX with the default settings."""
-    paper = dataclasses.replace(settings, recipe="paper", discretization=settings.discretization)
-    return calibrate(model, input_ids, paper, progress, straight_through=True)

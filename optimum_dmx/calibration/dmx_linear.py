@@ -1,9 +1,14 @@
-"""`DMXLinear`: the calibration-time module of dMX, a frozen linear quantized at a learnable format offset."""
+"""`DMXLinear`: the calibration-time module of dMX, a frozen linear quantized at a learnable format offset.
+
+Where the offset comes from is a strategy object given at construction:
+
+* `RelaxedOffset` (the paper's method): `beta = F(beta_hat, T)`, the temperature shared by every layer and set by
+  the trainer once per step;
+* `EndpointProbe` (the default method): each step the layer runs at one end of its format path, and at its low
+  end the loss's derivative with respect to the offset is read there.
+"""
 
 from __future__ import annotations
-
-from collections.abc import Iterable, Iterator
-from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -11,12 +16,12 @@ from torch.nn import functional as F
 
 from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, FrozenWeightQuantization, get_format_pair
 from ..continuous import quantize_mx_continuous_fused, weight_block_max
-from ..formats import MXFormat, quantize_mx
+from ..formats import MXFormat
 from ..nn import InputCache
 from ..nn.rotation import rotate_input_side, rotate_output_side
-from .schedule import discrete_offset, temperature_sigmoid
+from .schedule import T_START, discrete_offset, temperature_sigmoid
 
-ENDPOINTS = (0.0, MAX_OFFSET)  # the offsets at which quantizations are reused (the probes of the default recipe)
+ENDPOINTS = (0.0, MAX_OFFSET)  # the offsets at which quantizations are reused (the default method's probes)
 
 
 class SharedInputs:
@@ -44,35 +49,61 @@ class SharedInputs:
         self._quantizations.clear()
 
 
+class RelaxedOffset:
+    """The paper's offset: `beta = F(beta_hat, T)`. One instance serves every layer of a run; the trainer sets
+    `temperature` once per step."""
+
+    shared_inputs: SharedInputs | None = None
+
+    def __init__(self, temperature: float = T_START):
+        self.temperature = float(temperature)
+
+    def beta(self, beta_hat: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+        """The offset, differentiable with respect to `beta_hat`, and no reusable value."""
+        return temperature_sigmoid(beta_hat, self.temperature), None
+
+
+class EndpointProbe:
+    """The default method's offset: each step the trainer puts the layer at one end of its format path
+    (`set(offset, measure=...)`); with `measure=True` the offset requires grad and `gain()` reads `-dL/dbeta` there
+    after the backward pass. At an endpoint, the frozen weight's quantization is computed once and reused, and an
+    input other layers quantize at the same endpoint is quantized once (`shared_inputs`)."""
+
+    def __init__(self, shared_inputs: SharedInputs | None = None):
+        self.shared_inputs = shared_inputs
+        self._offset: torch.Tensor | None = None
+        self._value: float | None = None
+
+    def set(self, offset: float, device: torch.device, measure: bool) -> None:
+        self._value = float(offset)
+        self._offset = torch.tensor(self._value, device=device, requires_grad=measure)
+
+    def beta(self, beta_hat: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+        if self._offset is None:
+            raise RuntimeError("EndpointProbe.set() must put the layer at an endpoint before its forward pass")
+        return self._offset, self._value
+
+    def gain(self) -> torch.Tensor:
+        """`-dL/dbeta` at the measured endpoint (zero when the loss did not reach this layer)."""
+        grad = self._offset.grad
+        return -grad if grad is not None else torch.zeros((), device=self._offset.device)
+
+    def reset(self) -> None:
+        self._offset = self._value = None
+
+
+OffsetStrategy = RelaxedOffset | EndpointProbe
+
+
 class DMXLinear(nn.Module):
     """A frozen linear layer whose weight and input are quantized at a learnable format offset.
 
     The module shares (does not copy) the wrapped linear's `weight` and `bias`. Its only trainable state is
-    `beta_hat` (a scalar, initialised to 0: the pair's low format). The forward pass maps it to
-    `beta = F(beta_hat, temperature)` in [0, 2] and quantizes, along `in_features` in blocks of
-    `block_size`, the weight and (dynamically, when `quantize_activations`) the input activation with the
-    pair's continuous quantizer at `beta`, with block scales by `scale_rule`. The computation runs in float32 and returns the input's dtype, so
-    fp32 and bf16 models both work.
-
-    `temperature` is a plain attribute that the calibration loop updates every step. With
-    `straight_through`, the forward pass uses the discrete choice (`discrete_offset(beta_hat)`)
-    while gradients flow as if it were `F(beta_hat, temperature)` (the ROUND+STE baseline).
-
-    `probe`, when set, replaces `beta` altogether: the sampling estimator sets it to a format endpoint each step
-    (a 0-dim tensor, requiring grad when the loss's derivative there is wanted) and reads that derivative.
-    `probe_offset` is the probe's value as a Python number, when the caller knows it: at an endpoint (0 or 2) the
-    frozen weight's quantized values are then computed once and reused every later step
-    (`FrozenWeightQuantization`: a bfloat16 copy of the weight per endpoint, freed with the module; `dy/dbeta` is
-    recomputed in the backward pass), and, with `shared_inputs` set, an input that other layers quantize at the
-    same endpoint is quantized once per step.
-
-    `drawn_high`, when set (`True`/`False`), runs the layer in that discrete format of the pair instead (exact MX
-    casts, straight-through for the input) and records in `swap` its output `y` (in the autograd graph) and
-    `y_other - y`, the change of output the other format would make: the swap estimator's first-order
-    estimate of what swapping the format changes in the loss is `<dL/dy, y_other - y>`.
-
-    `bypass`, when `True`, runs the float layer (after the input transform, if any): the reference pass of the
-    distillation loss (`unquantized`).
+    `beta_hat` (a scalar, initialised to 0: the pair's low format). Its `offset` strategy maps it to the offset
+    `beta` in [0, 2] the forward pass uses; the weight and (dynamically, when `quantize_activations`) the input
+    activation are quantized along `in_features` in blocks of `block_size` with the pair's continuous quantizer at
+    `beta`, block scales by `scale_rule`. The computation runs in float32 and returns the input's dtype, so fp32 and
+    bf16 models both work.
 
     `input_rotation` / `output_rotation`, when set, are orthogonal matrices being learned with the offsets
     (`calibration.rotations`): the layer then computes with its weight rotated by them (`W R`, `R^T W`, repeated
@@ -88,8 +119,7 @@ class DMXLinear(nn.Module):
         block_size: int = 32,
         quantize_activations: bool = True,
         scale_rule: str = "ocp",
-        temperature: float = 8.0,
-        straight_through: bool = False,
+        offset: OffsetStrategy | None = None,
     ):
         super().__init__()
         if not isinstance(linear, nn.Linear):
@@ -102,17 +132,9 @@ class DMXLinear(nn.Module):
         self.block_size = block_size
         self.quantize_activations = quantize_activations
         self.scale_rule = scale_rule
-        self.temperature = float(temperature)
-        self.straight_through = straight_through
+        self.offset = offset if offset is not None else RelaxedOffset()
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
-        self.probe: torch.Tensor | None = None
-        self.probe_offset: float | None = None
-        self.shared_inputs: SharedInputs | None = None
         self._frozen_weights: dict[float, FrozenWeightQuantization] = {}
-        self.drawn_high: bool | None = None
-        self.swap: tuple[torch.Tensor, torch.Tensor] | None = None
-        self.bypass = False
-        self._discrete_weights: dict[str, torch.Tensor] = {}
         self.input_transform = getattr(linear, "input_transform", None)  # a `TransformedLinear`'s online rotation
         self.input_rotation: torch.Tensor | None = None
         self.output_rotation: torch.Tensor | None = None
@@ -120,13 +142,8 @@ class DMXLinear(nn.Module):
         self.register_buffer("_weight_block_max", weight_block_max(linear.weight, block_size), persistent=False)
 
     def beta(self) -> torch.Tensor:
-        """The offset the quantizer uses now (differentiable with respect to `beta_hat`, or the `probe`)."""
-        if self.probe is not None:
-            return self.probe
-        relaxed = temperature_sigmoid(self.beta_hat, self.temperature)
-        if not self.straight_through:
-            return relaxed
-        return discrete_offset(self.beta_hat) + (relaxed - relaxed.detach())
+        """The offset the quantizer uses now."""
+        return self.offset.beta(self.beta_hat)[0]
 
     def element_bits(self) -> torch.Tensor:
         """Element bits at the current offset (`4 + 2 beta` or `4 + beta`), differentiable."""
@@ -136,13 +153,6 @@ class DMXLinear(nn.Module):
     def discrete_format(self) -> MXFormat:
         """The format this layer gets when discretized by its own offset (`discrete_offset`)."""
         return self.pair.high if discrete_offset(self.beta_hat).item() > 0 else self.pair.low
-
-    def discrete_weight(self, fmt: MXFormat) -> torch.Tensor:
-        """The weight cast to `fmt` (float32), cached: the weight is frozen during calibration."""
-        if fmt.name not in self._discrete_weights:
-            self._discrete_weights[fmt.name] = quantize_mx(self.weight.detach().float(), fmt, self.block_size,
-                                                           self.scale_rule)
-        return self._discrete_weights[fmt.name]
 
     @property
     def rotated(self) -> bool:
@@ -166,15 +176,9 @@ class DMXLinear(nn.Module):
             return self.bias
         return rotate_output_side(self.bias.float(), self.output_rotation.float())
 
-    def _reusable_offset(self) -> float | None:
-        """The probe's value when it is an endpoint, whose quantizations can be reused; else None."""
-        offset = self.probe_offset if self.probe is not None else None
-        return offset if offset in ENDPOINTS else None
-
-    def frozen_weight(self) -> FrozenWeightQuantization | None:
-        """The weight's quantization at the probe's endpoint, computed once and reused; None when not at one."""
-        offset = self._reusable_offset()
-        if offset is None or self.rotated:  # learned rotations give a new weight every step: nothing to reuse
+    def frozen_weight(self, offset: float | None) -> FrozenWeightQuantization | None:
+        """The weight's quantization at an endpoint `offset`, computed once and reused; None elsewhere."""
+        if offset not in ENDPOINTS or self.rotated:  # learned rotations give a new weight every step
             return None
         frozen = self._frozen_weights.get(offset)
         if frozen is None:
@@ -186,43 +190,25 @@ class DMXLinear(nn.Module):
     def quantized_weight(self, beta: torch.Tensor) -> torch.Tensor:
         """The weight quantized at `beta`, computed afresh (off the endpoints, or with learned rotations)."""
         if self.rotated:
-            return quantize_mx_continuous_fused(self.rotated_weight(), beta, self.pair, self.block_size, self.scale_rule)
+            return quantize_mx_continuous_fused(self.rotated_weight(), beta, self.pair, self.block_size,
+                                                self.scale_rule)
         return quantize_mx_continuous_fused(self.weight, beta, self.pair, self.block_size, self.scale_rule,
                                             self._weight_block_max)
 
-    def quantized_input(self, x: torch.Tensor, beta: torch.Tensor) -> torch.Tensor:
+    def quantized_input(self, x: torch.Tensor, beta: torch.Tensor, offset: float | None) -> torch.Tensor:
         """The input quantized at `beta`; shared with the other layers reading `x` at the same endpoint."""
-        offset = self._reusable_offset()
-        if offset is None or self.shared_inputs is None:
+        shared = self.offset.shared_inputs
+        if offset not in ENDPOINTS or shared is None:
             return quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
-        return self.shared_inputs.quantize(x, beta, (offset, self.pair.name, self.block_size, self.scale_rule))
-
-    def _forward_swap(self, x: torch.Tensor) -> torch.Tensor:
-        if self.rotated:
-            raise RuntimeError("the swap estimator casts the frozen weight once; it cannot run with learned rotations")
-        fmt, other = (self.pair.high, self.pair.low) if self.drawn_high else (self.pair.low, self.pair.high)
-        bias = None if self.bias is None else self.bias.float()
-        x = x.float()
-        quantized = quantize_mx(x.detach(), fmt, self.block_size, self.scale_rule) if self.quantize_activations else x
-        y = F.linear(x + (quantized - x).detach(), self.discrete_weight(fmt), bias)
-        if not y.requires_grad:  # nothing upstream needs a gradient: start the graph here
-            y.requires_grad_(True)
-        with torch.no_grad():
-            x_other = quantize_mx(x, other, self.block_size, self.scale_rule) if self.quantize_activations else x
-            self.swap = (y, F.linear(x_other, self.discrete_weight(other), bias) - y)
-        return y
+        return shared.quantize(x, beta, (offset, self.pair.name, self.block_size, self.scale_rule))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)
-        if self.bypass:
-            return F.linear(x, self.rotated_weight().to(x.dtype), self._bias_in(x.dtype))
-        if self.drawn_high is not None:
-            return self._forward_swap(x).to(x.dtype)
-        beta = self.beta()
+        beta, offset = self.offset.beta(self.beta_hat)
         if self.quantize_activations:
-            x = self.quantized_input(x, beta)
-        frozen = self.frozen_weight()
+            x = self.quantized_input(x, beta, offset)
+        frozen = self.frozen_weight(offset)
         if frozen is not None:
             return frozen.linear(x, beta, self._bias_in(x.dtype))
         return F.linear(x, self.quantized_weight(beta).to(x.dtype), self._bias_in(x.dtype))
@@ -235,19 +221,6 @@ class DMXLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"format_pair={self.pair.name}, block_size={self.block_size}, "
-            f"quantize_activations={self.quantize_activations}, scale_rule={self.scale_rule}, temperature={self.temperature:g}, "
-            f"straight_through={self.straight_through}"
+            f"quantize_activations={self.quantize_activations}, scale_rule={self.scale_rule}, "
+            f"offset={type(self.offset).__name__}"
         )
-
-
-@contextmanager
-def unquantized(layers: Iterable[DMXLinear]) -> Iterator[None]:
-    """Run `layers` as the float layers they wrap inside the block (the model's float reference)."""
-    previous = {layer: layer.bypass for layer in layers}
-    for layer in previous:
-        layer.bypass = True
-    try:
-        yield
-    finally:
-        for layer, bypass in previous.items():
-            layer.bypass = bypass

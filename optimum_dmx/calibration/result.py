@@ -25,8 +25,8 @@ class CalibrationResult:
         history: one record per step: `step`, `loss`, `task_loss`, `reg_loss`, `bits` (the average the
             regularizer uses), `bits_simple`, `bits_weighted`, `temperature`.
         beta_hat: final raw offset per module (empty for methods without offsets).
-        kl_sensitivities: the KL scan's per-module sensitivity when the ranking blended it in (`kl_weight`).
-        method: which procedure produced the assignment (`"dmx"`, `"round_ste"`, `"kl"`, `"uniform"`).
+        kl_sensitivities: the KL scan's per-module sensitivity, when the default method blended it into its ranking.
+        method: which procedure produced the assignment (`"dmx"`, `"paper"`, `"kl"`, `"uniform"`).
         seconds: wall time of the procedure.
     """
 

@@ -24,6 +24,7 @@ from ..nn.rotation import RotationSites, has_unit_norm_scales, merge_rotations, 
 from .distributed import average_across_processes
 from .dmx_linear import DMXLinear
 
+ROTATION_LR = 1.5  # SpinQuant's Cayley SGD step size (each step's turn is capped by MAX_STEP_ANGLE)
 MAX_STEP_ANGLE = 1.0  # CayleySGD caps each step's ||a A||_F at this, which bounds ||X_new - X||_F by it too
 
 
@@ -38,7 +39,7 @@ class CayleySGD(torch.optim.Optimizer):
     Transform", ICLR 2020, used by SpinQuant). Computed in float64.
     """
 
-    def __init__(self, params, lr: float = 1.5):
+    def __init__(self, params, lr: float = ROTATION_LR):
         if not lr > 0:
             raise ValueError(f"lr={lr!r} must be positive.")
         super().__init__(params, {"lr": lr})
@@ -65,7 +66,7 @@ class LearnedRotations:
     `residual` is None for a model whose residual stream is not rotated (post-block norms, `RotationSites`).
     """
 
-    def __init__(self, sites: RotationSites, hidden_size: int, device: torch.device, lr: float):
+    def __init__(self, sites: RotationSites, hidden_size: int, device: torch.device, lr: float = ROTATION_LR):
         def identity(size: int) -> torch.Tensor:
             return torch.eye(size, dtype=torch.float64, device=device, requires_grad=True)
 
@@ -116,7 +117,7 @@ def learnable_sites(model: nn.Module) -> RotationSites:
 
 @contextmanager
 def learned_rotations(
-    model: nn.Module, layers: Mapping[str, DMXLinear], sites: RotationSites, lr: float
+    model: nn.Module, layers: Mapping[str, DMXLinear], sites: RotationSites, lr: float = ROTATION_LR
 ) -> Iterator[LearnedRotations]:
     """Learn rotations on top of `model`'s merged ones while the block runs (see the module docstring).
 

@@ -14,6 +14,9 @@ import torch
 from ..continuous import MAX_OFFSET
 
 MIDPOINT = MAX_OFFSET / 2  # F(MIDPOINT, T) = MIDPOINT for every T: where the step lands as T grows
+# The paper's schedule: T = 8 for the first 60% of the steps, then an exponential rise to 400. The default method
+# anneals its map sampling on the same schedule.
+T_START, T_END, T_WARMUP_RATIO = 8.0, 400.0, 0.6
 
 
 def temperature_sigmoid(beta_hat: torch.Tensor, temperature: float) -> torch.Tensor:

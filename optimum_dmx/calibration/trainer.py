@@ -1,15 +1,16 @@
 """The dMX calibration loop: learn one format offset per linear layer from the task loss's gradient.
 
 `calibrate` swaps the targeted `nn.Linear` modules for `DMXLinear` in place, freezes every model weight, learns
-the offsets with the settings' recipe (`docs/method.md`), turns them into a format map (the budget's highest
-offsets, or the paper's `beta_hat >= 1`), and puts the original modules back, untouched. Turning the returned
-format map into quantized modules is the caller's job.
+the offsets by the settings' method (`docs/method.md`), turns them into a format map, and puts the original
+modules back, untouched. Turning the returned format map into quantized modules is the caller's job.
 
-* `"paper"` recipe (`_relaxed_offsets`): SGD on `cross-entropy + bit regularizer` through the relaxed offsets
-  `F(beta_hat, T)`, the temperature annealed.
-* `"dmx"` recipe (`_sampled_offsets`): every step draws a format map at the budget (Gumbel top-k on the
-  offsets, uniform while `T` is at `t_start`, then sharper), and each layer drawn in its low format learns
-  from the derivative of the cross-entropy with respect to its offset there.
+* `"dmx"` (`_sampled_offsets`): every step draws a format map at the budget (Gumbel top-k on the offsets, uniform
+  while `T` is at its start, then sharper), and each layer drawn in its low format learns from the derivative of
+  the cross-entropy with respect to its offset there; the final ranking blends the learned offsets with the KL
+  scan's (`KL_WEIGHT`) and the budget's highest layers go high.
+* `"paper"` (`_relaxed_offsets`): SGD on `cross-entropy + bit regularizer` through the relaxed offsets
+  `F(beta_hat, T)`, the temperature annealed (`PaperRecipe`).
+* `"kl"`: KL pre-selection (`baselines.kl_preselection`), no training steps.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from typing import Any
 
@@ -28,22 +29,25 @@ from tqdm.auto import tqdm
 from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
+from .baselines import kl_preselection
 from .budget import blended_priority, budget_format_map
 from .checkpointing import activation_checkpointing
 from .data import build_calibration_batches
 from .distributed import average_across_processes, process_share, world
-from .dmx_linear import DMXLinear, SharedInputs
+from .dmx_linear import DMXLinear, EndpointProbe, OffsetStrategy, RelaxedOffset, SharedInputs
 from .groups import offset_groups
-from .losses import calibration_loss
 from .regularizers import bit_regularizer
 from .result import CalibrationResult, result_from_format_map
 from .rotations import LearnedRotations, learnable_sites, learned_rotations
-from .schedule import temperature_at
+from .schedule import T_END, T_START, T_WARMUP_RATIO, temperature_at
 from .sensitivity import kl_sensitivities
 from .settings import CalibrationSettings
 
-
 logger = logging.getLogger(__name__)
+
+# The default method's final ranking: `(1 - KL_WEIGHT) rank(learned offset) + KL_WEIGHT rank(KL sensitivity)`. The
+# two signals are complementary: the blend's maps beat either ranking alone on held-out text (docs/method.md).
+KL_WEIGHT = 0.5
 
 
 def _batches(num_samples: int, batch_size: int, steps: int, seed: int) -> Iterator[torch.Tensor]:
@@ -59,10 +63,11 @@ def _batches(num_samples: int, batch_size: int, steps: int, seed: int) -> Iterat
 
 @contextmanager
 def dmx_linears(
-    model: nn.Module, settings: CalibrationSettings, straight_through: bool = False
-) -> Iterator[dict[str, nn.Module]]:
+    model: nn.Module, settings: CalibrationSettings, offset: Callable[[], OffsetStrategy] = RelaxedOffset
+) -> Iterator[dict[str, DMXLinear]]:
     """Temporarily replace the targeted linears of `model` by `DMXLinear` (offsets at 0), weights frozen.
 
+    `offset()` makes each layer's offset strategy (`dmx_linear`); return one object from every call to share it.
     Yields the new modules by name; see `swapped_modules` for what is restored on exit.
     """
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
@@ -78,8 +83,7 @@ def dmx_linears(
             block_size=settings.block_size,
             quantize_activations=settings.quantize_activations,
             scale_rule=settings.scale_rule,
-            temperature=settings.t_start,
-            straight_through=straight_through,
+            offset=offset(),
         )
         for name, linear in targets.items()
     }
@@ -92,22 +96,15 @@ def dmx_linears(
 
 
 def calibrate(
-    model: nn.Module,
-    input_ids: torch.LongTensor,
-    settings: CalibrationSettings,
-    progress: bool = True,
-    *,
-    straight_through: bool = False,
+    model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
 ) -> CalibrationResult:
     """Learn a per-layer MX format assignment for `model` on calibration tokens.
 
     Args:
         model: a Hugging Face causal LM (anything returning `.loss` for `model(input_ids=, labels=)`).
         input_ids: `[num_samples, seq_len]` calibration token ids (see `build_calibration_batches`).
-        settings: the run's hyper-parameters.
-        progress: show a progress bar with step, loss, current average bits and temperature.
-        straight_through: ROUND+STE baseline: use the discrete format in every forward pass and pass
-            gradients straight through the rounding.
+        settings: the run's settings; `settings.method` chooses the procedure.
+        progress: show progress bars with step, loss, current average bits and temperature.
 
     Returns:
         The discretized format map, its bits (simple, weighted, storage) and the per-step history.
@@ -126,6 +123,8 @@ def calibrate(
         raise ValueError("input_ids must be a 2-D LongTensor of shape [num_samples, seq_len].")
     if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no sequence of at least 2 tokens.")
+    if settings.method == "kl":
+        return kl_preselection(model, input_ids, settings, progress)
 
     rank, world_size = world(next(model.parameters()).device)
     if settings.batch_size % world_size:
@@ -133,22 +132,30 @@ def calibrate(
                          "calibrating together: each takes an equal share of every batch.")
 
     start = time.perf_counter()
-    sampled = settings.recipe == "dmx" and not straight_through
+    sampled = settings.method == "dmx"
+    if sampled:
+        shared_inputs = SharedInputs()  # q/k/v and gate/up quantize their common input once per endpoint and step
+        offset = lambda: EndpointProbe(shared_inputs)  # noqa: E731  (one probe per layer)
+    else:
+        relaxed = RelaxedOffset(settings.paper.t_start)
+        offset = lambda: relaxed  # noqa: E731  (one temperature for every layer)
     sites = learnable_sites(model) if settings.learn_rotations else None  # found before the DMXLinears go in
-    with dmx_linears(model, settings, straight_through) as layers, \
+    with dmx_linears(model, settings, offset) as layers, \
             activation_checkpointing(model, settings.gradient_checkpointing), \
-            (learned_rotations(model, layers, sites, settings.rotation_lr) if sites else nullcontext()) as rotations:
+            (learned_rotations(model, layers, sites) if sites else nullcontext()) as rotations:
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
         bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress or rank > 0)
         batches = (input_ids[process_share(rows, rank, world_size)] for rows in bar)
-        learn = _sampled_offsets if sampled else _relaxed_offsets
-        offsets, history = learn(model, layers, batches, settings, bar, world_size, rotations)
+        if sampled:
+            offsets, history = _sampled_offsets(model, layers, batches, settings, bar, world_size, rotations)
+        else:
+            offsets, history = _relaxed_offsets(model, layers, relaxed, batches, settings, bar, world_size,
+                                                rotations)
         shapes = {name: tuple(layer.weight.shape) for name, layer in layers.items()}
         threshold_map = {name: layer.discrete_format.name for name, layer in layers.items()}
     # The KL scan swaps modules itself: it runs on the restored model.
-    blend = settings.kl_weight > 0 and not straight_through
-    sensitivities = kl_sensitivities(model, input_ids, settings, progress) if blend else {}
-    priority = blended_priority(offsets, sensitivities, settings.kl_weight) if blend else offsets
+    sensitivities = kl_sensitivities(model, input_ids, settings, progress) if sampled else {}
+    priority = blended_priority(offsets, sensitivities, KL_WEIGHT) if sampled else offsets
     format_map = threshold_map if settings.discretization == "threshold" else _budget_map(priority, shapes, settings)
     result = result_from_format_map(
         format_map,
@@ -157,7 +164,7 @@ def calibrate(
         history=history,
         beta_hat=offsets,
         kl_sensitivities=sensitivities,
-        method="round_ste" if straight_through else "dmx",
+        method=settings.method,
         seconds=time.perf_counter() - start,
     )
     logger.info(
@@ -180,28 +187,31 @@ def _budget_map(priority: dict[str, float], shapes: dict[str, tuple], settings: 
     )
 
 
+def _task_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
+    """The causal-LM cross-entropy of `model` on the batch's own next tokens (the paper's task loss)."""
+    return model(input_ids=batch, labels=batch, use_cache=False).loss
+
+
 def _relaxed_offsets(
-    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1,
-    rotations: LearnedRotations | None = None,
+    model: nn.Module, layers: dict[str, DMXLinear], relaxed: RelaxedOffset, batches, settings: CalibrationSettings,
+    bar, world_size: int = 1, rotations: LearnedRotations | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """The paper's loop: SGD on `cross-entropy + bit regularizer` through `F(beta_hat, T)` (and a Cayley step on
     the `rotations` being learned, if any). Returns the final `beta_hat` of every layer and the per-step history."""
+    recipe = settings.paper
     modules = list(layers.values())
     device = modules[0].weight.device
     sizes = tensor_sizes([tuple(m.weight.shape) for m in modules], settings.quantize_activations)
     parameters = list({id(m.beta_hat): m.beta_hat for m in modules}.values())  # grouped layers share one
-    optimizer = torch.optim.SGD(parameters, lr=settings.lr)
+    optimizer = torch.optim.SGD(parameters, lr=recipe.lr)
     history = []
     for step, batch in enumerate(batches):
-        temperature = temperature_at(step, settings.steps, settings.t_start, settings.t_end, settings.t_warmup_ratio)
-        for m in modules:
-            m.temperature = temperature
-        batch = batch.to(device)
-        task_loss = calibration_loss(model, batch, settings.loss, modules)
+        temperature = temperature_at(step, settings.steps, recipe.t_start, recipe.t_end, recipe.t_warmup_ratio)
+        relaxed.temperature = temperature
+        task_loss = _task_loss(model, batch.to(device))
         bits = torch.stack([m.element_bits() for m in modules])
         avg_bits = average_bits(bits, settings.bit_average, sizes)
-        reg_loss = bit_regularizer(avg_bits, settings.regularizer, settings.reg_lambda, settings.target_bits)
-        loss = task_loss.float() + reg_loss
+        reg_loss = bit_regularizer(avg_bits, recipe.regularizer, recipe.reg_lambda, settings.target_bits)
         optimizer.zero_grad(set_to_none=True)
         task_loss.float().backward()  # the regularizer's gradient is the same in every process: added after
         for parameter in parameters:
@@ -231,40 +241,32 @@ def _sampled_offsets(
     model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1,
     rotations: LearnedRotations | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
-    """The `"dmx"` recipe's loop. Each step draws a format map at the budget, runs the model in it, and adds to
-    each layer's running means an estimate of the loss decrease its high format buys (its offset):
+    """The default method's loop. Each step draws a format map at the budget, runs the model in it, and adds to
+    the running mean of each layer drawn in its low format `-dL/dbeta` at `beta = 0`: the first-order loss decrease
+    of leaving the low format, its offset.
 
-    * `offset_probe="low"` / `"path"`: `-dL/dbeta` at `beta = 0` (or at a random point of the path) for every
-      layer drawn in its low format;
-    * `offset_probe="swap"`: for every layer, `-<dL/dy, y_high - y_low>` measured at the format it was drawn
-      in: a first-order estimate of the whole swap from the low end and from the high end, whose average (the
-      trapezoid rule) is exact for a loss quadratic in the layer's output.
-
-    The draw is Gumbel top-k on the standardized offsets scaled by `(T - t_start) / t_start`: uniform over
-    the maps at the budget while `T` stays at `t_start` (the layers' effects are measured in contexts with the
-    budget's share of high layers), then concentrating on the budget's highest offsets as `T` rises (the last
-    decisions are measured in the context of the final map). A layer never measured keeps an infinite offset:
-    nothing said its high format could go. The `rotations` being learned, if any, take a Cayley step on the same
-    backward pass (the loss of the drawn map).
+    The draw is Gumbel top-k on the standardized offsets scaled by `(T - T_START) / T_START`: uniform over the maps
+    at the budget while `T` stays at its start (the layers' effects are measured in contexts with the budget's
+    share of high layers), then concentrating on the budget's highest offsets as `T` rises (the last decisions are
+    measured in the context of the final map). A layer never measured keeps an infinite offset: nothing said its
+    high format could go. The `rotations` being learned, if any, take a Cayley step on the same backward pass (the
+    loss of the drawn map).
     """
     names = list(layers)
     modules = list(layers.values())
+    probes: list[EndpointProbe] = [m.offset for m in modules]
     device = modules[0].weight.device
     pair = get_format_pair(settings.format_pair)
     shapes = {name: tuple(m.weight.shape) for name, m in layers.items()}
     sizes = tensor_sizes(list(shapes.values()), settings.quantize_activations)
-    means = _EndMeans(len(names))
+    means = _RunningMeans(len(names))
     generator = torch.Generator().manual_seed(settings.seed)
     groups = offset_groups(settings.offset_groups, names)
-    measure = _swap_gains if settings.offset_probe == "swap" else _probe_gains
-    shared_inputs = SharedInputs()  # q/k/v and gate/up quantize their common input once per endpoint and step
-    for m in modules:
-        m.shared_inputs = shared_inputs
     history = []
     try:
         for step, batch in enumerate(batches):
-            temperature = temperature_at(step, settings.steps, settings.t_start, settings.t_end, settings.t_warmup_ratio)
-            sharpness = (temperature - settings.t_start) / settings.t_start
+            temperature = temperature_at(step, settings.steps, T_START, T_END, T_WARMUP_RATIO)
+            sharpness = (temperature - T_START) / T_START
             offsets = means.offsets(missing=0.0)
             spread = offsets.std() if len(offsets) > 1 and offsets.std() > 0 else torch.tensor(1.0, dtype=torch.float64)
             uniform = torch.rand(len(names), generator=generator, dtype=torch.float64)
@@ -272,15 +274,22 @@ def _sampled_offsets(
             draw = sharpness * (offsets - offsets.mean()) / spread + gumbel
             drawn = budget_format_map(dict(zip(names, draw.tolist())), shapes, pair, settings.target_bits,
                                       settings.bit_average, settings.quantize_activations, groups=groups)
-            high = torch.tensor([drawn[n] != pair.low.name for n in names])
-            loss, measured, gains = measure(model, modules, batch.to(device), high, settings, generator)
-            shared_inputs.clear()
+            high = [drawn[n] != pair.low.name for n in names]
+            for probe, is_high in zip(probes, high):
+                probe.set(MAX_OFFSET if is_high else 0.0, device, measure=not is_high)
+            loss = _task_loss(model, batch.to(device))
+            if loss.requires_grad:
+                loss.backward()  # into the probes, and into learned rotations, if any
+            probes[0].shared_inputs.clear()
             if rotations is not None:
                 rotations.step(world_size)
-            if len(measured):
-                means.add(measured, high[measured], average_across_processes(gains, world_size))
+            low = [i for i, is_high in enumerate(high) if not is_high]
+            if low:
+                gains = torch.stack([probes[i].gain() for i in low]).double().cpu()
+                means.add(torch.tensor(low), average_across_processes(gains, world_size))
             loss = average_across_processes(loss.detach().float(), world_size)
-            bits = torch.where(high, float(pair.high.bits), float(pair.low.bits)).double()
+            bits = torch.tensor([pair.high.bits if is_high else pair.low.bits for is_high in high],
+                                dtype=torch.float64)
             history.append({
                 "step": step,
                 "loss": loss.item(),
@@ -293,78 +302,26 @@ def _sampled_offsets(
             })
             bar.set_postfix(loss=f"{loss.item():.4f}", T=f"{temperature:.1f}")
     finally:
-        for m in modules:
-            m.probe = m.probe_offset = m.drawn_high = m.swap = m.shared_inputs = None
+        for probe in probes:
+            probe.reset()
     return dict(zip(names, means.offsets(missing=math.inf).tolist())), history
 
 
-def _probe_gains(
-    model: nn.Module, modules: list[DMXLinear], batch: torch.Tensor, high: torch.Tensor,
-    settings: CalibrationSettings, generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`offset_probe` `"low"` / `"path"`: the loss, the layers drawn low, and `-dL/dbeta` at their probe."""
-    device = batch.device
-    low = torch.nonzero(~high).flatten()
-    points = _probe_points(len(low), settings.offset_probe, generator)
-    offsets = dict(zip(low.tolist(), points.tolist()))
-    probes = {i: torch.tensor(offset, device=device, requires_grad=True) for i, offset in offsets.items()}
-    high_offset = torch.tensor(MAX_OFFSET, device=device)
-    for i, m in enumerate(modules):
-        m.probe, m.probe_offset = probes.get(i, high_offset), offsets.get(i, MAX_OFFSET)
-    loss = calibration_loss(model, batch, settings.loss, modules)
-    if loss.requires_grad:
-        loss.backward()  # into the probes, and into learned rotations, if any
-    if not probes:
-        return loss, low, torch.zeros(0, dtype=torch.float64)
-    return loss, low, -torch.stack([probe.grad for probe in probes.values()]).double().cpu()
-
-
-def _swap_gains(
-    model: nn.Module, modules: list[DMXLinear], batch: torch.Tensor, high: torch.Tensor,
-    settings: CalibrationSettings, generator: torch.Generator,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """`offset_probe="swap"`: the loss, every layer, and `L(low) - L(high)` to first order from its drawn end."""
-    for m, is_high in zip(modules, high.tolist()):
-        m.drawn_high = is_high
-    loss = calibration_loss(model, batch, settings.loss, modules)
-    outputs, changes = zip(*(m.swap for m in modules))
-    grads = torch.autograd.grad(loss, outputs, allow_unused=True)
-    swap = torch.stack([
-        torch.zeros((), dtype=torch.float64) if g is None else (g.double() * change.double()).sum().cpu()
-        for g, change in zip(grads, changes)
-    ])  # L(other format) - L(drawn format), to first order
-    for m in modules:
-        m.swap = None
-    return loss, torch.arange(len(modules)), torch.where(high, swap, -swap)
-
-
-class _EndMeans:
-    """Running means of each layer's gain, kept apart by the format it was measured in; a layer's offset is the
-    mean of its two ends' means (the trapezoid rule), or of the one it has."""
+class _RunningMeans:
+    """Running mean of each layer's measured gain; a layer never measured has none."""
 
     def __init__(self, size: int):
-        self.total = torch.zeros(2, size, dtype=torch.float64)
-        self.count = torch.zeros(2, size, dtype=torch.float64)
+        self.total = torch.zeros(size, dtype=torch.float64)
+        self.count = torch.zeros(size, dtype=torch.float64)
 
-    def add(self, indices: torch.Tensor, at_high: torch.Tensor, gains: torch.Tensor) -> None:
-        end = at_high.long()
-        self.total.index_put_((end, indices), gains, accumulate=True)
-        self.count.index_put_((end, indices), torch.ones_like(gains), accumulate=True)
+    def add(self, indices: torch.Tensor, gains: torch.Tensor) -> None:
+        self.total.index_put_((indices,), gains, accumulate=True)
+        self.count.index_put_((indices,), torch.ones_like(gains), accumulate=True)
 
     def offsets(self, missing: float) -> torch.Tensor:
-        means = self.total / self.count.clamp_min(1)
         measured = self.count > 0
-        ends = measured.sum(dim=0)
-        combined = (means * measured).sum(dim=0) / ends.clamp_min(1)
-        return torch.where(ends > 0, combined, torch.full_like(combined, missing))
-
-
-def _probe_points(count: int, offset_probe: str, generator: torch.Generator) -> torch.Tensor:
-    """Offsets at which the layers drawn low read the loss's derivative: 0, or uniform on `[0, MAX_OFFSET]`
-    (`"path"`: the mean derivative over the path is the high format's whole gain, divided by its length)."""
-    if offset_probe == "low":
-        return torch.zeros(count)
-    return torch.rand(count, generator=generator) * MAX_OFFSET
+        means = self.total / self.count.clamp_min(1)
+        return torch.where(measured, means, torch.full_like(means, missing))
 
 
 def calibrate_on_text(

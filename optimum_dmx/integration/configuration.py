@@ -2,177 +2,157 @@
 
 One object serves two moments:
 
-* **before quantization** it describes a calibration (target bits, format pair, data, schedule), or an
-  explicit per-layer `format_map` to apply without calibrating;
-* **after quantization** (what `config.json` holds) it records the `format_map` that was applied, the
-  achieved bit-widths and the settings needed to reproduce it.
+* **before quantization** it describes a calibration (target bits, format pair, method, data), or an explicit
+  per-layer `format_map` to apply without calibrating;
+* **after quantization** (what `config.json` holds) it records the `format_map` that was applied, the achieved
+  bit-widths and the settings that reproduce it, nothing else.
 
-The calibration fields are validated and defaulted by `CalibrationSettings`, so both live in one place.
-The calibration inputs (`dataset`, `tokenizer`) are runtime objects: they are shared by reference on
-`copy.deepcopy` (transformers deep-copies quantization configs, and a generator cannot be copied) and
-never serialized.
+The calibration fields are validated by `CalibrationSettings`, so both live in one place. The calibration inputs
+(`dataset`, `tokenizer`) are runtime objects: they are shared by reference on `copy.deepcopy` (transformers
+deep-copies quantization configs, and a generator cannot be copied) and never serialized.
 """
 
 from __future__ import annotations
 
 import copy
-import dataclasses
-import logging
 from collections.abc import Mapping
 from typing import Any
 
 from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from ..calibration.data import check_calibration_source
-from ..calibration.settings import CalibrationSettings
+from ..calibration.presets import DEFAULT_PRESET, get_preset
+from ..calibration.settings import MX_BLOCK_SIZE, CalibrationSettings, PaperRecipe
 from ..formats import MX_FORMATS, get_format
 from ..nn.rotation import LEARNABLE_ROTATIONS, validate_rotation
 from ..nn.transforms import RandomizedHadamard
 
 QUANT_METHOD = "dmx"
 
-logger = logging.getLogger(__name__)
-
-# Settings only the paper's recipe reads; the default recipe keeps the budget by construction.
-_PAPER_ONLY_FIELDS = ("lr", "reg_lambda")
-_SETTINGS_FIELDS = tuple(field.name for field in dataclasses.fields(CalibrationSettings))
-# Achieved bit-widths, recorded with an applied format map.
-_RESULT_FIELDS = ("bits_simple", "bits_weighted", "storage_bits")
+# The fields a config.json records besides the map; `gradient_checkpointing` changes no result, so it is not one.
+_RECORDED_SETTINGS = ("method", "target_bits", "format_pair", "preset", "num_samples", "seq_len", "batch_size",
+                      "steps", "bit_average", "rotation", "learn_rotations", "offset_groups", "scale_rule",
+                      "quantize_activations", "modules_to_not_convert", "seed")
+_SETTINGS_FIELDS = ("method", "target_bits", "format_pair", "num_samples", "seq_len", "batch_size", "steps",
+                    "bit_average", "offset_groups", "quantize_activations", "scale_rule", "modules_to_not_convert",
+                    "seed", "learn_rotations", "gradient_checkpointing", "paper")
+_PRESET_FIELDS = ("num_samples", "seq_len", "batch_size", "steps", "gradient_checkpointing", "paper")
+_ACHIEVED_BITS = ("bits_simple", "bits_weighted", "storage_bits")
 # Runtime-only inputs: shared on deepcopy, never serialized.
 _RUNTIME_FIELDS = ("dataset", "tokenizer")
+# Keys that config.json files written by optimum-dmx 0.1.0.dev0 hold and this version reads differently: the
+# paper's hyper-parameters (now `paper`), the achieved bits (now `achieved_bits`), the recipe (now `method`), and
+# the default method's internal settings, which describe how a map was made and are not needed to load it.
+_LEGACY_PAPER_KEYS = ("lr", "regularizer", "reg_lambda", "discretization", "t_start", "t_end", "t_warmup_ratio")
+_LEGACY_IGNORED_KEYS = ("offset_probe", "loss", "kl_weight", "kl_samples", "rotation_lr", "quant_method")
 
 
 class DMXConfig(QuantizationConfigMixin):
     """Configuration of dMX mixed-precision MX quantization.
 
     Args:
-        target_bits: average element bit-width the calibration aims for; within the format pair's range
-            (4-8 for `"mxfp8-mxfp4"`, 4-6 for `"mxfp6-mxfp4"`). With the default recipe the result lands within
-            0.05 bits of it (when the model's layers are fine-grained enough to allow it), never above.
-        recipe: `"dmx"` (default: sampled format maps at the budget, see `docs/method.md`) or `"paper"` (the dMX
-            paper's procedure exactly).
-        format_pair: `"mxfp8-mxfp4"` or `"mxfp6-mxfp4"`, the low and high format each layer chooses from.
-        dataset: calibration text: a Hub dataset name, local text/json/parquet file(s), a
+        target_bits: average element bit-width to reach (scales excluded: MXFP4 counts 4): 4-8 for
+            `"mxfp8-mxfp4"`, 4-6 for `"mxfp6-mxfp4"`. The result lands within 0.05 bits of it, never above
+            (`method="paper"` lands where its regularizer leads).
+        format_pair: `"mxfp8-mxfp4"` (default) or `"mxfp6-mxfp4"`, the low and high format each layer chooses from.
+        method: `"dmx"` (default: format maps sampled at the budget, offsets from the loss's derivative, ranking
+            blended with KL pre-selection's), `"paper"` (the dMX paper's procedure, exactly, with `paper`'s
+            hyper-parameters) or `"kl"` (KL pre-selection: one forward pass per layer, no training).
+        preset: calibration sizes by name (`calibration.presets`): `"paper"` (default: 400 steps of 8 x 2048
+            tokens), `"gpu"`, `"cpu-demo"`, `"cpu-bench"`. `num_samples`, `seq_len`, `batch_size`, `steps` and
+            `gradient_checkpointing` given here override the preset's.
+        dataset: calibration text: a Hub dataset name, local text/json/parquet file(s) or folder, a
             `datasets.Dataset` (streaming or not), a generator or a list of strings. Never serialized.
         tokenizer: tokenizer used to build the calibration batches. Never serialized.
-        num_samples, seq_len, batch_size, steps, lr, regularizer, reg_lambda, bit_average, discretization, t_start,
-        t_end, t_warmup_ratio, seed: calibration settings (`CalibrationSettings`, `docs/method.md`); `None` takes
-        the default.
-        gradient_checkpointing: recompute each decoder layer's activations in the backward pass of calibration
-            instead of keeping them (less memory, about one more forward pass per step; same results).
-        offset_probe: where the default recipe reads each layer's loss derivative: `"low"` (default), `"path"` or `"swap"`
-            (`CalibrationSettings`).
-        loss: what the offsets learn from: `"cross_entropy"` (default; the model's loss on the calibration text) or
-            `"distillation"` (KL from the float model's next-token distributions; one more forward pass per step).
-        kl_weight, kl_samples: the final ranking blends the learned offsets' rank with KL pre-selection's (weight
-            `kl_weight`, scan on the first `kl_samples` calibration sequences); `CalibrationSettings`.
-        rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/method.md`):
-            `"none"` (default), `"hadamard"` (full-size randomized Hadamard transforms), `"block_hadamard"`
-            (block-diagonal ones aligned to the MX blocks) or `"online_block_hadamard"` (a block-diagonal transform of
-            every quantized linear's input at run time, nothing merged into the residual stream). Merged rotations change the saved weights (tied
-            embeddings are untied); the online transform of each `down_proj` input is recorded in
+        num_samples, seq_len, batch_size, steps: calibration sequences drawn from the text, tokens per sequence,
+            sequences per step, optimization steps.
+        bit_average: the average `target_bits` is kept in: `"simple"` (per layer, default) or `"weighted"` (by
+            tensor size); both are recorded.
+        rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/rotations.md`):
+            `"none"` (default), `"hadamard"`, `"block_hadamard"` or `"online_block_hadamard"`. Merged rotations
+            change the saved weights (tied embeddings are untied); online transforms are recorded in
             `input_transforms` and rebuilt on load.
-        learn_rotations, rotation_lr: train the merged rotations of `"hadamard"` / `"block_hadamard"` jointly with
-            the offsets (Cayley SGD at `rotation_lr`, `CalibrationSettings`); the learned rotations are merged into
-            the saved weights, nothing is needed at load time.
-        offset_groups: layers that share one offset and so one format: `"none"` (default), `"fused"` (q/k/v and
-            gate/up of each decoder layer, as vLLM and SGLang fuse them: needed to export a servable map) or
-            explicit lists of module names.
-        block_size: MX block size (32 in the OCP spec).
-        quantize_activations: quantize each quantized linear's input activations to its format.
+        learn_rotations: train the merged rotations (`"hadamard"`, `"block_hadamard"`) with the formats (Cayley
+            SGD, SpinQuant's step); merged into the saved weights, nothing is needed at load time.
+        offset_groups: layers that share one format: `"none"` (default), `"fused"` (q/k/v and gate/up of each
+            decoder layer, as vLLM and SGLang fuse them: needed to export a servable map) or lists of module names.
         scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
-            export: `"ocp"` (default: the OCP specification's floor) or the rounding rule of the engine the model
-            will be served with, `"compressed-tensors"` (vLLM's compressed-tensors path) or `"quark"` (AMD Quark).
-            Stored in config.json.
-        modules_to_not_convert: module-name patterns kept in full precision (transformers' matching rule), in
-            addition to transformers' default skips (the output embeddings, tied weights and the model's
-            `keep_in_fp32` modules). Defaults to `["lm_head"]`.
-        format_map: full module name -> MX format name. Given without a dataset, it is applied as is
-            (no calibration); after calibration it holds the learned assignment.
+            export: `"ocp"` (default: the specification's floor), `"compressed-tensors"` or `"quark"` (those
+            loaders' rounding, so that a served model computes what was calibrated).
+        quantize_activations: also quantize each layer's input activations (dynamically, in its format).
+        gradient_checkpointing: recompute each decoder layer's activations in the backward pass of calibration
+            (less memory, about one more forward pass per step, the same result).
+        modules_to_not_convert: module-name patterns kept in float (transformers' matching rule), besides
+            transformers' default skips (output embeddings, tied weights, `keep_in_fp32` modules). Default
+            `["lm_head"]`.
+        seed: data order and sampling; a run is deterministic for a seed.
+        paper: `PaperRecipe` (or a dict of its fields) for `method="paper"`: lr, regularizer, lambda, temperature
+            schedule, discretization; the paper's values by default.
+        format_map: full module name -> MX format name. Given without a dataset, it is applied as is (no
+            calibration); after calibration it holds the learned assignment.
         input_transforms: full module name -> online input transform (`RandomizedHadamard.to_dict()`), written
             with the format map when `rotation` is on.
-        bits_simple, bits_weighted, storage_bits: achieved bit-widths, written with the format map.
-        kwargs: keys written by other versions of the package; accepted and ignored.
+        achieved_bits: `bits_simple`, `bits_weighted` and `storage_bits` of the applied map, written with it.
+        legacy: keys of config.json files written by optimum-dmx 0.1.0.dev0, read into the fields above; any other
+            keyword is an error.
     """
 
     def __init__(
         self,
         target_bits: float | None = None,
-        recipe: str | None = None,
         format_pair: str | None = None,
+        method: str | None = None,
+        preset: str | None = None,
         dataset: Any = None,
         tokenizer: Any = None,
         num_samples: int | None = None,
         seq_len: int | None = None,
         batch_size: int | None = None,
         steps: int | None = None,
-        lr: float | None = None,
-        regularizer: str | None = None,
-        reg_lambda: float | None = None,
         bit_average: str | None = None,
-        discretization: str | None = None,
-        t_start: float | None = None,
-        t_end: float | None = None,
-        t_warmup_ratio: float | None = None,
-        offset_probe: str | None = None,
-        loss: str | None = None,
-        kl_weight: float | None = None,
-        kl_samples: int | None = None,
         rotation: str | None = None,
         learn_rotations: bool | None = None,
-        rotation_lr: float | None = None,
         offset_groups: str | list[list[str]] | None = None,
-        block_size: int | None = None,
-        quantize_activations: bool | None = None,
         scale_rule: str | None = None,
+        quantize_activations: bool | None = None,
+        gradient_checkpointing: bool | None = None,
         modules_to_not_convert: list[str] | None = None,
         seed: int | None = None,
-        gradient_checkpointing: bool | None = None,
+        paper: PaperRecipe | Mapping[str, Any] | None = None,
         format_map: Mapping[str, str] | None = None,
         input_transforms: Mapping[str, dict] | None = None,
-        bits_simple: float | None = None,
-        bits_weighted: float | None = None,
-        storage_bits: float | None = None,
-        **kwargs: Any,
+        achieved_bits: Mapping[str, float] | None = None,
+        **legacy: Any,
     ):
+        method, paper, achieved_bits = _read_legacy_keys(legacy, method, paper, achieved_bits)
+        self.preset = DEFAULT_PRESET if preset is None else preset
+        if not isinstance(self.preset, str):
+            raise TypeError(f"preset={self.preset!r} must be a preset name (str).")
+        sizes = get_preset(self.preset).settings()
+        if paper is not None and method != "paper":
+            raise ValueError(f"paper={paper!r} sets the hyper-parameters of method='paper'; method="
+                             f"{method or 'dmx'!r} has none (pass method='paper', or leave paper out).")
         given = {
-            "recipe": recipe,
+            "method": method,
             "target_bits": target_bits,
             "format_pair": format_pair,
             "num_samples": num_samples,
             "seq_len": seq_len,
             "batch_size": batch_size,
             "steps": steps,
-            "lr": lr,
-            "regularizer": regularizer,
-            "reg_lambda": reg_lambda,
             "bit_average": bit_average,
-            "discretization": discretization,
-            "t_start": t_start,
-            "t_end": t_end,
-            "t_warmup_ratio": t_warmup_ratio,
-            "offset_probe": offset_probe,
-            "loss": loss,
-            "kl_weight": kl_weight,
-            "kl_samples": kl_samples,
             "offset_groups": offset_groups,
-            "block_size": block_size,
             "quantize_activations": quantize_activations,
             "scale_rule": scale_rule,
             "modules_to_not_convert": modules_to_not_convert,
             "seed": seed,
-            "gradient_checkpointing": gradient_checkpointing,
             "learn_rotations": learn_rotations,
-            "rotation_lr": rotation_lr,
+            "gradient_checkpointing": gradient_checkpointing,
+            "paper": paper,
         }
-        settings = CalibrationSettings(**{k: v for k, v in given.items() if v is not None})
-        for field in dataclasses.fields(settings):
-            setattr(self, field.name, copy.copy(getattr(settings, field.name)))
-        unused = [name for name in _PAPER_ONLY_FIELDS if given[name] is not None]
-        if format_map is None and settings.recipe != "paper" and unused:
-            logger.warning(
-                "DMXConfig: %s only apply to recipe='paper'; recipe=%r ignores them.", ", ".join(unused), settings.recipe
-            )
+        settings = CalibrationSettings(**{**sizes, **{k: v for k, v in given.items() if v is not None}})
+        for name in _SETTINGS_FIELDS:
+            setattr(self, name, copy.copy(getattr(settings, name)))
         check_calibration_source(dataset)
         self.dataset = dataset
         self.tokenizer = tokenizer
@@ -182,10 +162,13 @@ class DMXConfig(QuantizationConfigMixin):
                              f"{' or '.join(map(repr, LEARNABLE_ROTATIONS))}, got rotation={self.rotation!r}.")
         self.format_map = _validate_format_map(format_map)
         self.input_transforms = _validate_input_transforms(input_transforms)
-        self.bits_simple = bits_simple
-        self.bits_weighted = bits_weighted
-        self.storage_bits = storage_bits
+        self.achieved_bits = _validate_achieved_bits(achieved_bits)
         self.quant_method = QUANT_METHOD
+
+    @property
+    def block_size(self) -> int:
+        """The MX block size: the specification's 32."""
+        return MX_BLOCK_SIZE
 
     @property
     def needs_calibration(self) -> bool:
@@ -226,9 +209,7 @@ class DMXConfig(QuantizationConfigMixin):
         format_map: Mapping[str, str],
         *,
         input_transforms: Mapping[str, dict] | None = None,
-        bits_simple: float | None = None,
-        bits_weighted: float | None = None,
-        storage_bits: float | None = None,
+        achieved_bits: Mapping[str, float] | None = None,
         **settings: Any,
     ) -> DMXConfig:
         """A config recording an applied `format_map`, its achieved bits and any `settings` that were resolved
@@ -238,19 +219,21 @@ class DMXConfig(QuantizationConfigMixin):
             settings,
             format_map=dict(format_map),
             input_transforms=None if not input_transforms else dict(input_transforms),
-            bits_simple=bits_simple,
-            bits_weighted=bits_weighted,
-            storage_bits=storage_bits,
+            achieved_bits=None if achieved_bits is None else dict(achieved_bits),
         )
         return DMXConfig(**values)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON-serializable fields (never the dataset or the tokenizer)."""
-        out = {name: copy.copy(getattr(self, name)) for name in _SETTINGS_FIELDS}
-        out["rotation"] = self.rotation
+        """The JSON-serializable record: the settings that reproduce the map, the map, its bits; never the dataset
+        or the tokenizer. The paper's hyper-parameters only with `method="paper"`."""
+        out = {name: copy.copy(getattr(self, name)) for name in _RECORDED_SETTINGS}
+        if self.method == "paper":
+            out["paper"] = self.paper.to_dict()
         out["format_map"] = None if self.format_map is None else dict(self.format_map)
-        out["input_transforms"] = None if self.input_transforms is None else dict(self.input_transforms)
-        out.update({name: getattr(self, name) for name in _RESULT_FIELDS})
+        if self.input_transforms is not None:
+            out["input_transforms"] = dict(self.input_transforms)
+        if self.achieved_bits is not None:
+            out["achieved_bits"] = dict(self.achieved_bits)
         out["quant_method"] = self.quant_method
         return out
 
@@ -263,6 +246,45 @@ class DMXConfig(QuantizationConfigMixin):
         for key, value in self.__dict__.items():
             new.__dict__[key] = value if key in _RUNTIME_FIELDS else copy.deepcopy(value, memo)
         return new
+
+
+def _read_legacy_keys(
+    legacy: dict[str, Any], method: str | None, paper: Any, achieved_bits: Mapping[str, float] | None
+) -> tuple[str | None, Any, Mapping[str, float] | None]:
+    """Fold the keys of a 0.1.0.dev0 config.json into this version's fields; refuse any other keyword."""
+    known = ("recipe", "block_size", *_ACHIEVED_BITS, *_LEGACY_PAPER_KEYS, *_LEGACY_IGNORED_KEYS)
+    unknown = sorted(set(legacy) - set(known))
+    if unknown:
+        raise TypeError(f"DMXConfig got unknown fields {unknown}; see help(DMXConfig) for the fields it takes (the "
+                        "paper's hyper-parameters go in paper=PaperRecipe(...)).")
+    if legacy.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
+        raise ValueError(f"quant_method={legacy['quant_method']!r}: a DMXConfig is quant_method {QUANT_METHOD!r}.")
+    block_size = legacy.get("block_size", MX_BLOCK_SIZE)
+    if block_size != MX_BLOCK_SIZE:
+        raise ValueError(f"block_size={block_size!r}: this version reads MX blocks of {MX_BLOCK_SIZE} (the OCP "
+                         "specification's) only.")
+    if method is None:
+        method = legacy.get("recipe")
+    if method == "paper" and paper is None:
+        paper = {key: legacy[key] for key in _LEGACY_PAPER_KEYS if legacy.get(key) is not None} or None
+    if achieved_bits is None and any(legacy.get(key) is not None for key in _ACHIEVED_BITS):
+        achieved_bits = {key: legacy.get(key) for key in _ACHIEVED_BITS}
+    return method, paper, achieved_bits
+
+
+def _validate_achieved_bits(achieved_bits: Mapping[str, float] | None) -> dict[str, float] | None:
+    """A copy of `achieved_bits`; raises naming a key that is not one of the recorded bit-widths."""
+    if achieved_bits is None:
+        return None
+    if not isinstance(achieved_bits, Mapping):
+        raise TypeError(f"achieved_bits must map {list(_ACHIEVED_BITS)} to numbers, got {achieved_bits!r}")
+    unknown = sorted(set(achieved_bits) - set(_ACHIEVED_BITS))
+    if unknown:
+        raise ValueError(f"achieved_bits has unknown keys {unknown}; allowed: {list(_ACHIEVED_BITS)}")
+    for key, value in achieved_bits.items():
+        if value is not None and (isinstance(value, bool) or not isinstance(value, (int, float))):
+            raise TypeError(f"achieved_bits[{key!r}]={value!r} must be a number")
+    return dict(achieved_bits)
 
 
 def _validate_format_map(format_map: Mapping[str, str] | None) -> dict[str, str] | None:

@@ -95,7 +95,8 @@ class DMXHfQuantizer(HfQuantizer):
         replace_with_mx_linear(model, format_map, **_mx_options(config))
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
-        return config.with_result(format_map, input_transforms=transforms, modules_to_not_convert=skip, **bits)
+        return config.with_result(format_map, input_transforms=transforms, achieved_bits=bits,
+                                  modules_to_not_convert=skip)
 
     def _dequantize(self, model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
         """`model.dequantize()`: every `MXLinear` back to an `nn.Linear` holding its MX-valued weight."""

@@ -21,6 +21,7 @@ from typing import Any
 
 from huggingface_hub import HfApi
 
+from ..calibration.settings import MX_BLOCK_SIZE
 from ..continuous import get_format_pair
 from ..formats import MX_FORMATS
 
@@ -147,19 +148,19 @@ def _size_row(info: ModelCardInfo) -> str:
             f"({info.float_checkpoint_bytes / 2**20:.1f} MiB) |\n")
 
 
-_RECIPE_TEXT = {
-    "dmx": "recipe `dmx`: format maps sampled at the bit budget each step, per-layer offsets learned from the task "
-           "loss's derivative, their ranking blended with KL pre-selection's (`kl_weight`), highest-ranked layers "
-           "kept within the budget",
-    "paper": "recipe `paper`: the dMX paper's procedure (relaxed offsets through fractional formats, SGD on task loss "
-             "+ bit regularizer)",
+_METHOD_TEXT = {
+    "dmx": "`dmx`: format maps sampled at the bit budget each step, per-layer offsets learned from the task loss's "
+           "derivative, their ranking blended with KL pre-selection's, highest-ranked layers kept within the budget",
+    "paper": "`paper`: the dMX paper's procedure (relaxed offsets through fractional formats, SGD on task loss + bit "
+             "regularizer)",
+    "kl": "`kl`: KL pre-selection (the layers whose MXFP4 quantization moves the next-token distribution most go "
+          "high, within the budget)",
 }
-# Settings that take part in each recipe; the others are stored in config.json but unused by it.
-_RECIPE_SETTINGS = {
-    "dmx": ("steps", "batch_size", "seq_len", "num_samples", "discretization", "bit_average", "t_start", "t_end",
-            "t_warmup_ratio", "offset_probe", "loss", "kl_weight", "kl_samples", "offset_groups", "seed"),
-    "paper": ("steps", "batch_size", "seq_len", "num_samples", "lr", "regularizer", "reg_lambda", "discretization",
-              "bit_average", "t_start", "t_end", "t_warmup_ratio", "loss", "seed"),
+# Settings that take part in each method; the paper's hyper-parameters are listed with its own.
+_METHOD_SETTINGS = {
+    "dmx": ("preset", "steps", "batch_size", "seq_len", "num_samples", "bit_average", "offset_groups", "seed"),
+    "paper": ("preset", "steps", "batch_size", "seq_len", "num_samples", "bit_average", "offset_groups", "seed"),
+    "kl": ("seq_len", "batch_size", "bit_average", "offset_groups", "seed"),
 }
 
 
@@ -177,20 +178,18 @@ def _rotation_text(config: Mapping[str, Any]) -> str:
     rotation = config.get("rotation") or "none"
     text = _ROTATION_TEXT.get(rotation, rotation)
     if config.get("learn_rotations"):
-        text += f"; the merged rotations then trained with the formats (Cayley SGD, step {config.get('rotation_lr')})"
+        text += "; the merged rotations then trained with the formats (Cayley SGD)"
     return text
 
 
 def _calibration_section(config: Mapping[str, Any], info: ModelCardInfo) -> str:
     if config.get("target_bits") is None or config.get("steps") is None:
         return "The format map was given explicitly (no calibration)."
-    recipe = config.get("recipe") or "paper"  # checkpoints written before recipes existed used the paper's
-    settings = ", ".join(
-        f"{key}={config[key]}" for key in _RECIPE_SETTINGS.get(recipe, _RECIPE_SETTINGS["paper"])
-        if config.get(key) is not None
-    )
+    method = config.get("method") or "dmx"
+    settings = [f"{key}={config[key]}" for key in _METHOD_SETTINGS.get(method, ()) if config.get(key) is not None]
+    settings += [f"{key}={value}" for key, value in (config.get("paper") or {}).items()]
     data = info.calibration_data or "not recorded"
-    text = f"Calibration data: {data}.\n\nMethod: {_RECIPE_TEXT.get(recipe, recipe)}.\n\nSettings: {settings}."
+    text = f"Calibration data: {data}.\n\nMethod: {_METHOD_TEXT.get(method, method)}.\n\nSettings: {', '.join(settings)}."
     if info.calibration_seconds is not None:
         text += f" Calibration took {info.calibration_seconds / 60:.1f} min."
     return text
@@ -214,10 +213,11 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         raise ValueError("A dMX model card needs a quantization_config with a format_map (quantize the model first).")
     pair = get_format_pair(config.get("format_pair") or "mxfp8-mxfp4")
     counts = Counter(config["format_map"].values())
+    bits = config.get("achieved_bits") or {}
     base = info.base_model or "a transformers model"
     values = {
         "metadata": _metadata(config, info),
-        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(config.get('bits_simple'))} bits)" if info.base_model
+        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(bits.get('bits_simple'))} bits)" if info.base_model
         else "dMX mixed-precision MX model",
         "base_model_label": f"[{info.base_model}](https://huggingface.co/{info.base_model})" if info.base_model and "/" in info.base_model else base,
         "kept": ", ".join(f"`{m}`" for m in config.get("modules_to_not_convert") or []) or "none",
@@ -225,16 +225,16 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         "low_format": pair.low.name,
         "high_format": pair.high.name,
         "target_bits": "n/a" if config.get("target_bits") is None else f"{config['target_bits']}",
-        "bits_simple": _fmt_bits(config.get("bits_simple")),
-        "bits_weighted": _fmt_bits(config.get("bits_weighted")),
-        "storage_bits": _fmt_bits(config.get("storage_bits")),
+        "bits_simple": _fmt_bits(bits.get("bits_simple")),
+        "bits_weighted": _fmt_bits(bits.get("bits_weighted")),
+        "storage_bits": _fmt_bits(bits.get("storage_bits")),
         "format_counts": ", ".join(f"{name}: {counts[name]}" for name in MX_FORMATS if counts[name]),
         "size_rows": _size_row(info),
         "repo_id": info.repo_id or "path/to/this/model",
         "calibration": _calibration_section(config, info),
         "evaluation": _evaluation_section(info),
         "format_table": _format_table(config["format_map"]),
-        "block_size": config.get("block_size") or 32,
+        "block_size": MX_BLOCK_SIZE,
         "rotation": _rotation_text(config),
     }
     template = resources.files("optimum_dmx.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")

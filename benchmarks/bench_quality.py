@@ -1,0 +1,275 @@
+#!/usr/bin/env python
+"""Quality: held-out perplexity against average bits for dMX, the paper's procedure, KL pre-selection and uniform
+formats, on the same model, calibration tokens and evaluation.
+
+Regenerate `results/quality.md` (the de-gridded SmolLM2-135M, five Austen novels for calibration, Pride and
+Prejudice and Moby Dick held out, all fetched and cached on first use by `common.py`; days on 2 CPU cores):
+
+    python benchmarks/bench_quality.py --seeds 0,1 --output benchmarks/results/quality.md
+
+Rows, for every format pair, target and seed:
+
+* `float`, `uniform` (MXFP4, MXFP6 E2M3, MXFP8 E4M3): references;
+* `dmx`: the default method (`DMXConfig()`);
+* `paper`: the dMX paper's procedure (`method="paper"`, the preset's `PaperRecipe`);
+* `kl`: KL pre-selection (`method="kl"`), the cheap baseline.
+
+Every method calibrates at the `--preset` sizes (default `cpu-bench`: 80 steps of 4 x 128 tokens) on the seed's
+sequences, with the same `--rotation`, `--offset-groups` and `--bit-average`; every map is evaluated with weights
+and input activations of each decoder linear MX-quantized, lm_head in float. Each finished run is appended at once
+to `--runs` (JSON lines, default under the benchmark cache), and a run already there (same method, cell and
+settings) is skipped, so a sweep can be filled in pieces and resumed; the table is rebuilt from all of them:
+
+    python benchmarks/bench_quality.py --methods float,uniform
+    python benchmarks/bench_quality.py --methods dmx,kl --pairs mxfp8-mxfp4 --targets 5 --seeds 0,1
+    python benchmarks/bench_quality.py --report-only --output benchmarks/results/quality.md
+
+Pass `--model`, `--calibration` and `--eval NAME=FILE` for any other model and texts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from common import append_json_line, benchmark_model, benchmark_texts, cache_dir, read_json_lines, write_report
+
+from optimum_dmx.calibration import (
+    CalibrationSettings,
+    build_calibration_batches,
+    calibrate,
+    get_preset,
+    uniform_format_map,
+)
+from optimum_dmx.continuous import FORMAT_PAIRS
+from optimum_dmx.evaluation import evaluate_perplexity
+from optimum_dmx.nn import emulate_format_map, format_map_bits, linear_modules_to_quantize
+from optimum_dmx.nn.rotation import ROTATIONS, rotate_model
+
+DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
+UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
+CALIBRATED = ["dmx", "paper", "kl"]
+METHODS = ["float", "uniform", *CALIBRATED]
+SKIPPED = ["lm_head"]  # kept in float by every method, as DMXConfig does
+
+
+@dataclass
+class Sweep:
+    """What a sweep runs and how it evaluates."""
+
+    model: Path | None = None  # None: the de-gridded SmolLM2-135M (common.benchmark_model)
+    calibration: list[Path] | None = None  # None: five Austen novels
+    eval_texts: dict[str, Path] | None = None  # None: Pride and Prejudice, Moby Dick
+    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    pairs: list[str] = field(default_factory=lambda: list(FORMAT_PAIRS))
+    targets: list[float] | None = None  # None: DEFAULT_TARGETS per pair
+    seeds: list[int] = field(default_factory=lambda: [0])
+    preset: str = "cpu-bench"
+    rotation: str = "none"
+    offset_groups: str = "none"
+    bit_average: str = "simple"
+    eval_tokens: int = 16384
+    eval_seq_len: int = 512
+    eval_offset: float = 0.1
+
+    def cells(self) -> list[tuple[str, str, str, int]]:
+        """(method, pair, target, seed) of every requested run; uniform runs name their format as the target."""
+        cells = []
+        for method in self.methods:
+            if method == "float":
+                cells.append((method, "", "", 0))
+            elif method == "uniform":
+                cells.extend((method, "", fmt, 0) for fmt in UNIFORM_FORMATS)
+            else:
+                for seed in self.seeds:
+                    for pair in self.pairs:
+                        cells.extend((method, pair, f"{t:g}", seed) for t in self.targets or DEFAULT_TARGETS[pair])
+        return cells
+
+    def key(self, method: str, pair: str, target: str, seed: int) -> dict:
+        """What identifies a run in the results: its cell, the model and data, and the settings it depends on."""
+        key = {"method": method, "pair": pair, "target": target, "seed": seed, "rotation": self.rotation,
+               "model": self.model.name if self.model else "smollm2-135m-degridded",
+               "eval": f"{self.eval_tokens}x{self.eval_seq_len}@{self.eval_offset:g}"}
+        if method in CALIBRATED:
+            key.update(preset=self.preset, offset_groups=self.offset_groups, bit_average=self.bit_average)
+        return key
+
+
+class Runner:
+    """The model (rotated as asked), its tokenizer and texts, loaded once for every run of a sweep."""
+
+    def __init__(self, sweep: Sweep):
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.sweep = sweep
+        model_dir = sweep.model or benchmark_model()
+        texts = None if sweep.calibration and sweep.eval_texts else benchmark_texts()
+        self.calibration = sweep.calibration or texts.calibration
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+        self.targets = linear_modules_to_quantize(self.model, SKIPPED)
+        rotate_model(self.model, sweep.rotation, self.targets, seed=0)
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.texts = {}
+        for name, path in (sweep.eval_texts or texts.evaluation).items():
+            text = Path(path).read_text(encoding="utf-8")
+            self.texts[name] = text[int(len(text) * sweep.eval_offset) :]
+
+    def format_map(self, method: str, pair: str, target: str, seed: int) -> tuple[dict[str, str], float]:
+        """The method's format map for the cell, and the seconds it took."""
+        if method == "float":
+            return {}, 0.0
+        if method == "uniform":
+            return uniform_format_map(self.model, target, SKIPPED), 0.0
+        s = self.sweep
+        settings = CalibrationSettings(method=method, format_pair=pair, target_bits=float(target), seed=seed,
+                                       offset_groups=s.offset_groups, bit_average=s.bit_average,
+                                       **get_preset(s.preset).settings())
+        ids = build_calibration_batches(self.calibration, self.tokenizer, settings.seq_len, settings.num_samples, seed)
+        result = calibrate(self.model, ids, settings)
+        return result.format_map, result.seconds
+
+    def run(self, method: str, pair: str, target: str, seed: int) -> dict:
+        format_map, seconds = self.format_map(method, pair, target, seed)
+        row = {**self.sweep.key(method, pair, target, seed), "calibration_seconds": round(seconds, 1)}
+        if format_map:
+            shapes = {name: tuple(self.targets[name].weight.shape) for name in format_map}
+            row.update({k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()})
+        with emulate_format_map(self.model, format_map):
+            for name, text in self.texts.items():
+                result = evaluate_perplexity(self.model, self.tokenizer, text, self.sweep.eval_seq_len,
+                                             self.sweep.eval_tokens, batch_size=4)
+                row[f"ppl_{name}"] = round(result.perplexity, 4)
+        row["format_map"] = format_map
+        return row
+
+
+def run_sweep(sweep: Sweep, runs: Path) -> None:
+    """Run every requested cell that `runs` does not hold yet, appending each as it finishes."""
+    done = [_identity(r) for r in read_json_lines(runs)]
+    todo = [cell for cell in sweep.cells() if _identity(sweep.key(*cell)) not in done]
+    print(f"{len(todo)} runs to do, {len(sweep.cells()) - len(todo)} already in {runs}", flush=True)
+    if not todo:
+        return
+    runs.parent.mkdir(parents=True, exist_ok=True)
+    runner = Runner(sweep)
+    for cell in todo:
+        print(f"== {' '.join(map(str, cell))}", flush=True)
+        start = time.perf_counter()
+        row = runner.run(*cell)
+        row["seconds_total"] = round(time.perf_counter() - start, 1)
+        append_json_line(runs, row)
+
+
+def _identity(row: dict) -> tuple:
+    keys = ("method", "pair", "target", "seed", "rotation", "model", "eval", "preset", "offset_groups", "bit_average")
+    return tuple(str(row.get(k, "")) for k in keys)
+
+
+def report(rows: list[dict]) -> str:
+    """The table (every run, sorted), and per cell the default method's perplexity against each other method's."""
+    if not rows:
+        return "no results yet\n"
+    texts = sorted({k[len("ppl_") :] for r in rows for k in r if k.startswith("ppl_")})
+    order = {m: i for i, m in enumerate(METHODS)}
+    rows = sorted(rows, key=lambda r: (r["model"], r["rotation"], r.get("offset_groups", ""), r["pair"],
+                                       float(r["target"]) if r["pair"] else 0, order.get(r["method"], 99), r["seed"]))
+    lines = [
+        "| model | rotation | groups | method | pair | target | seed | bits (simple) | bits (weighted) | storage bits | "
+        + " | ".join(f"PPL {t}" for t in texts) + " | calibration s |",
+        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['rotation']} | {r.get('offset_groups', '-')} | {r['method']} | {r['pair'] or '-'} | "
+            f"{r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | {r.get('bits_simple', '-')} | "
+            f"{r.get('bits_weighted', '-')} | {r.get('storage_bits', '-')} | "
+            + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts) + f" | {r['calibration_seconds']} |"
+        )
+    return "\n".join(lines) + "\n\n" + "\n".join(comparison(rows, texts)) + "\n"
+
+
+def comparison(rows: list[dict], texts: list[str]) -> list[str]:
+    """How often the default method's held-out perplexity is below each other calibrated method's, same cell."""
+    by_cell = {(r["model"], r["rotation"], r.get("offset_groups"), r["pair"], r["target"], r["seed"], r["method"]): r
+               for r in rows if r["pair"]}
+    counts: dict[str, list[float]] = {}
+    for (model, rotation, groups, pair, target, seed, method), ours in by_cell.items():
+        if method != "dmx":
+            continue
+        for other in CALIBRATED[1:]:
+            theirs = by_cell.get((model, rotation, groups, pair, target, seed, other))
+            for t in texts if theirs else []:
+                ratio = ours[f"ppl_{t}"] / theirs[f"ppl_{t}"]
+                counts.setdefault(other, []).append(ratio)
+    lines = ["Default method (`dmx`) against the others, same model, rotation, groups, pair, target and seed, on each "
+             "held-out text:", ""]
+    for other, ratios in counts.items():
+        lower = sum(r < 1 for r in ratios)
+        mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        lines.append(f"- vs `{other}`: lower in {lower} of {len(ratios)} comparisons; geometric mean perplexity ratio "
+                     f"{mean:.3f}")
+    return lines
+
+
+def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace]:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    d = Sweep()
+    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
+    p.add_argument("--calibration", type=Path, nargs="+", help="calibration text files (default: five Austen novels)")
+    p.add_argument("--eval", nargs="+", help="NAME=FILE held-out texts (default: Pride and Prejudice, Moby Dick)")
+    p.add_argument("--methods", default=",".join(d.methods), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--pairs", default=",".join(d.pairs), help=f"comma list of {', '.join(FORMAT_PAIRS)}")
+    p.add_argument("--targets", help="comma list of target bits (default: per pair, as in the paper)")
+    p.add_argument("--seeds", default="0", help="comma list of seeds (calibration sample and order)")
+    p.add_argument("--preset", default=d.preset, help="calibration sizes (optimum_dmx.calibration.presets)")
+    p.add_argument("--rotation", default=d.rotation, choices=list(ROTATIONS), help="rotate the model first")
+    p.add_argument("--offset-groups", default=d.offset_groups, choices=["none", "fused"])
+    p.add_argument("--bit-average", default=d.bit_average, choices=["simple", "weighted"])
+    p.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
+    p.add_argument("--eval-seq-len", type=int, default=d.eval_seq_len)
+    p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
+    p.add_argument("--runs", type=Path, default=cache_dir() / "quality_runs.jsonl", help="JSON-lines run results")
+    p.add_argument("--report-only", action="store_true", help="only rebuild the table from --runs")
+    p.add_argument("--output", type=Path, help="also write the table (and command) here")
+    a = p.parse_args(argv)
+    methods, pairs = a.methods.split(","), a.pairs.split(",")
+    for value, allowed, what in ((methods, METHODS, "method"), (pairs, list(FORMAT_PAIRS), "pair")):
+        bad = [v for v in value if v not in allowed]
+        if bad:
+            p.error(f"unknown {what} {bad}; allowed: {', '.join(allowed)}")
+    get_preset(a.preset)
+    sweep = Sweep(
+        model=a.model, calibration=a.calibration,
+        eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
+        methods=methods, pairs=pairs, targets=[float(t) for t in a.targets.split(",")] if a.targets else None,
+        seeds=[int(s) for s in a.seeds.split(",")], preset=a.preset, rotation=a.rotation,
+        offset_groups=a.offset_groups, bit_average=a.bit_average, eval_tokens=a.eval_tokens,
+        eval_seq_len=a.eval_seq_len,
+    )
+    return sweep, a
+
+
+def main(argv: list[str] | None = None) -> None:
+    sweep, a = parse_args(argv)
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if not a.report_only:
+        run_sweep(sweep, a.runs)
+    preset = get_preset(sweep.preset)
+    header = (f"Calibration at preset sizes (`{sweep.preset}`: {preset.steps} steps of {preset.batch_size} x "
+              f"{preset.seq_len} tokens, paper lr {preset.paper.lr:g}); evaluation: the first {sweep.eval_tokens} "
+              f"tokens from {sweep.eval_offset:.0%} into each held-out text, non-overlapping {sweep.eval_seq_len}-token "
+              "windows, exp(mean NLL); weights and input activations of every decoder linear MX-quantized (block 32), "
+              "lm_head in float. Times: wall-clock seconds on the machine that ran the row.\n\n")
+    write_report(header + report(read_json_lines(a.runs)), a.output, "Quality: held-out perplexity against bits")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
