@@ -30,6 +30,9 @@ import sys
 import time
 
 import torch
+
+from optimum_dmx.calibration import CalibrationSettings, calibrate, get_preset, kl_sensitivities
+
 from common import (
     MODEL_DTYPES,
     calibration_benchmark_parser,
@@ -38,8 +41,6 @@ from common import (
     load_model_and_calibration,
     write_report,
 )
-
-from optimum_dmx.calibration import CalibrationSettings, calibrate, get_preset, kl_sensitivities
 
 # name -> the settings that differ from the default method's
 TRAINERS = {"dMX": {}, "dMX checkpointed": {"gradient_checkpointing": True}, "dMX paper": {"method": "paper"}}
@@ -50,9 +51,15 @@ def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: s
     """Marginal wall time of one step of trainer `name` on `batch` (every step sees the whole batch)."""
 
     def run(num_steps: int) -> float:
-        settings = CalibrationSettings(target_bits=5.0, format_pair=pair, num_samples=len(batch),
-                                       seq_len=batch.shape[1], batch_size=len(batch), steps=num_steps,
-                                       **TRAINERS[name])
+        settings = CalibrationSettings(
+            target_bits=5.0,
+            format_pair=pair,
+            num_samples=len(batch),
+            seq_len=batch.shape[1],
+            batch_size=len(batch),
+            steps=num_steps,
+            **TRAINERS[name],
+        )
         start = time.perf_counter()
         calibrate(model, batch, settings, progress=False)
         return time.perf_counter() - start
@@ -69,11 +76,16 @@ def _scan_seconds(model: torch.nn.Module, ids: torch.Tensor, pair: str, batch_si
 
 
 def step_table(model: torch.nn.Module, ids: torch.Tensor, a: argparse.Namespace) -> list[str]:
-    lines = ["## Step", "",
-             "| batch x seq | unquantized fwd+bwd ms | "
-             + " | ".join(f"{name} step ms | {name} / unquantized" for name in TRAINERS)
-             + " | " + " | ".join(f"{name} warm-up s" for name in TRAINERS) + " |",
-             "|---|---|" + "---|---|" * len(TRAINERS) + "---|" * len(TRAINERS)]
+    lines = [
+        "## Step",
+        "",
+        "| batch x seq | unquantized fwd+bwd ms | "
+        + " | ".join(f"{name} step ms | {name} / unquantized" for name in TRAINERS)
+        + " | "
+        + " | ".join(f"{name} warm-up s" for name in TRAINERS)
+        + " |",
+        "|---|---|" + "---|---|" * len(TRAINERS) + "---|" * len(TRAINERS),
+    ]
     for batch_size in [int(b) for b in a.batch_sizes.split(",")]:
         batch = ids[:batch_size]
         warm_up = {}
@@ -105,14 +117,19 @@ def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
     start = time.perf_counter()
     calibrate(model, ids, settings, progress=False)
     whole = time.perf_counter() - start
-    lines = ["## Run", "",
-             f"Preset `{a.preset}`: {preset.steps} steps of {preset.batch_size} x {preset.seq_len} tokens; one "
-             f"unquantized step of that batch takes {reference * 1e3:.1f} ms.", "",
-             "| what | seconds | unquantized steps |", "|---|---|---|",
-             f"| KL scan alone (`method=\"kl\"`) | {scan:.1f} | {scan / reference:.0f} |",
-             f"| whole default-method run (steps + scan + setup) | {whole:.1f} | {whole / reference:.0f} |",
-             f"| its steps and setup (run less scan), per step | {(whole - scan) / preset.steps:.2f} | "
-             f"{(whole - scan) / preset.steps / reference:.1f} |"]
+    lines = [
+        "## Run",
+        "",
+        f"Preset `{a.preset}`: {preset.steps} steps of {preset.batch_size} x {preset.seq_len} tokens; one "
+        f"unquantized step of that batch takes {reference * 1e3:.1f} ms.",
+        "",
+        "| what | seconds | unquantized steps |",
+        "|---|---|---|",
+        f'| KL scan alone (`method="kl"`) | {scan:.1f} | {scan / reference:.0f} |',
+        f"| whole default-method run (steps + scan + setup) | {whole:.1f} | {whole / reference:.0f} |",
+        f"| its steps and setup (run less scan), per step | {(whole - scan) / preset.steps:.2f} | "
+        f"{(whole - scan) / preset.steps / reference:.1f} |",
+    ]
     print("\n".join(lines[-3:]), file=sys.stderr, flush=True)
     return lines
 
@@ -128,8 +145,9 @@ def resident_kib(field: str) -> int:
 
 def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
     """Peak and peak-over-baseline memory (MiB) of `workload`, measured in this process."""
-    model, _, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, a.batch_size, device=a.device,
-                                               dtype=MODEL_DTYPES[a.dtype])
+    model, _, ids = load_model_and_calibration(
+        a.model, a.calibration, a.seq_len, a.batch_size, device=a.device, dtype=MODEL_DTYPES[a.dtype]
+    )
     ids = ids.to(a.device)
     if workload == "unquantized":
         for p in model.parameters():
@@ -139,8 +157,15 @@ def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
             model(input_ids=ids, labels=ids, use_cache=False).loss.backward()
             model.zero_grad(set_to_none=True)
     else:
-        settings = CalibrationSettings(target_bits=5.0, format_pair=a.pair, num_samples=len(ids), seq_len=a.seq_len,
-                                       batch_size=a.batch_size, steps=a.steps, **TRAINERS[workload])
+        settings = CalibrationSettings(
+            target_bits=5.0,
+            format_pair=a.pair,
+            num_samples=len(ids),
+            seq_len=a.seq_len,
+            batch_size=a.batch_size,
+            steps=a.steps,
+            **TRAINERS[workload],
+        )
 
         def work() -> None:
             calibrate(model, ids, settings, progress=False)
@@ -164,14 +189,37 @@ def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
 
 def memory_table(a: argparse.Namespace) -> list[str]:
     memory = "allocated GPU memory" if torch.device(a.device).type == "cuda" else "resident memory"
-    lines = ["## Memory", "", f"{memory}, one process per measurement; dMX rows: {a.steps} steps.", "",
-             "| batch x seq | workload | peak MiB | over baseline MiB | / unquantized |", "|---|---|---|---|---|"]
+    lines = [
+        "## Memory",
+        "",
+        f"{memory}, one process per measurement; dMX rows: {a.steps} steps.",
+        "",
+        "| batch x seq | workload | peak MiB | over baseline MiB | / unquantized |",
+        "|---|---|---|---|---|",
+    ]
     for batch_size in [int(b) for b in a.batch_sizes.split(",")]:
         results = {}
         for workload in MEMORY_WORKLOADS:
-            command = [sys.executable, __file__, "--measure-memory", workload, "--batch-size", str(batch_size),
-                       "--seq-len", str(a.seq_len), "--steps", str(a.steps), "--threads", str(a.threads),
-                       "--device", a.device, "--dtype", a.dtype, "--pair", a.pair]
+            command = [
+                sys.executable,
+                __file__,
+                "--measure-memory",
+                workload,
+                "--batch-size",
+                str(batch_size),
+                "--seq-len",
+                str(a.seq_len),
+                "--steps",
+                str(a.steps),
+                "--threads",
+                str(a.threads),
+                "--device",
+                a.device,
+                "--dtype",
+                a.dtype,
+                "--pair",
+                a.pair,
+            ]
             if a.model:
                 command += ["--model", str(a.model)]
             if a.calibration:
@@ -184,8 +232,10 @@ def memory_table(a: argparse.Namespace) -> list[str]:
         reference = results["unquantized"]["over_baseline_mib"]
         for workload, r in results.items():
             ratio = f"{r['over_baseline_mib'] / reference:.2f}x" if reference > 0 else "-"
-            lines.append(f"| {batch_size} x {a.seq_len} | {workload} | {r['peak_mib']:.0f} | "
-                         f"{r['over_baseline_mib']:.0f} | {ratio} |")
+            lines.append(
+                f"| {batch_size} x {a.seq_len} | {workload} | {r['peak_mib']:.0f} | "
+                f"{r['over_baseline_mib']:.0f} | {ratio} |"
+            )
             print(lines[-1], file=sys.stderr, flush=True)
     return lines
 
@@ -207,10 +257,15 @@ def main() -> None:
         return
 
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    model, model_dir, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, max(batch_sizes),
-                                                       device=a.device, dtype=MODEL_DTYPES[a.dtype])
-    lines = [f"Model `{model_dir.name}` ({a.dtype}), pair {a.pair}, {device_description(a.device)}, torch "
-             f"{torch.__version__}.", "", *step_table(model, ids, a)]
+    model, model_dir, ids = load_model_and_calibration(
+        a.model, a.calibration, a.seq_len, max(batch_sizes), device=a.device, dtype=MODEL_DTYPES[a.dtype]
+    )
+    lines = [
+        f"Model `{model_dir.name}` ({a.dtype}), pair {a.pair}, {device_description(a.device)}, torch "
+        f"{torch.__version__}.",
+        "",
+        *step_table(model, ids, a),
+    ]
     if not a.no_run:
         lines += ["", *run_table(model, a)]
     if a.memory:

@@ -73,8 +73,9 @@ def first_call_seconds(fn: Callable[[], object], device: torch.device) -> float:
     return time.perf_counter() - start
 
 
-def continuous_step(x: torch.Tensor, grad: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous,
-                    offset: float = 0.5) -> Callable[[], None]:
+def continuous_step(
+    x: torch.Tensor, grad: torch.Tensor, pair: str, quantize: Callable = quantize_mx_continuous, offset: float = 0.5
+) -> Callable[[], None]:
     """Forward + backward of a continuous quantizer at beta ``offset`` with the incoming gradient ``grad`` (as
     inside a network: a dense ``dL/dy``), computing the gradients for the input and beta."""
     beta = torch.tensor(offset, device=x.device, requires_grad=True)
@@ -117,22 +118,36 @@ def main() -> None:
         set_compile_enabled(False)
         eager_out = quantize_mx(x, name)
         set_compile_enabled(None)
-        times = median_seconds([lambda: quantize_mx(x, name), eager(lambda: quantize_mx(x, name)),
-                                lambda: reference(x, name)], args.repeats, device=device,
-                                calls=calls)
+        times = median_seconds(
+            [lambda: quantize_mx(x, name), eager(lambda: quantize_mx(x, name)), lambda: reference(x, name)],
+            args.repeats,
+            device=device,
+            calls=calls,
+        )
         for label, out, t in (("compiled", compiled, times[0]), ("eager", eager_out, times[1])):
             exact = torch.equal(out.view(torch.int32), theirs.view(torch.int32))
-            rows.append((f"`quantize_mx` {name}, {label}", "yes" if exact else "NO", t / n * 1e9,
-                         times[2] / n * 1e9, t / times[2], f"{t / floor:.1f}"))
+            rows.append(
+                (
+                    f"`quantize_mx` {name}, {label}",
+                    "yes" if exact else "NO",
+                    t / n * 1e9,
+                    times[2] / n * 1e9,
+                    t / times[2],
+                    f"{t / floor:.1f}",
+                )
+            )
     steps = {}  # both pairs in one interleaved group: they run the same compiled kernel
     for pair in FORMAT_PAIRS:
         endpoint = continuous_step(x, grad, pair, fused_at_endpoint, offset=ENDPOINT)
         compile_seconds[f"continuous {pair}, fused, beta 2"] = first_call_seconds(endpoint, device)
-        steps.update({
-            f"{pair}, autograd reference, beta 0.5": continuous_step(x, grad, pair, quantize_mx_continuous),
-            f"{pair}, fused, beta 0.5 (eager kernel)": continuous_step(x, grad, pair, quantize_mx_continuous_fused),
-            f"{pair}, fused, beta 2, compiled": endpoint, f"{pair}, fused, beta 2, eager": eager(endpoint),
-        })
+        steps.update(
+            {
+                f"{pair}, autograd reference, beta 0.5": continuous_step(x, grad, pair, quantize_mx_continuous),
+                f"{pair}, fused, beta 0.5 (eager kernel)": continuous_step(x, grad, pair, quantize_mx_continuous_fused),
+                f"{pair}, fused, beta 2, compiled": endpoint,
+                f"{pair}, fused, beta 2, eager": eager(endpoint),
+            }
+        )
     for label, t in zip(steps, median_seconds(list(steps.values()), args.repeats, device=device, calls=calls)):
         rows.append((f"continuous {label}, forward+backward", "-", t / n * 1e9, None, None, f"{t / floor:.1f}"))
 
@@ -147,8 +162,13 @@ def main() -> None:
         theirs = f"{theirs_ns:.3g}" if theirs_ns is not None else "-"
         ratio_s = f"**{ratio:.2f}**" if ratio is not None else "-"
         lines.append(f"| {label} | {exact} | {ours_ns:.3g} | {theirs} | {ratio_s} | {vs_floor} |")
-    lines += ["", "First compiled call (compilation, paid once per format, dtype and device; 0 when compilation is off):",
-              "", "| kernel | first call s |", "|---|---|"]
+    lines += [
+        "",
+        "First compiled call (compilation, paid once per format, dtype and device; 0 when compilation is off):",
+        "",
+        "| kernel | first call s |",
+        "|---|---|",
+    ]
     lines += [f"| {label} | {seconds:.2f} |" for label, seconds in compile_seconds.items()]
     write_report("\n".join(lines) + "\n", args.output, "MX quantize-dequantize speed")
 

@@ -15,8 +15,9 @@ Measures, in one run:
    time per token (32 tokens after a 16-token prompt: one row per step, where a cast's per-call cost counts more
    than its throughput), `from_pretrained`
    time and checkpoint bytes, float vs dMX, and the cached dMX model with every linear casting its own input
-   (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence. The dMX model uses a fixed mixed map (every fourth decoder
-   linear MXFP8, the rest MXFP4: 5.0 average bits), applied without calibration. With `--rotation NAME[,NAME...]`
+   (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence. The dMX model uses
+   a fixed mixed map (every fourth decoder linear MXFP8, the rest MXFP4: 5.0 average bits), applied without
+   calibration. With `--rotation NAME[,NAME...]`
    one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same map, is timed beside them
    (the cost of the online transforms: `down_proj`'s input for `hadamard` / `block_hadamard`, every quantized
    input for `online_block_hadamard`).
@@ -76,14 +77,22 @@ def bench_linear(repeats: int) -> list[list[str]]:
                     packed_module = MXLinear.from_linear(linear, fmt)
                     packed_module.cache_weight = False
                     base, cached, packed = median_seconds(
-                        [lambda: linear(x), lambda: cached_module(x), lambda: packed_module(x)], repeats, time.process_time
+                        [lambda: linear(x), lambda: cached_module(x), lambda: packed_module(x)],
+                        repeats,
+                        time.process_time,
                     )
                     log(f"linear {dtype} {batch}x{seq} {fmt}: {base:.4f} / {cached:.4f} / {packed:.4f} s")
-                    rows.append([
-                        "up_proj 576->1536", str(dtype).removeprefix("torch."), f"{batch}x{seq}", fmt,
-                        f"{base * 1e3:.2f}", f"{cached * 1e3:.2f} ({cached / base:.2f}x)",
-                        f"{packed * 1e3:.2f} ({packed / base:.2f}x)",
-                    ])
+                    rows.append(
+                        [
+                            "up_proj 576->1536",
+                            str(dtype).removeprefix("torch."),
+                            f"{batch}x{seq}",
+                            fmt,
+                            f"{base * 1e3:.2f}",
+                            f"{cached * 1e3:.2f} ({cached / base:.2f}x)",
+                            f"{packed * 1e3:.2f} ({packed / base:.2f}x)",
+                        ]
+                    )
     return rows
 
 
@@ -134,8 +143,9 @@ def generate(model: nn.Module, prompt: torch.Tensor) -> torch.Tensor:
     return model.generate(prompt, max_new_tokens=GENERATED_TOKENS, min_new_tokens=GENERATED_TOKENS, do_sample=False)
 
 
-def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
-                dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> tuple[list[list[str]], list[str]]:
+def bench_model(
+    model_dir: Path, repeats: int, rotations: tuple[str, ...] = (), dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+) -> tuple[list[list[str]], list[str]]:
     from transformers import AutoModelForCausalLM
 
     rows, notes = [], []
@@ -177,10 +187,28 @@ def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
         ]
         load_ratio, size_ratio = load_dmx / load_float, dmx_bytes / float_bytes
         extra = [""] * (1 + len(rotations))
-        rows.append(["load time (from_pretrained, wall)", "bf16", "", f"{load_float:.2f} s",
-                     f"{load_dmx:.2f} s ({load_ratio:.2f}x)", "", *extra])
-        rows.append(["checkpoint bytes", "bf16", "", f"{float_bytes / 2**20:.1f} MiB",
-                     f"{dmx_bytes / 2**20:.1f} MiB ({size_ratio:.3f}x)", "", *extra])
+        rows.append(
+            [
+                "load time (from_pretrained, wall)",
+                "bf16",
+                "",
+                f"{load_float:.2f} s",
+                f"{load_dmx:.2f} s ({load_ratio:.2f}x)",
+                "",
+                *extra,
+            ]
+        )
+        rows.append(
+            [
+                "checkpoint bytes",
+                "bf16",
+                "",
+                f"{float_bytes / 2**20:.1f} MiB",
+                f"{dmx_bytes / 2**20:.1f} MiB ({size_ratio:.3f}x)",
+                "",
+                *extra,
+            ]
+        )
 
         for dtype in dtypes:
             float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
@@ -199,25 +227,37 @@ def bench_model(model_dir: Path, repeats: int, rotations: tuple[str, ...] = (),
                 generator = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
                 with torch.inference_mode():
-                    base, *others = median_seconds(
-                        [lambda m=m: m(ids) for m in models], repeats, time.process_time
-                    )
+                    base, *others = median_seconds([lambda m=m: m(ids) for m in models], repeats, time.process_time)
                 log(f"model {dtype} {batch}x{seq}: " + " / ".join(f"{t:.2f}" for t in (base, *others)) + " s")
-                rows.append([
-                    "SmolLM2-135M forward", str(dtype).removeprefix("torch."), f"{batch}x{seq}", f"{base * 1e3:.0f}",
-                    *(f"{t * 1e3:.0f} ({t / base:.2f}x)" for t in others),
-                ])
-            prompt = torch.randint(0, float_model.config.vocab_size, (1, PROMPT_TOKENS),
-                                   generator=torch.Generator().manual_seed(0))
+                rows.append(
+                    [
+                        "SmolLM2-135M forward",
+                        str(dtype).removeprefix("torch."),
+                        f"{batch}x{seq}",
+                        f"{base * 1e3:.0f}",
+                        *(f"{t * 1e3:.0f} ({t / base:.2f}x)" for t in others),
+                    ]
+                )
+            prompt = torch.randint(
+                0, float_model.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)
+            )
             with torch.inference_mode():
-                base, *others = (t / GENERATED_TOKENS for t in median_seconds(
-                    [lambda m=m: generate(m, prompt) for m in models], repeats, time.process_time))
+                base, *others = (
+                    t / GENERATED_TOKENS
+                    for t in median_seconds(
+                        [lambda m=m: generate(m, prompt) for m in models], repeats, time.process_time
+                    )
+                )
             log(f"generation {dtype}: " + " / ".join(f"{t * 1e3:.1f}" for t in (base, *others)) + " ms per token")
-            rows.append([
-                "SmolLM2-135M generation, ms per token", str(dtype).removeprefix("torch."),
-                f"1x{PROMPT_TOKENS} + {GENERATED_TOKENS}", f"{base * 1e3:.1f}",
-                *(f"{t * 1e3:.1f} ({t / base:.2f}x)" for t in others),
-            ])
+            rows.append(
+                [
+                    "SmolLM2-135M generation, ms per token",
+                    str(dtype).removeprefix("torch."),
+                    f"1x{PROMPT_TOKENS} + {GENERATED_TOKENS}",
+                    f"{base * 1e3:.1f}",
+                    *(f"{t * 1e3:.1f} ({t / base:.2f}x)" for t in others),
+                ]
+            )
     return rows, notes
 
 
@@ -230,8 +270,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", type=Path, help="model folder (default: the de-gridded SmolLM2-135M, fetched once)")
     parser.add_argument("--skip-model", action="store_true", help="only the single-linear part")
-    parser.add_argument("--rotation", default="none",
-                        help=f"comma list of rotations ({', '.join(ROTATIONS)}): also time a dMX model with each (same map)")
+    parser.add_argument(
+        "--rotation",
+        default="none",
+        help=f"comma list of rotations ({', '.join(ROTATIONS)}): also time a dMX model with each (same map)",
+    )
     parser.add_argument("--model-bf16", action="store_true", help="also time the whole model in bfloat16")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
@@ -254,8 +297,10 @@ def main() -> None:
         f"times are median CPU times of {args.repeats} runs, in ms unless marked",
         "",
         "### One decoder linear",
-        table(["layer", "dtype", "batch x seq", "format", "nn.Linear", "MXLinear cached", "MXLinear packed-only"],
-              bench_linear(args.repeats)),
+        table(
+            ["layer", "dtype", "batch x seq", "format", "nn.Linear", "MXLinear cached", "MXLinear packed-only"],
+            bench_linear(args.repeats),
+        ),
         "",
         f"### Per call: one row (a generated token) and 64 (a short prompt), wall time in us (median of "
         f"{args.repeats} x 1000 calls)",
@@ -264,8 +309,15 @@ def main() -> None:
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)
         rows, notes = bench_model(args.model or benchmark_model(), args.repeats, rotations, dtypes)
-        header = ["measure", "dtype", "batch x seq", "float", "dMX cached", "dMX packed-only",
-                  "dMX cached, input casts not shared"]
+        header = [
+            "measure",
+            "dtype",
+            "batch x seq",
+            "float",
+            "dMX cached",
+            "dMX packed-only",
+            "dMX cached, input casts not shared",
+        ]
         header += [f"dMX cached, rotation {rotation}" for rotation in rotations]
         parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]
         parts += [f"- {note}" for note in notes]

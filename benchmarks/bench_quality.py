@@ -30,15 +30,13 @@ Pass `--model`, `--calibration` and `--eval NAME=FILE` for any other model and t
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-from common import append_json_line, benchmark_model, benchmark_texts, cache_dir, read_json_lines, write_report
 
 from optimum_dmx.calibration import (
     CalibrationSettings,
@@ -51,6 +49,8 @@ from optimum_dmx.continuous import FORMAT_PAIRS
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.nn import emulate_format_map, format_map_bits, linear_modules_to_quantize
 from optimum_dmx.nn.rotation import ROTATIONS, rotate_model
+
+from common import append_json_line, benchmark_model, benchmark_texts, cache_dir, read_json_lines, write_report
 
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
@@ -94,9 +94,15 @@ class Sweep:
 
     def key(self, method: str, pair: str, target: str, seed: int) -> dict:
         """What identifies a run in the results: its cell, the model and data, and the settings it depends on."""
-        key = {"method": method, "pair": pair, "target": target, "seed": seed, "rotation": self.rotation,
-               "model": self.model.name if self.model else "smollm2-135m-degridded",
-               "eval": f"{self.eval_tokens}x{self.eval_seq_len}@{self.eval_offset:g}"}
+        key = {
+            "method": method,
+            "pair": pair,
+            "target": target,
+            "seed": seed,
+            "rotation": self.rotation,
+            "model": self.model.name if self.model else "smollm2-135m-degridded",
+            "eval": f"{self.eval_tokens}x{self.eval_seq_len}@{self.eval_offset:g}",
+        }
         if method in CALIBRATED:
             key.update(preset=self.preset, offset_groups=self.offset_groups, bit_average=self.bit_average)
         return key
@@ -128,9 +134,15 @@ class Runner:
         if method == "uniform":
             return uniform_format_map(self.model, target, SKIPPED), 0.0
         s = self.sweep
-        settings = CalibrationSettings(method=method, format_pair=pair, target_bits=float(target), seed=seed,
-                                       offset_groups=s.offset_groups, bit_average=s.bit_average,
-                                       **get_preset(s.preset).settings())
+        settings = CalibrationSettings(
+            method=method,
+            format_pair=pair,
+            target_bits=float(target),
+            seed=seed,
+            offset_groups=s.offset_groups,
+            bit_average=s.bit_average,
+            **get_preset(s.preset).settings(),
+        )
         ids = build_calibration_batches(self.calibration, self.tokenizer, settings.seq_len, settings.num_samples, seed)
         result = calibrate(self.model, ids, settings)
         return result.format_map, result.seconds
@@ -143,8 +155,9 @@ class Runner:
             row.update({k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()})
         with emulate_format_map(self.model, format_map):
             for name, text in self.texts.items():
-                result = evaluate_perplexity(self.model, self.tokenizer, text, self.sweep.eval_seq_len,
-                                             self.sweep.eval_tokens, batch_size=4)
+                result = evaluate_perplexity(
+                    self.model, self.tokenizer, text, self.sweep.eval_seq_len, self.sweep.eval_tokens, batch_size=4
+                )
                 row[f"ppl_{name}"] = round(result.perplexity, 4)
         row["format_map"] = format_map
         return row
@@ -178,11 +191,21 @@ def report(rows: list[dict]) -> str:
         return "no results yet\n"
     texts = sorted({k[len("ppl_") :] for r in rows for k in r if k.startswith("ppl_")})
     order = {m: i for i, m in enumerate(METHODS)}
-    rows = sorted(rows, key=lambda r: (r["model"], r["rotation"], r.get("offset_groups", ""), r["pair"],
-                                       float(r["target"]) if r["pair"] else 0, order.get(r["method"], 99), r["seed"]))
+    rows = sorted(
+        rows,
+        key=lambda r: (
+            r["model"],
+            r["rotation"],
+            r.get("offset_groups", ""),
+            r["pair"],
+            float(r["target"]) if r["pair"] else 0,
+            order.get(r["method"], 99),
+            r["seed"],
+        ),
+    )
     lines = [
-        "| model | rotation | groups | method | pair | target | seed | bits (simple) | bits (weighted) | storage bits | "
-        + " | ".join(f"PPL {t}" for t in texts) + " | calibration s |",
+        "| model | rotation | groups | method | pair | target | seed | bits (simple) | bits (weighted) "
+        "| storage bits | " + " | ".join(f"PPL {t}" for t in texts) + " | calibration s |",
         "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|",
     ]
     for r in rows:
@@ -190,15 +213,19 @@ def report(rows: list[dict]) -> str:
             f"| {r['model']} | {r['rotation']} | {r.get('offset_groups', '-')} | {r['method']} | {r['pair'] or '-'} | "
             f"{r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | {r.get('bits_simple', '-')} | "
             f"{r.get('bits_weighted', '-')} | {r.get('storage_bits', '-')} | "
-            + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts) + f" | {r['calibration_seconds']} |"
+            + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts)
+            + f" | {r['calibration_seconds']} |"
         )
     return "\n".join(lines) + "\n\n" + "\n".join(comparison(rows, texts)) + "\n"
 
 
 def comparison(rows: list[dict], texts: list[str]) -> list[str]:
     """How often the default method's held-out perplexity is below each other calibrated method's, same cell."""
-    by_cell = {(r["model"], r["rotation"], r.get("offset_groups"), r["pair"], r["target"], r["seed"], r["method"]): r
-               for r in rows if r["pair"]}
+    by_cell = {
+        (r["model"], r["rotation"], r.get("offset_groups"), r["pair"], r["target"], r["seed"], r["method"]): r
+        for r in rows
+        if r["pair"]
+    }
     counts: dict[str, list[float]] = {}
     for (model, rotation, groups, pair, target, seed, method), ours in by_cell.items():
         if method != "dmx":
@@ -208,13 +235,17 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
             for t in texts if theirs else []:
                 ratio = ours[f"ppl_{t}"] / theirs[f"ppl_{t}"]
                 counts.setdefault(other, []).append(ratio)
-    lines = ["Default method (`dmx`) against the others, same model, rotation, groups, pair, target and seed, on each "
-             "held-out text:", ""]
+    lines = [
+        "Default method (`dmx`) against the others, same model, rotation, groups, pair, target and seed, on each "
+        "held-out text:",
+        "",
+    ]
     for other, ratios in counts.items():
         lower = sum(r < 1 for r in ratios)
         mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
-        lines.append(f"- vs `{other}`: lower in {lower} of {len(ratios)} comparisons; geometric mean perplexity ratio "
-                     f"{mean:.3f}")
+        lines.append(
+            f"- vs `{other}`: lower in {lower} of {len(ratios)} comparisons; geometric mean perplexity ratio {mean:.3f}"
+        )
     return lines
 
 
@@ -246,11 +277,18 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
             p.error(f"unknown {what} {bad}; allowed: {', '.join(allowed)}")
     get_preset(a.preset)
     sweep = Sweep(
-        model=a.model, calibration=a.calibration,
+        model=a.model,
+        calibration=a.calibration,
         eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
-        methods=methods, pairs=pairs, targets=[float(t) for t in a.targets.split(",")] if a.targets else None,
-        seeds=[int(s) for s in a.seeds.split(",")], preset=a.preset, rotation=a.rotation,
-        offset_groups=a.offset_groups, bit_average=a.bit_average, eval_tokens=a.eval_tokens,
+        methods=methods,
+        pairs=pairs,
+        targets=[float(t) for t in a.targets.split(",")] if a.targets else None,
+        seeds=[int(s) for s in a.seeds.split(",")],
+        preset=a.preset,
+        rotation=a.rotation,
+        offset_groups=a.offset_groups,
+        bit_average=a.bit_average,
+        eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,
     )
     return sweep, a
@@ -263,11 +301,13 @@ def main(argv: list[str] | None = None) -> None:
     if not a.report_only:
         run_sweep(sweep, a.runs)
     preset = get_preset(sweep.preset)
-    header = (f"Calibration at preset sizes (`{sweep.preset}`: {preset.steps} steps of {preset.batch_size} x "
-              f"{preset.seq_len} tokens, paper lr {preset.paper.lr:g}); evaluation: the first {sweep.eval_tokens} "
-              f"tokens from {sweep.eval_offset:.0%} into each held-out text, non-overlapping {sweep.eval_seq_len}-token "
-              "windows, exp(mean NLL); weights and input activations of every decoder linear MX-quantized (block 32), "
-              "lm_head in float. Times: wall-clock seconds on the machine that ran the row.\n\n")
+    header = (
+        f"Calibration at preset sizes (`{sweep.preset}`: {preset.steps} steps of {preset.batch_size} x "
+        f"{preset.seq_len} tokens, paper lr {preset.paper.lr:g}); evaluation: the first {sweep.eval_tokens} "
+        f"tokens from {sweep.eval_offset:.0%} into each held-out text, non-overlapping {sweep.eval_seq_len}-token "
+        "windows, exp(mean NLL); weights and input activations of every decoder linear MX-quantized (block 32), "
+        "lm_head in float. Times: wall-clock seconds on the machine that ran the row.\n\n"
+    )
     write_report(header + report(read_json_lines(a.runs)), a.output, "Quality: held-out perplexity against bits")
 
 

@@ -229,8 +229,11 @@ def device_description(device: torch.device | str) -> str:
 
 
 def median_seconds(
-    fns: Sequence[Callable[[], object]], repeats: int, clock: Callable[[], float] = time.perf_counter,
-    device: torch.device | str | None = None, calls: int = 1,
+    fns: Sequence[Callable[[], object]],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    device: torch.device | str | None = None,
+    calls: int = 1,
 ) -> list[float]:
     """Median time of each of ``fns`` over ``repeats`` rounds, after one warm-up call of each.
 
@@ -275,9 +278,15 @@ def fwd_bwd_seconds(model: torch.nn.Module, batch: torch.Tensor, repeats: int = 
             p.requires_grad_(flag)
 
 
-def load_model_and_calibration(model_dir: Path | None, calibration: list[Path] | None, seq_len: int, count: int,
-                               seed: int = 0, device: str = "cpu", dtype: torch.dtype = torch.float32,
-                               ) -> tuple[torch.nn.Module, Path, torch.Tensor]:
+def load_model_and_calibration(
+    model_dir: Path | None,
+    calibration: list[Path] | None,
+    seq_len: int,
+    count: int,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> tuple[torch.nn.Module, Path, torch.Tensor]:
     """The model (default: the de-gridded SmolLM2-135M) in ``dtype`` on ``device``, its folder, and ``count``
     calibration sequences of ``seq_len`` tokens (default texts: the Austen novels), on the CPU."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

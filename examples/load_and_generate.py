@@ -1,6 +1,6 @@
 """Load a saved dMX model (no recalibration) and generate text with it.
 
-    python examples/load_and_generate.py DIR [--prompt "Once upon a time"] [--max-new-tokens 40]
+python examples/load_and_generate.py DIR [--prompt "Once upon a time"] [--max-new-tokens 40]
 """
 
 import argparse
@@ -27,8 +27,12 @@ def main() -> None:
 
     inputs = tokenizer(args.prompt, return_tensors="pt")
     with torch.no_grad():
-        output = model.generate(**inputs, max_new_tokens=args.max_new_tokens, do_sample=False,
-                                pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id)
+        output = model.generate(
+            **inputs,
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            pad_token_id=tokenizer.pad_token_id or tokenizer.eos_token_id,
+        )
     print(tokenizer.decode(output[0], skip_special_tokens=True))
 
 

@@ -33,15 +33,23 @@ def main() -> None:
     dataset = args.dataset or default_corpus().calibration
     tokenizer = AutoTokenizer.from_pretrained(model_id)
     config = DMXConfig(
-        target_bits=args.target_bits, format_pair=args.pair, dataset=dataset, tokenizer=tokenizer, preset=args.preset,
-        steps=args.steps, seq_len=args.seq_len, batch_size=args.batch_size,
+        target_bits=args.target_bits,
+        format_pair=args.pair,
+        dataset=dataset,
+        tokenizer=tokenizer,
+        preset=args.preset,
+        steps=args.steps,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
     )
     model = AutoModelForCausalLM.from_pretrained(model_id, quantization_config=config)  # calibrates
 
     applied = model.config.quantization_config
     bits = applied.achieved_bits
-    print(f"average bits {bits['bits_simple']:.3f} (target {applied.target_bits}), "
-          f"storage {bits['storage_bits']:.3f} bits per weight")
+    print(
+        f"average bits {bits['bits_simple']:.3f} (target {applied.target_bits}), "
+        f"storage {bits['storage_bits']:.3f} bits per weight"
+    )
     model.save_pretrained(args.output)  # packed MX weights, the format map, and the model card
     tokenizer.save_pretrained(args.output)
     print(f"saved to {args.output}")

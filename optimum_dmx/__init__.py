@@ -12,8 +12,16 @@ The package is layered, each layer importing only from the ones before it:
 """
 
 from .continuous import FORMAT_PAIRS, FormatPair, get_format_pair, quantize_mx_continuous
-from .formats import MX_FORMATS, MXFormat, MXPackedTensor, get_format, pack_mx, quantize_mx, set_compile_enabled
-from .formats import unpack_mx
+from .formats import (
+    MX_FORMATS,
+    MXFormat,
+    MXPackedTensor,
+    get_format,
+    pack_mx,
+    quantize_mx,
+    set_compile_enabled,
+    unpack_mx,
+)
 from .integration.configuration import DMXConfig
 from .integration.hf_quantizer import DMXHfQuantizer
 from .integration.quantizer import DMXQuantizer

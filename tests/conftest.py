@@ -46,8 +46,14 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     config = LlamaConfig(
-        vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     return _save_tiny(LlamaForCausalLM, config, tmp_path_factory.mktemp("tiny-llama"))
 
@@ -58,8 +64,15 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=128, hidden_size=48, intermediate_size=80, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=12, max_position_embeddings=64, tie_word_embeddings=False,
+        vocab_size=128,
+        hidden_size=48,
+        intermediate_size=80,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=12,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
     )
     return _save_tiny(Qwen3ForCausalLM, config, tmp_path_factory.mktemp("tiny-qwen3"))
 

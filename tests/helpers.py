@@ -54,8 +54,16 @@ def tiny_llama(
 def tiny_decoder(kind: str, tied: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     """A randomly initialised Llama, Qwen2 (biased q/k/v), Qwen3 or Gemma 3 (`kind`), hidden 96, head 32, 2 layers,
     its norms' scales moved away from the identity and its biases from 0."""
-    common = dict(vocab_size=256, hidden_size=96, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=32, tie_word_embeddings=tied)
+    common = dict(
+        vocab_size=256,
+        hidden_size=96,
+        intermediate_size=192,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=tied,
+    )
     torch.manual_seed(0)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**common))
@@ -97,7 +105,9 @@ def word_tokenizer(num_words: int = 120, bos: bool = False) -> PreTrainedTokeniz
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     if bos:
-        tokenizer.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", num_words + 1)])
+        tokenizer.post_processor = processors.TemplateProcessing(
+            single="<s> $A", special_tokens=[("<s>", num_words + 1)]
+        )
         return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", bos_token="<s>")
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]")
 
@@ -119,8 +129,13 @@ def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
     The interpreter runs torch on one thread, like the tests (conftest's `single_thread`): the float reduction
     order, and so the last bit of a matmul, depends on the thread count, and tests compare results exactly."""
-    full_env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "TRANSFORMERS_VERBOSITY": "warning",
-                "OMP_NUM_THREADS": "1", **(env or {})}
+    full_env = {
+        **os.environ,
+        "PYTHONPATH": str(REPO_ROOT),
+        "TRANSFORMERS_VERBOSITY": "warning",
+        "OMP_NUM_THREADS": "1",
+        **(env or {}),
+    }
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=full_env, timeout=300)
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
@@ -188,7 +203,9 @@ def adversarial_blocks(fmt) -> torch.Tensor:
         # block max exactly 2^emax (scale 1): ties between all neighbouring grid values, both signs
         torch.cat([ties, -ties, torch.tensor([top])]),
         # at, just below and just past max normal (these saturate), and past the top binade
-        torch.tensor([mn, mn - step / 4, mn + step / 4, mn + step / 2, (mn + top * 2) / 2, top * 1.999, -mn, -top * 1.999]),
+        torch.tensor(
+            [mn, mn - step / 4, mn + step / 4, mn + step / 2, (mn + top * 2) / 2, top * 1.999, -mn, -top * 1.999]
+        ),
         # subnormal-range elements next to a block max of 2^emax
         torch.tensor([top, *(fmt.min_subnormal * torch.tensor([0.25, 0.5, 0.75, 1.0, 1.5, 2.5, 3.5])).tolist()]),
         # one block spanning 2^-120 .. 2^100

@@ -2,8 +2,8 @@
 
 It implements the subset of the Hub HTTP API that `huggingface_hub` uses to create a repo, upload a
 commit (model-card YAML check, preupload, Git LFS batch + basic transfer, ndjson commit) and
-resolve/download files, keeping repositories in memory. Point a client at it with `HF_ENDPOINT` (and `HF_HUB_DISABLE_XET=1`: the Xet
-storage protocol is not implemented).
+resolve/download files, keeping repositories in memory. Point a client at it with `HF_ENDPOINT` (and
+`HF_HUB_DISABLE_XET=1`: the Xet storage protocol is not implemented).
 """
 
 from __future__ import annotations
@@ -93,8 +93,11 @@ class _Handler(BaseHTTPRequestHandler):
                 return self._error(404, "RepoNotFound", m["repo"])
             files = json.loads(self._body())["files"]
             modes = [
-                {"path": f["path"], "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
-                 "shouldIgnore": False}
+                {
+                    "path": f["path"],
+                    "uploadMode": "lfs" if f["path"].endswith(".safetensors") else "regular",
+                    "shouldIgnore": False,
+                }
                 for f in files
             ]
             return self._json(200, {"files": modes})
@@ -129,8 +132,14 @@ class _Handler(BaseHTTPRequestHandler):
             key, value = item["key"], item["value"]
             if key == "header":
                 summary = value.get("summary", "")
-                self.state.commits.append({"repo_id": repo_id, "revision": revision, "summary": summary,
-                                           "description": value.get("description", "")})
+                self.state.commits.append(
+                    {
+                        "repo_id": repo_id,
+                        "revision": revision,
+                        "summary": summary,
+                        "description": value.get("description", ""),
+                    }
+                )
             elif key == "file":
                 files[value["path"]] = base64.b64decode(value["content"])
             elif key == "lfsFile":

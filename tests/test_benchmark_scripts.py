@@ -14,8 +14,13 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_benchmark(script: str, *args) -> str:
-    result = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -23,9 +28,25 @@ def run_benchmark(script: str, *args) -> str:
 def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     output = tmp_path / "cost.md"
-    stdout = run_benchmark("bench_calibration_cost.py", "--model", root / "model", "--calibration",
-                           root / "calibration.txt", "--batch-sizes", "1,2", "--seq-len", 16, "--steps", 1,
-                           "--repeats", 1, "--no-run", "--memory", "--output", output)
+    stdout = run_benchmark(
+        "bench_calibration_cost.py",
+        "--model",
+        root / "model",
+        "--calibration",
+        root / "calibration.txt",
+        "--batch-sizes",
+        "1,2",
+        "--seq-len",
+        16,
+        "--steps",
+        1,
+        "--repeats",
+        1,
+        "--no-run",
+        "--memory",
+        "--output",
+        output,
+    )
     rows = re.findall(r"^\| (\d) x 16 \| ([\d.]+) \| ([\d.-]+) \| ([\d.-]+)x \|", stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"]
     for _, reference, step, ratio in rows:
@@ -40,10 +61,33 @@ def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
 def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     runs, output = tmp_path / "runs.jsonl", tmp_path / "quality.md"
-    inputs = ["--model", root / "model", "--calibration", root / "calibration.txt",
-              "--eval", f"heldout={root / 'heldout.txt'}", "--runs", runs, "--eval-tokens", 256, "--eval-seq-len", 16]
-    args = [*inputs, "--methods", "float,uniform,dmx,kl", "--pairs", "mxfp8-mxfp4", "--targets", "5",
-            "--preset", "cpu-demo", "--output", output]
+    inputs = [
+        "--model",
+        root / "model",
+        "--calibration",
+        root / "calibration.txt",
+        "--eval",
+        f"heldout={root / 'heldout.txt'}",
+        "--runs",
+        runs,
+        "--eval-tokens",
+        256,
+        "--eval-seq-len",
+        16,
+    ]
+    args = [
+        *inputs,
+        "--methods",
+        "float,uniform,dmx,kl",
+        "--pairs",
+        "mxfp8-mxfp4",
+        "--targets",
+        "5",
+        "--preset",
+        "cpu-demo",
+        "--output",
+        output,
+    ]
     run_benchmark("bench_quality.py", *args, "--threads", 1)
     rows = [json.loads(line) for line in runs.read_text().splitlines()]
     assert [r["method"] for r in rows] == ["float", "uniform", "uniform", "uniform", "dmx", "kl"]
@@ -53,8 +97,9 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     assert [json.loads(line) for line in runs.read_text().splitlines()] == rows
     assert "2 runs to do, 4 already" in run_benchmark("bench_quality.py", *args, "--offset-groups", "fused")
     # A rotated model is a new set of runs; its float perplexity is the float model's (the rotation preserves it).
-    assert "1 runs to do, 0 already" in run_benchmark("bench_quality.py", *inputs, "--methods", "float",
-                                                      "--rotation", "block_hadamard")
+    assert "1 runs to do, 0 already" in run_benchmark(
+        "bench_quality.py", *inputs, "--methods", "float", "--rotation", "block_hadamard"
+    )
     floats = [json.loads(line) for line in runs.read_text().splitlines() if '"float"' in line]
     assert [r["rotation"] for r in floats] == ["none", "block_hadamard"]
     assert floats[1]["ppl_heldout"] == pytest.approx(floats[0]["ppl_heldout"], rel=1e-4)
@@ -90,8 +135,13 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
     All scripts run in one interpreter, each as `__main__` with its folder first on the path, as `python
     benchmarks/<script>.py --help` runs it: a fresh interpreter per script would spend seconds importing torch."""
     clone = tmp_path / "clone"
-    listed = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard"], cwd=ROOT,
-                            capture_output=True, text=True, check=True).stdout.split()
+    listed = subprocess.run(
+        ["git", "ls-files", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.split()
     for name in listed:
         if (ROOT / name).is_file():
             (clone / name).parent.mkdir(parents=True, exist_ok=True)
@@ -100,7 +150,10 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
     assert len(scripts) == 4  # the maintained benchmarks
     result = subprocess.run(
         [sys.executable, "-c", HELP_OF_EVERY_SCRIPT.format(folder=str(clone / "benchmarks")), *scripts],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
         env={**os.environ, "OPTIMUM_DMX_CACHE": str(tmp_path / "cache")},
     )
     assert result.returncode == 0, result.stderr[-3000:]

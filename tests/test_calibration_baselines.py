@@ -2,7 +2,6 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from .helpers import sensitive_llama_and_data, tiny_llama
 from optimum_dmx.calibration import (
     CalibrationSettings,
     calibrate,
@@ -12,8 +11,10 @@ from optimum_dmx.calibration import (
     uniform_format_map,
 )
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
-from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
 from optimum_dmx.formats import quantize_mx
+from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
+
+from .helpers import sensitive_llama_and_data, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +104,10 @@ def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
 def test_kl_preselection_computes_sensitivities_itself(sensitive, sensitivities):
     model, ids = sensitive
     s = settings(target_bits=5.0)
-    assert kl_preselection(model, ids, s, progress=False).format_map == kl_preselection(
-        model, ids, s, sensitivities=sensitivities
-    ).format_map
+    assert (
+        kl_preselection(model, ids, s, progress=False).format_map
+        == kl_preselection(model, ids, s, sensitivities=sensitivities).format_map
+    )
     with pytest.raises(ValueError, match="sensitivities lack 1 targeted layers"):
         kl_preselection(model, ids, s, sensitivities={k: v for k, v in list(sensitivities.items())[1:]})
 

@@ -30,8 +30,15 @@ def achieved(result, bit_average: str) -> float:
 @pytest.mark.parametrize("pair, target", [(p, t) for p, ts in TARGETS.items() for t in ts])
 def test_default_recipe_keeps_the_budget_in_20_steps(deep, pair, target, bit_average):
     model, ids = deep
-    settings = CalibrationSettings(target_bits=target, format_pair=pair, bit_average=bit_average, steps=20,
-                                   batch_size=2, seq_len=16, num_samples=40)
+    settings = CalibrationSettings(
+        target_bits=target,
+        format_pair=pair,
+        bit_average=bit_average,
+        steps=20,
+        batch_size=2,
+        seq_len=16,
+        num_samples=40,
+    )
     result = calibrate(model, ids, settings, progress=False)
     bits = achieved(result, bit_average)
     assert target - BUDGET_TOLERANCE - 1e-9 <= bits <= target + BUDGET_TOLERANCE + 1e-9, bits
@@ -41,8 +48,15 @@ def test_default_recipe_keeps_the_budget_in_20_steps(deep, pair, target, bit_ave
 @pytest.mark.parametrize("steps", [20, 60])
 def test_the_paper_trainer_keeps_it_too_with_the_budget_rule(deep, steps):
     model, ids = deep
-    settings = CalibrationSettings(method="paper", paper=PaperRecipe(discretization="budget"), target_bits=5.5,
-                                   steps=steps, batch_size=2, seq_len=16, num_samples=40)
+    settings = CalibrationSettings(
+        method="paper",
+        paper=PaperRecipe(discretization="budget"),
+        target_bits=5.5,
+        steps=steps,
+        batch_size=2,
+        seq_len=16,
+        num_samples=40,
+    )
     result = calibrate(model, ids, settings, progress=False)
     assert abs(result.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
 
@@ -82,8 +96,12 @@ def test_learned_offsets_carry_the_signal():
     settings = CalibrationSettings(target_bits=6.0, steps=40, batch_size=4, seq_len=32, num_samples=16)
     result = calibrate(model, ids[:16], settings, progress=False)
     shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in result.format_map}
-    reversed_map = budget_format_map({n: -v for n, v in result.beta_hat.items()}, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 6.0)
-    assert sum(f == "mxfp8_e4m3" for f in reversed_map.values()) == sum(f == "mxfp8_e4m3" for f in result.format_map.values())
+    reversed_map = budget_format_map(
+        {n: -v for n, v in result.beta_hat.items()}, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 6.0
+    )
+    assert sum(f == "mxfp8_e4m3" for f in reversed_map.values()) == sum(
+        f == "mxfp8_e4m3" for f in result.format_map.values()
+    )
     held_out = ids[16:]
 
     def loss(format_map):
@@ -111,8 +129,9 @@ def test_budget_rule_is_the_closest_map_below_the_tolerance(pair, bit_average):
     weights = tensor_sizes(list(shapes.values()))
     for target in torch.linspace(p.min_bits, p.max_bits, 23).tolist():
         fmap = budget_format_map(priority, shapes, p, target, bit_average)
-        bits = torch.tensor([float(p.high.bits if f == p.high.name else p.low.bits) for f in fmap.values()],
-                            dtype=torch.float64)
+        bits = torch.tensor(
+            [float(p.high.bits if f == p.high.name else p.low.bits) for f in fmap.values()], dtype=torch.float64
+        )
         avg = average_bits(bits, bit_average, weights).item()
         assert avg <= target + BUDGET_TOLERANCE + 1e-9
         assert avg >= target - BUDGET_TOLERANCE - 1e-9, (target, avg)

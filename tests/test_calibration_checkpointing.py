@@ -38,8 +38,15 @@ def test_checkpointed_calibration_gives_the_same_result(sensitive, forward_calls
     model, data = sensitive
     results, calls = [], []
     for checkpointing in (False, True):
-        settings = CalibrationSettings(method=method, target_bits=5.0, num_samples=len(data), seq_len=data.shape[1],
-                                       batch_size=4, steps=3, gradient_checkpointing=checkpointing)
+        settings = CalibrationSettings(
+            method=method,
+            target_bits=5.0,
+            num_samples=len(data),
+            seq_len=data.shape[1],
+            batch_size=4,
+            steps=3,
+            gradient_checkpointing=checkpointing,
+        )
         forward_calls["count"] = 0
         results.append(calibrate(model, data, settings, progress=False))
         calls.append(forward_calls["count"])
@@ -56,8 +63,14 @@ def test_checkpointing_keeps_a_model_that_had_it_on(sensitive):
     model, data = sensitive
     model.activation_checkpointing_enable()
     try:
-        settings = CalibrationSettings(target_bits=5.0, num_samples=len(data), seq_len=data.shape[1], batch_size=4,
-                                       steps=2, gradient_checkpointing=True)
+        settings = CalibrationSettings(
+            target_bits=5.0,
+            num_samples=len(data),
+            seq_len=data.shape[1],
+            batch_size=4,
+            steps=2,
+            gradient_checkpointing=True,
+        )
         calibrate(model, data, settings, progress=False)
         assert model.is_activation_checkpointing
     finally:
@@ -81,7 +94,8 @@ class _NoDecoderLayers(nn.Module):
 
 
 def test_a_model_without_checkpointable_layers_is_refused():
-    settings = CalibrationSettings(target_bits=5.0, num_samples=2, seq_len=4, batch_size=2, steps=1,
-                                   gradient_checkpointing=True)
+    settings = CalibrationSettings(
+        target_bits=5.0, num_samples=2, seq_len=4, batch_size=2, steps=1, gradient_checkpointing=True
+    )
     with pytest.raises(ValueError, match="_NoDecoderLayers has none.*gradient_checkpointing=False"):
         calibrate(_NoDecoderLayers(), torch.zeros(2, 4, dtype=torch.long), settings, progress=False)

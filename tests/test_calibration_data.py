@@ -6,8 +6,9 @@ import pytest
 import torch
 from datasets import Dataset, DatasetDict
 
-from .helpers import word_tokenizer, words
 from optimum_dmx.calibration import build_calibration_batches
+
+from .helpers import word_tokenizer, words
 
 TEXTS = [words(0, 50), words(50, 30), words(80, 40)]  # 120 tokens, ids 1..120 in order
 
@@ -151,7 +152,7 @@ def test_hub_name_refused_when_offline(monkeypatch, tokenizer):
 def test_generators_and_streaming_datasets_are_read_lazily(tokenizer):
     expected = build_calibration_batches(TEXTS, tokenizer, seq_len=10, num_samples=12, seed=0)
     assert torch.equal(build_calibration_batches(iter(TEXTS), tokenizer, 10, 12, 0), expected)
-    records = (Dataset.from_dict({"text": TEXTS, "id": [0, 1, 2]}).to_iterable_dataset())
+    records = Dataset.from_dict({"text": TEXTS, "id": [0, 1, 2]}).to_iterable_dataset()
     assert torch.equal(build_calibration_batches(records, tokenizer, 10, 12, 0), expected)
 
     consumed = []
@@ -208,6 +209,12 @@ def test_texts_hub_names_and_existing_files_are_accepted(tmp_path, monkeypatch):
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "calibration.txt").write_text(words(0, 40))
-    for dataset in (["w1 w2 w3", "w4/w5 w6"], "wikitext", "Salesforce/wikitext", "calibration.txt", ["calibration.txt"]):
+    for dataset in (
+        ["w1 w2 w3", "w4/w5 w6"],
+        "wikitext",
+        "Salesforce/wikitext",
+        "calibration.txt",
+        ["calibration.txt"],
+    ):
         assert DMXConfig(dataset=dataset).dataset == dataset
     assert build_calibration_batches(["calibration.txt"], word_tokenizer(), 10, 2).shape == (2, 10)

@@ -45,7 +45,10 @@ def test_two_processes_give_the_single_process_map(method, tmp_path):
         # No restart: a worker that aborts at exit (a gloo group left to interpreter shutdown, SIGABRT after the
         # work has finished; `calibration.distributed` now destroys the group it created) must fail the test.
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True, text=True, timeout=600, cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
     lines = [line for line in launched.stdout.splitlines() if line.startswith("{")]

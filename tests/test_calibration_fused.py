@@ -5,9 +5,14 @@ import torch
 from torch.nn import functional as F
 
 from optimum_dmx.calibration import DMXLinear, EndpointProbe, RelaxedOffset
-from optimum_dmx.continuous import FORMAT_PAIRS, ContinuousQuantization, FrozenWeightQuantization, quantize_mx_continuous
-from optimum_dmx.continuous import quantize_mx_continuous_fused
-from optimum_dmx.continuous import weight_block_max
+from optimum_dmx.continuous import (
+    FORMAT_PAIRS,
+    ContinuousQuantization,
+    FrozenWeightQuantization,
+    quantize_mx_continuous,
+    quantize_mx_continuous_fused,
+    weight_block_max,
+)
 from optimum_dmx.continuous.fused import _pairwise_sum
 from optimum_dmx.formats import SCALE_RULES, quantize_mx
 
@@ -162,12 +167,16 @@ def test_an_endpoint_probe_runs_the_exact_format_and_reads_the_offsets_derivativ
     probe.set(endpoint, torch.device("cpu"), measure=True)
     x = torch.randn(3, 32)
     y = layer(x)
-    torch.testing.assert_close(y, F.linear(quantize_mx(x, fmt), quantize_mx(layer.weight, fmt), layer.bias),
-                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(
+        y, F.linear(quantize_mx(x, fmt), quantize_mx(layer.weight, fmt), layer.bias), rtol=0, atol=1e-6
+    )
     y.square().sum().backward()
     beta = torch.tensor(endpoint, requires_grad=True)
-    y_ref = F.linear(quantize_mx_continuous(x, beta, "mxfp6-mxfp4"),
-                     quantize_mx_continuous(layer.weight.detach(), beta, "mxfp6-mxfp4"), layer.bias.detach())
+    y_ref = F.linear(
+        quantize_mx_continuous(x, beta, "mxfp6-mxfp4"),
+        quantize_mx_continuous(layer.weight.detach(), beta, "mxfp6-mxfp4"),
+        layer.bias.detach(),
+    )
     y_ref.square().sum().backward()
     assert probe.gain().item() == pytest.approx(-beta.grad.item(), rel=1e-4)
 
@@ -189,8 +198,9 @@ def test_a_computed_quantization_attaches_the_same_values_and_gradients(pair, dt
 
     for frozen in (False, True):
         amax = weight_block_max(x) if frozen else None
-        expected = values_and_grads(lambda xi, beta: quantize_mx_continuous_fused(xi, beta, pair, block_amax=amax),
-                                    not frozen)
+        expected = values_and_grads(
+            lambda xi, beta: quantize_mx_continuous_fused(xi, beta, pair, block_amax=amax), not frozen
+        )
         once = ContinuousQuantization.compute(x, offset, pair, block_amax=amax)
         for _ in range(2):
             got = values_and_grads(once.attach, not frozen)

@@ -24,8 +24,17 @@ def deep():
 
 
 def settings(**overrides):
-    return CalibrationSettings(**{"target_bits": 5.5, "steps": 20, "batch_size": 2, "seq_len": 16, "num_samples": 40,
-                                  "offset_groups": "fused", **overrides})
+    return CalibrationSettings(
+        **{
+            "target_bits": 5.5,
+            "steps": 20,
+            "batch_size": 2,
+            "seq_len": 16,
+            "num_samples": 40,
+            "offset_groups": "fused",
+            **overrides,
+        }
+    )
 
 
 @pytest.mark.parametrize("method", ["dmx", "paper_budget", "paper_threshold", "kl"])

@@ -55,7 +55,9 @@ def test_bit_summary_reports_all_three_numbers():
     summary = bit_summary([4, 8, 4, 6], SHAPES)
     sizes = tensor_sizes(SHAPES)
     assert summary["bits_simple"] == pytest.approx(5.5)
-    assert summary["bits_weighted"] == pytest.approx(average_bits(torch.tensor([4.0, 8, 4, 6]), "weighted", sizes).item())
+    assert summary["bits_weighted"] == pytest.approx(
+        average_bits(torch.tensor([4.0, 8, 4, 6]), "weighted", sizes).item()
+    )
     numel = sum(o * i for o, i in SHAPES)
     weight_bits = sum(b * o * i for b, (o, i) in zip([4, 8, 4, 6], SHAPES))
     assert summary["storage_bits"] == pytest.approx((weight_bits + 8 * numel / 32) / numel)

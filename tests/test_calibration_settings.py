@@ -18,11 +18,15 @@ def test_the_paper_preset_is_the_settings_default():
     preset = get_preset("paper")
     s = CalibrationSettings()
     assert (preset.num_samples, preset.seq_len, preset.batch_size, preset.steps) == (
-        s.num_samples, s.seq_len, s.batch_size, s.steps)
+        s.num_samples,
+        s.seq_len,
+        s.batch_size,
+        s.steps,
+    )
     assert get_preset("gpu").gradient_checkpointing and not preset.gradient_checkpointing
     with pytest.raises(ValueError, match="preset='fast' is not a preset; allowed: 'paper', 'gpu'"):
         get_preset("fast")
-    for name, preset in PRESETS.items():
+    for preset in PRESETS.values():
         CalibrationSettings(**preset.settings())  # every preset is valid settings
 
 
@@ -34,8 +38,9 @@ def test_discretization_follows_the_method():
 
 
 def test_to_dict_round_trips():
-    s = CalibrationSettings(target_bits=5.5, format_pair="mxfp6-mxfp4", seed=3, method="paper",
-                            paper=PaperRecipe(lr=20.0))
+    s = CalibrationSettings(
+        target_bits=5.5, format_pair="mxfp6-mxfp4", seed=3, method="paper", paper=PaperRecipe(lr=20.0)
+    )
     assert CalibrationSettings(**s.to_dict()) == s
     assert PaperRecipe.from_dict(s.paper.to_dict()) == s.paper
 

@@ -15,8 +15,8 @@ from optimum_dmx.calibration import (
     calibrate,
     uniform_format_map,
 )
-from optimum_dmx.nn import emulate_format_map
 from optimum_dmx.evaluation import evaluate_perplexity
+from optimum_dmx.nn import emulate_format_map
 
 from .helpers import REPO_ROOT
 
@@ -52,7 +52,9 @@ def held_out(texts, name: str) -> str:
     return text[len(text) // 10 :]
 
 
-@pytest.mark.parametrize("fmt, reference, rel", [(None, 27.05, 1e-3), ("mxfp8_e4m3", 28.65, 1e-2), ("mxfp4_e2m1", 101.35, 1e-2)])
+@pytest.mark.parametrize(
+    "fmt, reference, rel", [(None, 27.05, 1e-3), ("mxfp8_e4m3", 28.65, 1e-2), ("mxfp4_e2m1", 101.35, 1e-2)]
+)
 def test_reproduces_the_reference_perplexities(smollm2, texts, fmt, reference, rel):
     """The data README's numbers: 4,096 tokens of Pride and Prejudice from 10% in, 512-token windows.
 
@@ -70,7 +72,12 @@ def test_short_paper_calibration_on_austen_raises_offsets_below_the_target(smoll
     model, tokenizer = smollm2
     ids = build_calibration_batches(texts.calibration, tokenizer, seq_len=128, num_samples=16, seed=0)
     settings = CalibrationSettings(
-        method="paper", target_bits=5.0, num_samples=16, seq_len=128, batch_size=2, steps=6,
+        method="paper",
+        target_bits=5.0,
+        num_samples=16,
+        seq_len=128,
+        batch_size=2,
+        steps=6,
         paper=PaperRecipe(t_warmup_ratio=1.0),
     )
     result = calibrate(model, ids, settings, progress=False)
@@ -84,8 +91,9 @@ def test_short_paper_calibration_on_austen_raises_offsets_below_the_target(smoll
 def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts, pair, target):
     model, tokenizer = smollm2
     ids = build_calibration_batches(texts.calibration, tokenizer, seq_len=128, num_samples=40, seed=0)
-    settings = CalibrationSettings(format_pair=pair, target_bits=target, num_samples=40, seq_len=128, batch_size=2,
-                                   steps=20)
+    settings = CalibrationSettings(
+        format_pair=pair, target_bits=target, num_samples=40, seq_len=128, batch_size=2, steps=20
+    )
     result = calibrate(model, ids, settings, progress=False)
     assert target - 0.05 <= result.bits_simple <= target + 0.05
     # Every layer was probed at its low format at least once, so every offset is a measured value.

@@ -5,11 +5,12 @@ import pytest
 import torch
 from torch import nn
 
-from .helpers import sensitive_llama_and_data, tiny_llama
 from optimum_dmx.calibration import CalibrationSettings, DMXLinear, PaperRecipe, calibrate
 from optimum_dmx.calibration.dmx_linear import SharedInputs
 from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuous_fused
 from optimum_dmx.nn import linear_modules_to_quantize
+
+from .helpers import sensitive_llama_and_data, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -35,7 +36,9 @@ def test_linear_modules_to_quantize_matches_at_module_boundaries():
     kept = linear_modules_to_quantize(model, ["lm_head", "model.layers.1"])
     assert all(n.startswith("model.layers.0.") for n in kept) and len(kept) == 7
     assert len(linear_modules_to_quantize(model, ["lm_head", "model.layers.1.self"])) == 14
-    assert "model.layers.0.self_attn.q_proj" not in linear_modules_to_quantize(model, ["model.layers.0.self_attn.q_proj"])
+    assert "model.layers.0.self_attn.q_proj" not in linear_modules_to_quantize(
+        model, ["model.layers.0.self_attn.q_proj"]
+    )
 
 
 def test_calibration_restores_the_model():
@@ -95,8 +98,11 @@ def test_reused_quantizations_give_the_same_result_bit_for_bit(sensitive, monkey
 
     computed.clear()
     monkeypatch.setattr(DMXLinear, "frozen_weight", lambda self, offset: None)  # every weight quantized afresh
-    monkeypatch.setattr(SharedInputs, "quantize", lambda self, x, beta, key: quantize_mx_continuous_fused(
-        x, beta, key[1], key[2], key[3]))
+    monkeypatch.setattr(
+        SharedInputs,
+        "quantize",
+        lambda self, x, beta, key: quantize_mx_continuous_fused(x, beta, key[1], key[2], key[3]),
+    )
     recomputed = calibrate(model, ids, settings(steps=8), progress=False)
     assert len(computed) == 2 * layers * steps  # every weight and every input, every step
     assert reused.beta_hat == recomputed.beta_hat and reused.history == recomputed.history
@@ -135,8 +141,12 @@ def test_a_run_leaves_no_tensors_behind(sensitive, method):
     model, ids = sensitive
 
     def live_tensors_after(steps: int) -> int:
-        calibrate(model, ids, CalibrationSettings(method=method, target_bits=6.0, num_samples=16, seq_len=32,
-                                                  batch_size=4, steps=steps), progress=False)
+        calibrate(
+            model,
+            ids,
+            CalibrationSettings(method=method, target_bits=6.0, num_samples=16, seq_len=32, batch_size=4, steps=steps),
+            progress=False,
+        )
         gc.collect()
         return sum(1 for o in gc.get_objects() if isinstance(o, torch.Tensor))
 
@@ -166,8 +176,9 @@ def test_bits_come_down_to_a_low_target(sensitive):
 
 def test_simple_regularizer_and_weighted_average_are_used(sensitive):
     model, ids = sensitive
-    s = settings(method="paper", paper=PaperRecipe(regularizer="simple", reg_lambda=50.0), bit_average="weighted",
-                 steps=10)
+    s = settings(
+        method="paper", paper=PaperRecipe(regularizer="simple", reg_lambda=50.0), bit_average="weighted", steps=10
+    )
     result = calibrate(model, ids, s, progress=False)
     first = result.history[0]
     assert first["bits"] == pytest.approx(first["bits_weighted"])

@@ -16,8 +16,9 @@ FAST = ["--steps", "4", "--seq-len", "16", "--batch-size", "2", "--num-samples",
 
 
 def cli(*args: str, cwd: Path | None = None) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "optimum_dmx", *map(str, args)], capture_output=True, text=True,
-                          timeout=600, cwd=cwd)
+    return subprocess.run(
+        [sys.executable, "-m", "optimum_dmx", *map(str, args)], capture_output=True, text=True, timeout=600, cwd=cwd
+    )
 
 
 def assert_one_line_error(result: subprocess.CompletedProcess, *fragments: str) -> None:
@@ -32,8 +33,19 @@ def quantized(tiny_text_model_dir, tmp_path_factory):
     """One real quantize run, shared by the tests that read its output."""
     out = tmp_path_factory.mktemp("cli") / "out"
     root = tiny_text_model_dir
-    result = cli("quantize", root / "model", "--target-bits", "5", "--dataset", root / "calibration.txt",
-                 "--eval-text", root / "heldout.txt", "--output", out, *FAST)
+    result = cli(
+        "quantize",
+        root / "model",
+        "--target-bits",
+        "5",
+        "--dataset",
+        root / "calibration.txt",
+        "--eval-text",
+        root / "heldout.txt",
+        "--output",
+        out,
+        *FAST,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return out, result
 
@@ -84,17 +96,35 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
 @pytest.mark.parametrize(
     "args, fragments",
     [
-        (["quantize", "{tmp}/no-such-model", "--dataset", "{root}/calibration.txt"], ["model folder", "does not exist"]),
-        (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--target-bits", "9"],
-         ["target_bits=9.0", "allowed 4.0 to 8.0"]),
-        (["quantize", "{root}/model", "--pair", "mxfp6-mxfp4", "--target-bits", "7", "--dataset", "{root}/calibration.txt"],
-         ["target_bits=7.0", "mxfp6-mxfp4"]),
+        (
+            ["quantize", "{tmp}/no-such-model", "--dataset", "{root}/calibration.txt"],
+            ["model folder", "does not exist"],
+        ),
+        (
+            ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--target-bits", "9"],
+            ["target_bits=9.0", "allowed 4.0 to 8.0"],
+        ),
+        (
+            [
+                "quantize",
+                "{root}/model",
+                "--pair",
+                "mxfp6-mxfp4",
+                "--target-bits",
+                "7",
+                "--dataset",
+                "{root}/calibration.txt",
+            ],
+            ["target_bits=7.0", "mxfp6-mxfp4"],
+        ),
         (["quantize", "{root}/model", "--dataset", "{tmp}/missing.txt"], ["calibration data not found", "missing.txt"]),
         (["quantize", "{root}/model", "--dataset", "{tmp}/table.csv"], ["cannot read calibration data", ".csv"]),
         (["quantize", "{root}/model", "--pair", "mxfp5-mxfp4"], ["invalid choice", "mxfp5-mxfp4"]),
         (["quantize", "{root}/model", "--preset", "huge"], ["invalid choice", "huge"]),
-        (["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--learn-rotations"],
-         ["learn_rotations=True", "rotation='hadamard' or 'block_hadamard'", "rotation='none'"]),
+        (
+            ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--learn-rotations"],
+            ["learn_rotations=True", "rotation='hadamard' or 'block_hadamard'", "rotation='none'"],
+        ),
         (["eval", "{tmp}/nowhere", "--text", "{root}/heldout.txt"], ["model folder", "does not exist"]),
         (["inspect", "{root}/model"], ["is not a dMX checkpoint"]),
     ],
@@ -102,8 +132,9 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
 def test_user_errors_are_one_line_with_exit_status_2(args, fragments, tiny_text_model_dir, tmp_path):
     (tmp_path / "table.csv").write_text("a,b\n1,2\n")
     filled = [a.format(root=tiny_text_model_dir, tmp=tmp_path) for a in args]
-    assert_one_line_error(cli(*filled, "--output", tmp_path / "o") if filled[0] == "quantize" else cli(*filled),
-                          *fragments)
+    assert_one_line_error(
+        cli(*filled, "--output", tmp_path / "o") if filled[0] == "quantize" else cli(*filled), *fragments
+    )
 
 
 def test_console_script_is_installed():
@@ -121,11 +152,15 @@ def test_console_script_is_installed():
         (["quantize", "--steps", "10"], {"preset": DEFAULT_RUN_PRESET, "steps": 10}),
         (["quantize", "--preset", "paper"], {"preset": "paper"}),
         (["quantize", "m", "--dataset", "d.txt"], {}),
-        (["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--method", "paper", "--preset", "gpu"],
-         {"seq_len": 64, "method": "paper", "preset": "gpu"}),
+        (
+            ["quantize", "m", "--dataset", "d.txt", "--seq-len", "64", "--method", "paper", "--preset", "gpu"],
+            {"seq_len": 64, "method": "paper", "preset": "gpu"},
+        ),
         (["quantize", "m", "--dataset", "d.txt", "--gradient-checkpointing"], {"gradient_checkpointing": True}),
-        (["quantize", "m", "--dataset", "d.txt", "--rotation", "hadamard", "--learn-rotations"],
-         {"rotation": "hadamard", "learn_rotations": True}),
+        (
+            ["quantize", "m", "--dataset", "d.txt", "--rotation", "hadamard", "--learn-rotations"],
+            {"rotation": "hadamard", "learn_rotations": True},
+        ),
     ],
 )
 def test_default_run_settings_and_explicit_overrides(argv, expected):
@@ -139,14 +174,18 @@ def test_default_run_on_the_embedded_model_finishes_within_15_minutes(tmp_path):
     import time
 
     start = time.perf_counter()
-    result = subprocess.run(["optimum-dmx", "quantize", "--output", str(tmp_path / "out")], capture_output=True,
-                            text=True, timeout=1800)
+    result = subprocess.run(
+        ["optimum-dmx", "quantize", "--output", str(tmp_path / "out")], capture_output=True, text=True, timeout=1800
+    )
     minutes = (time.perf_counter() - start) / 60
     assert result.returncode == 0, result.stderr[-3000:]
     assert minutes < 15, f"the default run took {minutes:.1f} minutes"
     quant = json.loads((tmp_path / "out" / "config.json").read_text())["quantization_config"]
     assert len(quant["format_map"]) == 210 and abs(quant["achieved_bits"]["bits_simple"] - 5.0) <= 0.5
-    assert "x the float checkpoint" in result.stdout and float(result.stdout.split(" x the float")[0].split("(")[-1]) < 0.55
+    assert (
+        "x the float checkpoint" in result.stdout
+        and float(result.stdout.split(" x the float")[0].split("(")[-1]) < 0.55
+    )
     card = (tmp_path / "out" / "README.md").read_text()
     assert "tempest_gut.txt" in card and "SmolLM2-135M-Instruct" in card
     print(result.stdout[-1500:], f"\nwall time {minutes:.1f} min")

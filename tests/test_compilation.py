@@ -18,7 +18,15 @@ from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
 from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_max
 from optimum_dmx.continuous.fused import _gradients_kernel, _Quantizer, _values_kernel
-from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, pack_mx, quantize_mx, set_compile_enabled, unpack_mx
+from optimum_dmx.formats import (
+    MX_FORMATS,
+    SCALE_RULES,
+    get_format,
+    pack_mx,
+    quantize_mx,
+    set_compile_enabled,
+    unpack_mx,
+)
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
 from optimum_dmx.formats.packing import fused_dequantize
@@ -275,7 +283,9 @@ def test_single_row_kernels_are_compiled_without_dynamo_and_bit_identical(compil
             set_compile_enabled(False)
             eager = _continuous(row, 2.0, pair, grad_y=grad_y)
             set_compile_enabled(True)
-            for name, a, b in zip(("values", "dL/dx", "dL/dbeta per block"), eager, _continuous(row, 2.0, pair, grad_y=grad_y)):
+            for name, a, b in zip(
+                ("values", "dL/dx", "dL/dbeta per block"), eager, _continuous(row, 2.0, pair, grad_y=grad_y)
+            ):
                 assert torch.equal(_bits(a), _bits(b)), (pair_name, name)
     assert counters["stats"]["unique_graphs"] == graphs
     assert _values_kernel.rejected_variants == 0 and _gradients_kernel.rejected_variants == 0
@@ -307,8 +317,12 @@ def test_without_a_working_compiler_one_warning_and_identical_results(tmp_path):
         print("FELL BACK")
         """
     )
-    env = {**os.environ, "CXX": str(tmp_path / "no-such-compiler"), "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
-           "OPTIMUM_DMX_COMPILE": "1"}
+    env = {
+        **os.environ,
+        "CXX": str(tmp_path / "no-such-compiler"),
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+        "OPTIMUM_DMX_COMPILE": "1",
+    }
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "FELL BACK" in result.stdout
@@ -333,8 +347,7 @@ def test_calibration_and_inference_are_identical_with_and_without_compiled_kerne
 
     model, data = sensitive_llama_and_data()
     model = model.to(dtype)
-    settings = CalibrationSettings(target_bits=5.0, num_samples=len(data), seq_len=data.shape[1], batch_size=4,
-                                   steps=4)
+    settings = CalibrationSettings(target_bits=5.0, num_samples=len(data), seq_len=data.shape[1], batch_size=4, steps=4)
     runs = []
     for enabled in (True, False):
         set_compile_enabled(enabled)
@@ -437,8 +450,12 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         print("EXACT")
         """
     )
-    env = {**os.environ, "ATEN_CPU_CAPABILITY": "avx2", "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
-           "OPTIMUM_DMX_COMPILE": "1"}
+    env = {
+        **os.environ,
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "cache"),
+        "OPTIMUM_DMX_COMPILE": "1",
+    }
     result = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     assert "EXACT" in result.stdout

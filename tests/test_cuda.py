@@ -21,8 +21,16 @@ from optimum_dmx.continuous.fused import _gradients_kernel, _Quantizer, _values_
 from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, quantize_mx, set_compile_enabled
 from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
 
-from .helpers import INPUT_IDS, adversarial_blocks, assert_bitwise_equal, awkward_tensor, sensitive_llama_and_data, \
-    wide_range, word_tokenizer, words
+from .helpers import (
+    INPUT_IDS,
+    adversarial_blocks,
+    assert_bitwise_equal,
+    awkward_tensor,
+    sensitive_llama_and_data,
+    wide_range,
+    word_tokenizer,
+    words,
+)
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
@@ -61,8 +69,12 @@ def test_compiled_casts_on_cuda_match_torchao(compiled, name):
     """The independent reference: torchao's OCP MX cast (FLOOR scale) on the same device."""
     mx = pytest.importorskip("torchao.prototype.mx_formats.mx_tensor")
     constants = pytest.importorskip("torchao.prototype.mx_formats.constants")
-    elem_dtypes = {"mxfp8_e4m3": torch.float8_e4m3fn, "mxfp6_e3m2": constants.DTYPE_FP6_E3M2,
-                   "mxfp6_e2m3": constants.DTYPE_FP6_E2M3, "mxfp4_e2m1": torch.float4_e2m1fn_x2}
+    elem_dtypes = {
+        "mxfp8_e4m3": torch.float8_e4m3fn,
+        "mxfp6_e3m2": constants.DTYPE_FP6_E3M2,
+        "mxfp6_e2m3": constants.DTYPE_FP6_E2M3,
+        "mxfp4_e2m1": torch.float4_e2m1fn_x2,
+    }
     for dtype in (torch.float32, torch.bfloat16):
         x = wide_range((64, 256), seed=1, dtype=dtype).to(CUDA)
         scale, data = mx.to_mx(x, elem_dtypes[name], 32)
@@ -73,9 +85,9 @@ def test_compiled_casts_on_cuda_match_torchao(compiled, name):
 def test_continuous_quantizer_on_cuda_equals_eager_and_cpu(compiled, pair_name):
     """At the pair's formats (compiled) and at a fractional offset (eager everywhere), both scale rules, with and
     without the weights' block maxima, float32 and bfloat16: the values, `dL/dx` and `dL/dbeta`'s per-block sums
-    compiled on CUDA equal eager CUDA's bit for bit; at the formats they equal the CPU's bit for bit too. At a fractional
-    offset CUDA's `exp2` and the CPU's may differ in the last bit, so only the values are compared with the CPU's
-    there, to that rounding (`dy/dbeta` holds `v - q`, whose relative error such a bit can make large)."""
+    compiled on CUDA equal eager CUDA's bit for bit; at the formats they equal the CPU's bit for bit too. At a
+    fractional offset CUDA's `exp2` and the CPU's may differ in the last bit, so only the values are compared with the
+    CPU's there, to that rounding (`dy/dbeta` holds `v - q`, whose relative error such a bit can make large)."""
     pair = get_format_pair(pair_name)
     x = awkward_tensor(16, 96).reshape(4, 4, 96) * 1e-30  # keep most blocks finite and in range
     x[0, 0, 0] = float("nan")
@@ -96,8 +108,14 @@ def test_continuous_quantizer_on_cuda_equals_eager_and_cpu(compiled, pair_name):
                         if float(offset).is_integer():
                             assert_bitwise_equal(b.cpu(), a, message=f"{case} {label}: CUDA vs CPU")
                         elif label == "values":
-                            torch.testing.assert_close(b.cpu(), a, rtol=1e-6 if dtype == torch.float32 else 8e-3,
-                                                       atol=0, equal_nan=True, msg=f"{case} {label}: CUDA vs CPU")
+                            torch.testing.assert_close(
+                                b.cpu(),
+                                a,
+                                rtol=1e-6 if dtype == torch.float32 else 8e-3,
+                                atol=0,
+                                equal_nan=True,
+                                msg=f"{case} {label}: CUDA vs CPU",
+                            )
     assert _values_kernel.rejected_variants == 0 and _gradients_kernel.rejected_variants == 0
 
 
@@ -128,10 +146,12 @@ def test_bf16_calibration_on_cuda_through_from_pretrained(tmp_path, tiny_llama_d
     the GPU, lands on the budget, saves, and reloads on the GPU to the same logits; `torch.compile` of the reload
     runs and agrees with it."""
     tokenizer = word_tokenizer()
-    config = DMXConfig(target_bits=5.0, dataset=_texts(), tokenizer=tokenizer, num_samples=8, seq_len=16,
-                       batch_size=4, steps=4, seed=3)
-    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.bfloat16, device_map="cuda",
-                                                 quantization_config=config)
+    config = DMXConfig(
+        target_bits=5.0, dataset=_texts(), tokenizer=tokenizer, num_samples=8, seq_len=16, batch_size=4, steps=4, seed=3
+    )
+    model = AutoModelForCausalLM.from_pretrained(
+        tiny_llama_dir, dtype=torch.bfloat16, device_map="cuda", quantization_config=config
+    )
     layers = {name: m for name, m in model.named_modules() if isinstance(m, MXLinear)}
     assert layers and all(p.device.type == "cuda" for p in model.parameters())
     recorded = model.config.quantization_config
@@ -163,8 +183,15 @@ def test_cuda_calibration_is_the_same_compiled_or_eager_and_with_checkpointing(m
     model = model.to(CUDA, torch.bfloat16)
     runs = []
     for compile_kernels, checkpointing in ((True, False), (False, False), (True, True)):
-        settings = CalibrationSettings(method=method, target_bits=5.0, num_samples=len(data), seq_len=data.shape[1],
-                                       batch_size=4, steps=3, gradient_checkpointing=checkpointing)
+        settings = CalibrationSettings(
+            method=method,
+            target_bits=5.0,
+            num_samples=len(data),
+            seq_len=data.shape[1],
+            batch_size=4,
+            steps=3,
+            gradient_checkpointing=checkpointing,
+        )
         set_compile_enabled(compile_kernels)
         try:
             runs.append(calibrate(copy.deepcopy(model), data, settings, progress=False))

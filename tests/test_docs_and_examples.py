@@ -7,7 +7,6 @@ from pathlib import Path
 
 import pytest
 
-
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -39,8 +38,13 @@ def test_the_readme_stays_short_and_the_docs_stand_alone():
 
 
 def run_example(script: str, *args) -> str:
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / script), *map(str, args)], capture_output=True,
-                            text=True, timeout=600, cwd=ROOT)
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), *map(str, args)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
 
@@ -52,8 +56,20 @@ def test_quickstart_example():
 
 def test_quantize_save_load_generate_examples(tiny_text_model_dir, tmp_path):
     root, out = tiny_text_model_dir, tmp_path / "dmx"
-    stdout = run_example("quantize_and_save.py", root / "model", "--dataset", root / "calibration.txt",
-                         "--steps", 4, "--seq-len", 16, "--batch-size", 2, "--output", out)
+    stdout = run_example(
+        "quantize_and_save.py",
+        root / "model",
+        "--dataset",
+        root / "calibration.txt",
+        "--steps",
+        4,
+        "--seq-len",
+        16,
+        "--batch-size",
+        2,
+        "--output",
+        out,
+    )
     assert "average bits" in stdout and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
     stdout = run_example("load_and_generate.py", out, "--prompt", "w1 w2 w3", "--max-new-tokens", 5)
     assert "14 MX linear layers" in stdout and stdout.strip().splitlines()[-1].startswith("w1 w2 w3")
@@ -70,9 +86,15 @@ def test_serve_with_vllm_example_exports_then_needs_vllm(tiny_text_model_dir, tm
     model_dir = tiny_text_model_dir / "model"
     model = AutoModelForCausalLM.from_pretrained(model_dir)
     format_map = dict.fromkeys(linear_names(model), "mxfp4_e2m1")
-    AutoModelForCausalLM.from_pretrained(model_dir, quantization_config=DMXConfig(format_map=format_map)).save_pretrained(
-        tmp_path / "dmx")
-    result = subprocess.run([sys.executable, str(ROOT / "examples" / "serve_with_vllm.py"), str(tmp_path / "dmx")],
-                            capture_output=True, text=True, timeout=600, cwd=ROOT)
+    AutoModelForCausalLM.from_pretrained(
+        model_dir, quantization_config=DMXConfig(format_map=format_map)
+    ).save_pretrained(tmp_path / "dmx")
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "serve_with_vllm.py"), str(tmp_path / "dmx")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
     assert "serving" in result.stdout and (tmp_path / "dmx-compressed-tensors" / "config.json").is_file()
     assert result.returncode != 0 and "No module named 'vllm'" in result.stderr

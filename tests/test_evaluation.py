@@ -4,8 +4,9 @@ import pytest
 import torch
 from torch.nn import functional as F
 
-from .helpers import tiny_llama, word_tokenizer, words
 from optimum_dmx.evaluation import evaluate_perplexity
+
+from .helpers import tiny_llama, word_tokenizer, words
 
 TEXT = words(0, 100) + "\n" + words(7, 60)  # 160 tokens
 
@@ -44,7 +45,9 @@ def test_max_tokens_partial_window_and_batching(setup):
     assert (limited.windows, limited.tokens) == (2, 100)  # the trailing 20 tokens are dropped
     assert limited.perplexity == pytest.approx(manual_perplexity(model, tokenizer, TEXT, 50, 120)[0], rel=1e-5)
     batched = evaluate_perplexity(model, tokenizer, TEXT, seq_len=32, batch_size=3)
-    assert batched.perplexity == pytest.approx(evaluate_perplexity(model, tokenizer, TEXT, seq_len=32).perplexity, rel=1e-5)
+    assert batched.perplexity == pytest.approx(
+        evaluate_perplexity(model, tokenizer, TEXT, seq_len=32).perplexity, rel=1e-5
+    )
 
 
 def test_restores_training_mode(setup):

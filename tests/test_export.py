@@ -20,8 +20,15 @@ from optimum_dmx.nn.groups import fused_projection_groups, mixed_groups
 from .helpers import INPUT_IDS
 
 LAYER = "model.layers.{}.{}"
-PROJECTIONS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-               "mlp.up_proj", "mlp.down_proj"]
+PROJECTIONS = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
 # Fused groups share a format; all three compressed-tensors formats appear.
 SERVABLE = {
     **{LAYER.format(0, p): "mxfp4_e2m1" for p in PROJECTIONS[:3] + ["mlp.down_proj"]},
@@ -70,9 +77,11 @@ def test_every_weight_loads_bit_exact_and_logits_match_the_emulation(dmx_dir, ex
 def test_activations_quantize_as_compressed_tensors_does_under_its_rule(exported):
     loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    for name, fmt in [(LAYER.format(0, "self_attn.q_proj"), "mxfp4_e2m1"),
-                      (LAYER.format(1, "self_attn.o_proj"), "mxfp6_e2m3"),
-                      (LAYER.format(1, "mlp.down_proj"), "mxfp8_e4m3")]:
+    for name, fmt in [
+        (LAYER.format(0, "self_attn.q_proj"), "mxfp4_e2m1"),
+        (LAYER.format(1, "self_attn.o_proj"), "mxfp6_e2m3"),
+        (LAYER.format(1, "mlp.down_proj"), "mxfp8_e4m3"),
+    ]:
         module = loaded.get_submodule(name)
         x = (torch.randn(3, 5, module.in_features, generator=g) * torch.logspace(-2, 2, module.in_features)).bfloat16()
         theirs = forward_quantize(module, x, "input", module.quantization_scheme.input_activations)
@@ -85,8 +94,11 @@ def test_config_lists_one_group_per_format_and_the_files_are_the_packed_size(dmx
     quantization = json.loads((exported / "config.json").read_text())["quantization_config"]
     assert quantization["quant_method"] == "compressed-tensors" and quantization["format"] == "mixed-precision"
     groups = {g["format"]: sorted(g["targets"]) for g in quantization["config_groups"].values()}
-    expected = {"mxfp4-pack-quantized": "mxfp4_e2m1", "mxfp6-pack-quantized": "mxfp6_e2m3",
-                "mxfp8-quantized": "mxfp8_e4m3"}
+    expected = {
+        "mxfp4-pack-quantized": "mxfp4_e2m1",
+        "mxfp6-pack-quantized": "mxfp6_e2m3",
+        "mxfp8-quantized": "mxfp8_e4m3",
+    }
     assert groups == {k: sorted(n for n, f in SERVABLE.items() if f == v) for k, v in expected.items()}
     size = lambda folder: sum(p.stat().st_size for p in folder.glob("*.safetensors"))  # noqa: E731
     assert abs(size(exported) - size(dmx_dir)) <= 0.02 * size(dmx_dir)
@@ -94,8 +106,9 @@ def test_config_lists_one_group_per_format_and_the_files_are_the_packed_size(dmx
 
 
 def test_scale_rule_mismatch_is_reported_and_weights_stay_exact(tiny_llama_dir, tmp_path, caplog):
-    source = save_dmx(tiny_llama_dir, tmp_path / "ocp", {k: v for k, v in SERVABLE.items() if v != "mxfp6_e2m3"},
-                      scale_rule="ocp")
+    source = save_dmx(
+        tiny_llama_dir, tmp_path / "ocp", {k: v for k, v in SERVABLE.items() if v != "mxfp6_e2m3"}, scale_rule="ocp"
+    )
     with caplog.at_level(logging.WARNING, logger="optimum_dmx.export.checkpoint"):
         out = export_checkpoint(source, tmp_path / "ct")
     assert "scale_rule='ocp'" in caplog.text and "DMXConfig(scale_rule='compressed-tensors')" in caplog.text
@@ -156,14 +169,19 @@ def test_sharded_checkpoint_and_a_loaded_model_export_alike(tiny_llama_dir, dmx_
     with torch.no_grad():
         expected = reference(INPUT_IDS).logits
         for folder in (from_shards, from_model):
-            assert torch.equal(AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)(INPUT_IDS).logits,
-                               expected)
+            assert torch.equal(
+                AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)(INPUT_IDS).logits, expected
+            )
 
 
 def test_command_line_export(dmx_dir, tmp_path):
     def cli(*args):
-        return subprocess.run([sys.executable, "-m", "optimum_dmx", "export", str(dmx_dir), *map(str, args)],
-                              capture_output=True, text=True, timeout=300)
+        return subprocess.run(
+            [sys.executable, "-m", "optimum_dmx", "export", str(dmx_dir), *map(str, args)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
 
     refused = cli("--to", "compressed-tensors", "--output", tmp_path / "a")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
@@ -178,13 +196,17 @@ def test_command_line_export(dmx_dir, tmp_path):
 def test_fused_projection_groups_from_names():
     names = [LAYER.format(i, p) for i in range(2) for p in PROJECTIONS] + ["model.layers.2.self_attn.q_proj"]
     groups = fused_projection_groups(names)
-    assert (LAYER.format(0, "self_attn.q_proj"), LAYER.format(0, "self_attn.k_proj"),
-            LAYER.format(0, "self_attn.v_proj")) in groups
+    assert (
+        LAYER.format(0, "self_attn.q_proj"),
+        LAYER.format(0, "self_attn.k_proj"),
+        LAYER.format(0, "self_attn.v_proj"),
+    ) in groups
     assert (LAYER.format(1, "mlp.gate_proj"), LAYER.format(1, "mlp.up_proj")) in groups
     assert len(groups) == 4  # layer 2 has no complete group
     assert mixed_groups(SERVABLE) == []
     assert mixed_groups({**SERVABLE, LAYER.format(1, "mlp.up_proj"): "mxfp8_e4m3"}) == [
-        (LAYER.format(1, "mlp.gate_proj"), LAYER.format(1, "mlp.up_proj"))]
+        (LAYER.format(1, "mlp.gate_proj"), LAYER.format(1, "mlp.up_proj"))
+    ]
 
 
 def test_a_map_calibrated_with_fused_offset_groups_exports_for_vllm_unforced(tiny_text_model_dir, tmp_path):
@@ -192,9 +214,17 @@ def test_a_map_calibrated_with_fused_offset_groups_exports_for_vllm_unforced(tin
     from transformers import AutoTokenizer
 
     root = tiny_text_model_dir
-    config = DMXConfig(target_bits=6.0, offset_groups="fused", scale_rule="compressed-tensors",
-                       dataset=[str(root / "calibration.txt")], tokenizer=AutoTokenizer.from_pretrained(root / "model"),
-                       steps=6, seq_len=16, batch_size=2, num_samples=12)
+    config = DMXConfig(
+        target_bits=6.0,
+        offset_groups="fused",
+        scale_rule="compressed-tensors",
+        dataset=[str(root / "calibration.txt")],
+        tokenizer=AutoTokenizer.from_pretrained(root / "model"),
+        steps=6,
+        seq_len=16,
+        batch_size=2,
+        num_samples=12,
+    )
     model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32, quantization_config=config)
     format_map = model.config.quantization_config.format_map
     assert mixed_groups(format_map) == [] and len(set(format_map.values())) == 2

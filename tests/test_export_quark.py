@@ -45,7 +45,9 @@ def test_weights_activations_and_logits_match_under_quarks_scale_rule(exported):
     for name, fmt in FORMAT_MAP.items():
         theirs, mine = loaded.get_submodule(name), ours.get_submodule(name)
         assert type(theirs).__name__ == "QParamsLinear"
-        assert torch.equal(theirs.weight_quantizer(theirs.weight.data).bfloat16(), mine.dequantized_weight(torch.bfloat16))
+        assert torch.equal(
+            theirs.weight_quantizer(theirs.weight.data).bfloat16(), mine.dequantized_weight(torch.bfloat16)
+        )
         x = (torch.randn(3, mine.in_features, generator=g) * torch.logspace(-2, 2, mine.in_features)).bfloat16()
         assert torch.equal(theirs.input_quantizer(x), quantize_mx(x, fmt, scale_rule="quark")), name
     with torch.no_grad():
@@ -61,9 +63,11 @@ def test_config_names_every_layer_and_files_are_the_packed_size(exported):
     layers = quantization["layer_quant_config"]
     assert {name: spec["weight"]["dtype"] for name, spec in layers.items()} == {
         name: {"mxfp4_e2m1": "fp4", "mxfp6_e2m3": "fp6_e2m3", "mxfp6_e3m2": "fp6_e3m2"}[fmt]
-        for name, fmt in FORMAT_MAP.items()}
-    assert all(spec["input_tensors"]["is_dynamic"] and spec["weight"]["scale_format"] == "e8m0"
-               for spec in layers.values())
+        for name, fmt in FORMAT_MAP.items()
+    }
+    assert all(
+        spec["input_tensors"]["is_dynamic"] and spec["weight"]["scale_format"] == "e8m0" for spec in layers.values()
+    )
     size = lambda folder: sum(p.stat().st_size for p in folder.glob("*.safetensors"))  # noqa: E731
     assert abs(size(out) - size(source)) <= 0.02 * size(source)
 

@@ -7,8 +7,18 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from optimum_dmx.formats import blocks as mx_blocks, cast, packing
-from optimum_dmx.formats import E8M0_NAN, MX_FORMATS, get_format, pack_mx, packed_shapes, quantize_mx, unpack_mx
+from optimum_dmx.formats import (
+    E8M0_NAN,
+    MX_FORMATS,
+    cast,
+    get_format,
+    pack_mx,
+    packed_shapes,
+    packing,
+    quantize_mx,
+    unpack_mx,
+)
+from optimum_dmx.formats import blocks as mx_blocks
 
 from .helpers import adversarial_blocks, assert_bitwise_equal, wide_range
 
@@ -45,7 +55,12 @@ def torchao_quantize(x: torch.Tensor, name: str) -> torch.Tensor:
 def test_format_constants(name, ebits, mbits, bias, emax, max_normal, min_normal, min_subnormal, bits):
     fmt = MX_FORMATS[name]
     assert (fmt.name, fmt.ebits, fmt.mbits, fmt.bias, fmt.emax) == (name, ebits, mbits, bias, emax)
-    assert (fmt.max_normal, fmt.min_normal, fmt.min_subnormal, fmt.bits) == (max_normal, min_normal, min_subnormal, bits)
+    assert (fmt.max_normal, fmt.min_normal, fmt.min_subnormal, fmt.bits) == (
+        max_normal,
+        min_normal,
+        min_subnormal,
+        bits,
+    )
     assert fmt.storage_bits() == bits + 0.25
 
 
@@ -230,7 +245,9 @@ def test_unpack_of_pack_equals_quantize_bit_for_bit(name, dtype, last_dim):
     assert_bitwise_equal(unpack_mx(packed, dtype), quantize_mx(x, name))
 
 
-@pytest.mark.parametrize("name, bytes_per_row", [("mxfp8_e4m3", 64), ("mxfp6_e3m2", 48), ("mxfp6_e2m3", 48), ("mxfp4_e2m1", 32)])
+@pytest.mark.parametrize(
+    "name, bytes_per_row", [("mxfp8_e4m3", 64), ("mxfp6_e3m2", 48), ("mxfp6_e2m3", 48), ("mxfp4_e2m1", 32)]
+)
 def test_packed_sizes(name, bytes_per_row):
     packed = pack_mx(torch.randn(5, 64), name)
     assert packed.codes.shape == (5, bytes_per_row) and packed.scales.shape == (5, 2)
@@ -299,7 +316,9 @@ def test_error_bounded_by_half_a_step_below_saturation(values, name):
     x = torch.tensor(values)
     out = quantize_mx(x, name)
     blocks = mx_blocks.to_blocks(x, 32)
-    scale = torch.exp2((mx_blocks.block_max_exponent(mx_blocks.block_max(blocks))[0] - fmt.emax).clamp(-127, 127).double())
+    scale = torch.exp2(
+        (mx_blocks.block_max_exponent(mx_blocks.block_max(blocks))[0] - fmt.emax).clamp(-127, 127).double()
+    )
     scaled = (blocks.double() / scale).reshape(-1)[: len(values)]
     step = torch.exp2(torch.floor(torch.log2(scaled.abs().clamp_min(1e-300))).clamp_min(fmt.emin) - fmt.mbits)
     in_range = scaled.abs() <= fmt.max_normal

@@ -71,7 +71,9 @@ def _venv_seeing_this_environment(venv: Path) -> None:
     subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
     child = subprocess.run(
         [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
-        check=True, capture_output=True, text=True,
+        check=True,
+        capture_output=True,
+        text=True,
     ).stdout.strip()
     ours = [*site.getsitepackages(), sysconfig.get_paths()["purelib"]]
     ours += [p for p in sys.path if p.endswith(("site-packages", "dist-packages")) and p not in ours]
@@ -102,7 +104,10 @@ def test_installed_package_loads_dmx_checkpoints_without_import(tmp_path, dmx_ch
         code = prelude + LOAD_WITHOUT_IMPORT.format(input_ids=INPUT_IDS.tolist())
         proc = subprocess.run(
             [str(venv / "bin" / "python"), "-c", code, str(checkpoint), str(tmp_path / logits_file)],
-            capture_output=True, text=True, cwd=tmp_path, env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
+            capture_output=True,
+            text=True,
+            cwd=tmp_path,
+            env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path)},
             timeout=300,
         )
         assert proc.returncode == 0, proc.stderr

@@ -50,7 +50,9 @@ def test_from_pretrained_calibrates_and_records_the_result(tmp_path, tiny_llama_
     sizes = {n: numel[n] + shapes[n][1] for n in formats}  # weight elements + the activation's in_features
     assert achieved["bits_weighted"] == pytest.approx(sum(bits[n] * sizes[n] for n in formats) / sum(sizes.values()))
     # storage: the codes plus one 8-bit scale per 32 weights (every in_features here is a multiple of 32)
-    assert achieved["storage_bits"] == pytest.approx(sum(numel[n] * (bits[n] + 8 / 32) for n in formats) / sum(numel.values()))
+    assert achieved["storage_bits"] == pytest.approx(
+        sum(numel[n] * (bits[n] + 8 / 32) for n in formats) / sum(numel.values())
+    )
 
     model.save_pretrained(tmp_path / "dmx")
     saved = json.loads((tmp_path / "dmx" / "config.json").read_text())["quantization_config"]
@@ -94,8 +96,11 @@ def test_device_map_auto_calibrates_like_a_plain_load(tiny_llama_dir, tokenizer)
 def test_an_offloaded_float_model_is_refused_before_calibrating(tmp_path, tiny_llama_dir, tokenizer):
     with pytest.raises(ValueError, match=r"every weight loaded on a device, but \d+ are offloaded .*max_memory"):
         AutoModelForCausalLM.from_pretrained(
-            tiny_llama_dir, quantization_config=_calibrating_config(tokenizer),
-            device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=str(tmp_path / "offload"),
+            tiny_llama_dir,
+            quantization_config=_calibrating_config(tokenizer),
+            device_map="auto",
+            max_memory={"cpu": "20KB"},
+            offload_folder=str(tmp_path / "offload"),
         )
 
 

@@ -18,6 +18,7 @@ from optimum_dmx.formats import get_format, packed_shapes
 
 from .helpers import INPUT_IDS, REPO_ROOT, cycling_format_map, last_json_line, run_python
 
+
 def quantize_and_save(float_dir: Path, out_dir: Path, dtype=torch.float32):
     format_map = cycling_format_map(float_dir)
     config = DMXConfig(format_map=format_map)
@@ -177,8 +178,12 @@ def test_missing_packed_tensor_is_an_error(llama_dmx, tmp_path):
 
 def _save_with_file_size_limit(source: Path, target: Path, how: str) -> subprocess.CompletedProcess:
     """Load `source` and save it to `target` in a process whose files may not grow past 20 kB."""
-    save = f"model.save_pretrained({str(target)!r})" if how == "save_pretrained" else (
-        f"optimum_dmx.DMXQuantizer(model.config.quantization_config).save(model, {str(target)!r}, overwrite=True)"
+    save = (
+        f"model.save_pretrained({str(target)!r})"
+        if how == "save_pretrained"
+        else (
+            f"optimum_dmx.DMXQuantizer(model.config.quantization_config).save(model, {str(target)!r}, overwrite=True)"
+        )
     )
     code = f"""
 import resource, signal
@@ -287,7 +292,9 @@ def test_scale_rule_is_recorded_and_used_after_reload(tiny_llama_dir, tmp_path):
     config = DMXConfig(format_map=format_map, scale_rule="compressed-tensors")
     model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
     model.save_pretrained(tmp_path)
-    assert json.loads((tmp_path / "config.json").read_text())["quantization_config"]["scale_rule"] == "compressed-tensors"
+    assert (
+        json.loads((tmp_path / "config.json").read_text())["quantization_config"]["scale_rule"] == "compressed-tensors"
+    )
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path)
     modules = [m for m in reloaded.modules() if isinstance(m, MXLinear)]
     assert modules and all(m.scale_rule == "compressed-tensors" for m in modules)

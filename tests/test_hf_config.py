@@ -3,7 +3,6 @@
 import copy
 import importlib
 import json
-import logging
 
 import pytest
 from transformers import PreTrainedTokenizerFast
@@ -100,8 +99,9 @@ def test_to_dict_never_holds_dataset_or_tokenizer():
 
 
 def test_from_dict_accepts_to_dict_output_and_refuses_unknown_keys():
-    config = DMXConfig(target_bits=6.0, format_pair="mxfp6-mxfp4", format_map={"m": "mxfp6"},
-                       achieved_bits={"bits_simple": 6.0})
+    config = DMXConfig(
+        target_bits=6.0, format_pair="mxfp6-mxfp4", format_map={"m": "mxfp6"}, achieved_bits={"bits_simple": 6.0}
+    )
     assert DMXConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
     assert AutoQuantizationConfig.from_dict(config.to_dict()).to_dict() == config.to_dict()
     paper = DMXConfig(method="paper", paper={"lr": 20.0}, preset="cpu-bench")
@@ -125,7 +125,9 @@ def test_importing_registers_dmx_idempotently():
     importlib.reload(optimum_dmx.integration.hf_quantizer)
     importlib.reload(optimum_dmx)
     # after a reload the registry holds the reloaded classes
-    assert AUTO_QUANTIZER_MAPPING["dmx"] is importlib.import_module("optimum_dmx.integration.hf_quantizer").DMXHfQuantizer
+    assert (
+        AUTO_QUANTIZER_MAPPING["dmx"] is importlib.import_module("optimum_dmx.integration.hf_quantizer").DMXHfQuantizer
+    )
 
 
 def test_registration_refuses_to_override_another_package():

@@ -18,8 +18,12 @@ def test_push_to_hub_then_from_pretrained_round_trips(tmp_path, tiny_llama_dir, 
         logits = model(INPUT_IDS).logits
 
     def hub_env(name: str) -> dict[str, str]:  # a fresh cache per process: downloads really come from the server
-        return {"HF_ENDPOINT": local_hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_local_test",
-                "HF_HOME": str(tmp_path / name)}
+        return {
+            "HF_ENDPOINT": local_hub.endpoint,
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": "hf_local_test",
+            "HF_HOME": str(tmp_path / name),
+        }
 
     # the model's push_to_hub, and DMXQuantizer.push_to_hub with extra card facts: both upload the dMX card
     run_python(
@@ -74,16 +78,27 @@ model.push_to_hub("user/private-dmx", commit_message="first dMX upload", commit_
                   private=True, revision="dev", tags=["my-tag"])
 model.push_to_hub("user/public-dmx", private=False)
 """,
-        env={"HF_ENDPOINT": local_hub.endpoint, "HF_HUB_DISABLE_XET": "1", "HF_TOKEN": "hf_local_test",
-             "HF_HOME": str(tmp_path / "home")},
+        env={
+            "HF_ENDPOINT": local_hub.endpoint,
+            "HF_HUB_DISABLE_XET": "1",
+            "HF_TOKEN": "hf_local_test",
+            "HF_HOME": str(tmp_path / "home"),
+        },
     )
     state = local_hub.state
     assert state.visibility == {"user/private-dmx": "private", "user/public-dmx": "public"}
     first, second = state.commits
-    assert first == {"repo_id": "user/private-dmx", "revision": "dev", "summary": "first dMX upload",
-                     "description": "why: a test"}
-    assert (second["repo_id"], second["revision"], second["summary"]) == ("user/public-dmx", "main",
-                                                                         "Upload dMX-quantized model")
+    assert first == {
+        "repo_id": "user/private-dmx",
+        "revision": "dev",
+        "summary": "first dMX upload",
+        "description": "why: a test",
+    }
+    assert (second["repo_id"], second["revision"], second["summary"]) == (
+        "user/public-dmx",
+        "main",
+        "Upload dMX-quantized model",
+    )
     card = state.repos["user/private-dmx"]["README.md"].decode()
     assert "- my-tag" in card and "- dmx" in card
 

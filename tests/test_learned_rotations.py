@@ -14,8 +14,15 @@ from optimum_dmx.calibration.rotations import CayleySGD, learnable_sites, learne
 from optimum_dmx.nn import emulate_format_map, linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
 
-from .helpers import INPUT_IDS, last_json_line, run_python, sensitive_llama_and_data, tiny_decoder, word_tokenizer
-from .helpers import words
+from .helpers import (
+    INPUT_IDS,
+    last_json_line,
+    run_python,
+    sensitive_llama_and_data,
+    tiny_decoder,
+    word_tokenizer,
+    words,
+)
 
 
 def _random_rotation(size: int, seed: int) -> torch.Tensor:
@@ -54,8 +61,9 @@ def test_cayley_sgd_caps_each_turn():
         CayleySGD([x], lr=0)
 
 
-@pytest.mark.parametrize("kind, dtype", [("llama", "float32"), ("qwen2", "float32"), ("gemma3", "float32"),
-                                         ("llama", "bfloat16")])
+@pytest.mark.parametrize(
+    "kind, dtype", [("llama", "float32"), ("qwen2", "float32"), ("gemma3", "float32"), ("llama", "bfloat16")]
+)
 @pytest.mark.parametrize("method", ["dmx", "paper"])
 def test_learned_rotations_keep_the_function_and_change_the_weights(kind, dtype, method):
     model = tiny_decoder(kind, tied=True, dtype=getattr(torch, dtype))
@@ -64,8 +72,9 @@ def test_learned_rotations_keep_the_function_and_change_the_weights(kind, dtype,
     with torch.no_grad():
         reference = model(ids).logits.float()
     before = copy.deepcopy(model.state_dict())
-    settings = CalibrationSettings(method=method, target_bits=5, num_samples=8, seq_len=16, batch_size=2, steps=4,
-                                   learn_rotations=True)
+    settings = CalibrationSettings(
+        method=method, target_bits=5, num_samples=8, seq_len=16, batch_size=2, steps=4, learn_rotations=True
+    )
     calibrate(model, ids, settings, progress=False)
     with torch.no_grad():
         logits = model(ids).logits.float()
@@ -76,8 +85,12 @@ def test_learned_rotations_keep_the_function_and_change_the_weights(kind, dtype,
     if kind == "qwen2":
         expected.add("model.layers.0.self_attn.v_proj.bias")
     if kind != "gemma3":  # R1: the residual stream, everything that reads or writes it
-        expected |= {"model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.up_proj.weight",
-                     "model.layers.0.mlp.down_proj.weight"}
+        expected |= {
+            "model.embed_tokens.weight",
+            "lm_head.weight",
+            "model.layers.0.mlp.up_proj.weight",
+            "model.layers.0.mlp.down_proj.weight",
+        }
     else:  # post-block norms: the residual stream is not rotated
         assert "model.embed_tokens.weight" not in changed and "model.layers.0.mlp.up_proj.weight" not in changed
     assert expected <= changed
@@ -94,8 +107,9 @@ def test_learned_rotations_lower_the_quantized_loss():
             return m(input_ids=ids, labels=ids).loss.item()
 
     learned = copy.deepcopy(model)
-    settings = CalibrationSettings(target_bits=4.5, num_samples=16, seq_len=32, batch_size=4, steps=30,
-                                   learn_rotations=True)
+    settings = CalibrationSettings(
+        target_bits=4.5, num_samples=16, seq_len=32, batch_size=4, steps=30, learn_rotations=True
+    )
     calibrate(learned, ids, settings, progress=False)
     assert quantized_loss(learned) < 0.97 * quantized_loss(model)
 
@@ -119,10 +133,17 @@ def test_learned_rotations_refuse_what_they_cannot_train():
     model = tiny_decoder("llama", tied=False)  # not rotated: its norm scales are not folded
     ids = torch.randint(0, 256, (2, 8))
     with pytest.raises(ValueError, match="rotate the model first"):
-        calibrate(model, ids, CalibrationSettings(num_samples=2, seq_len=8, batch_size=1, steps=1,
-                                                  learn_rotations=True), progress=False)
-    with pytest.raises(ValueError, match="learn_rotations=True trains merged rotations: it needs rotation='hadamard' "
-                                         "or 'block_hadamard', got rotation='online_block_hadamard'"):
+        calibrate(
+            model,
+            ids,
+            CalibrationSettings(num_samples=2, seq_len=8, batch_size=1, steps=1, learn_rotations=True),
+            progress=False,
+        )
+    with pytest.raises(
+        ValueError,
+        match="learn_rotations=True trains merged rotations: it needs rotation='hadamard' "
+        "or 'block_hadamard', got rotation='online_block_hadamard'",
+    ):
         DMXConfig(learn_rotations=True, rotation="online_block_hadamard")
     with pytest.raises(ValueError, match="learn_rotations='yes'"):
         CalibrationSettings(learn_rotations="yes")
@@ -133,8 +154,17 @@ def test_checkpoint_with_learned_rotations_reloads_exactly(tmp_path):
     with nothing of the learned rotations recorded but the flag: they live in the weights."""
     tiny_decoder("llama", tied=True).save_pretrained(tmp_path / "float")
     tokenizer = word_tokenizer(num_words=200)
-    config = DMXConfig(target_bits=5, dataset=[words(0, 3000, 200)], tokenizer=tokenizer, rotation="block_hadamard",
-                       learn_rotations=True, num_samples=8, seq_len=16, batch_size=2, steps=3)
+    config = DMXConfig(
+        target_bits=5,
+        dataset=[words(0, 3000, 200)],
+        tokenizer=tokenizer,
+        rotation="block_hadamard",
+        learn_rotations=True,
+        num_samples=8,
+        seq_len=16,
+        batch_size=2,
+        steps=3,
+    )
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     model.save_pretrained(tmp_path / "dmx")
     with torch.no_grad():

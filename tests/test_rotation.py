@@ -126,8 +126,9 @@ def test_mx_and_dmx_linears_apply_the_online_transform():
     assert mx.input_transform is transform
     assert torch.equal(mx(x), plain(transform(x)))
     model = nn.Sequential(transformed)
-    settings = CalibrationSettings(target_bits=6, num_samples=1, seq_len=2, batch_size=1, steps=1,
-                                   modules_to_not_convert=[])
+    settings = CalibrationSettings(
+        target_bits=6, num_samples=1, seq_len=2, batch_size=1, steps=1, modules_to_not_convert=[]
+    )
     probe = EndpointProbe()
     with dmx_linears(model, settings, lambda: probe) as layers:
         layer = layers["0"]
@@ -139,8 +140,9 @@ def test_calibrating_a_rotated_model_runs_with_the_online_transforms():
     model = tiny_decoder("llama", tied=True)
     rotate_model(model, "block_hadamard", linear_modules_to_quantize(model, ["lm_head"]))
     ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
-    result = calibrate(model, ids, CalibrationSettings(target_bits=5, num_samples=8, seq_len=16, batch_size=2,
-                                                       steps=4), progress=False)
+    result = calibrate(
+        model, ids, CalibrationSettings(target_bits=5, num_samples=8, seq_len=16, batch_size=2, steps=4), progress=False
+    )
     assert abs(result.bits_simple - 5) <= 0.3
     assert isinstance(model.model.layers[0].mlp.down_proj, TransformedLinear)  # put back after calibration
 
@@ -150,9 +152,19 @@ def rotated_dmx(tmp_path_factory):
     """A tiny tied-embedding Llama quantized with rotation='block_hadamard' and an explicit map, saved."""
     root = tmp_path_factory.mktemp("rotated")
     tiny_decoder("llama", tied=True).save_pretrained(root / "float")
-    names = [f"model.layers.{i}.{m}" for i in range(2) for m in
-             ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
-              "mlp.up_proj", "mlp.down_proj")]
+    names = [
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
     format_map = {name: ("mxfp8_e4m3", "mxfp4_e2m1", "mxfp6_e2m3")[i % 3] for i, name in enumerate(names)}
     config = DMXConfig(format_map=format_map, rotation="block_hadamard")
     model = AutoModelForCausalLM.from_pretrained(root / "float", quantization_config=config)

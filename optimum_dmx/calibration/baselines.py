@@ -63,6 +63,4 @@ def kl_preselection(
         settings.quantize_activations,
         groups=offset_groups(settings.offset_groups, list(targets)),
     )
-    return result_from_format_map(
-        format_map, targets, settings, method="kl", seconds=time.perf_counter() - start
-    )
+    return result_from_format_map(format_map, targets, settings, method="kl", seconds=time.perf_counter() - start)

@@ -45,8 +45,10 @@ def budget_format_map(
     sizes = tensor_sizes([tuple(weight_shapes[name])[-2:] for name in names], quantize_activations)
     position = {name: i for i, name in enumerate(names)}
     grouped = {name for group in groups for name in group}
-    units = sorted([[position[name] for name in group] for group in groups]
-                   + [[i] for i, name in enumerate(names) if name not in grouped])  # model order
+    units = sorted(
+        [[position[name] for name in group] for group in groups]
+        + [[i] for i, name in enumerate(names) if name not in grouped]
+    )  # model order
     unit_priority = [sum(priority[names[i]] for i in unit) / len(unit) for unit in units]
     order = sorted(range(len(units)), key=lambda u: -unit_priority[u])  # stable: ties keep model order
     bits = torch.full((len(names),), float(pair.low.bits), dtype=torch.float64)

@@ -28,7 +28,7 @@ import logging
 import os
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 TEXT_COLUMN = "text"
 _BUILDERS = {".txt": "text", ".text": "text", ".json": "json", ".jsonl": "json", ".parquet": "parquet"}
 
-CalibrationDataset = Union[str, os.PathLike, Sequence[str], Sequence[os.PathLike], Any]
+CalibrationDataset = str | os.PathLike | Sequence[str] | Sequence[os.PathLike] | Any
 
 
 def looks_like_local_path(source: str, *, in_list: bool = False) -> bool:
@@ -180,7 +180,9 @@ def _streamed_texts(source: Any, max_chars: int) -> list[str]:
                 raise ValueError(f"the calibration stream has no {TEXT_COLUMN!r} field; its fields are {sorted(item)}.")
             item = item[TEXT_COLUMN]
         if not isinstance(item, str):
-            raise TypeError(f"the calibration stream yields {type(item).__name__}; expected str or a record with 'text'.")
+            raise TypeError(
+                f"the calibration stream yields {type(item).__name__}; expected str or a record with 'text'."
+            )
         texts.append(item)
         total += len(item) + 1
         if total >= max_chars:
@@ -234,7 +236,10 @@ def build_calibration_batches(
     if num_blocks < num_samples:
         logger.warning(
             "The calibration text holds %d blocks of %d tokens, fewer than num_samples=%d; using all %d.",
-            num_blocks, seq_len, num_samples, num_blocks,
+            num_blocks,
+            seq_len,
+            num_samples,
+            num_blocks,
         )
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
     return blocks[order[:num_samples]]

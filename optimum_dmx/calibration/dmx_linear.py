@@ -14,8 +14,15 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..continuous import MAX_OFFSET, ContinuousQuantization, FormatPair, FrozenWeightQuantization, get_format_pair
-from ..continuous import quantize_mx_continuous_fused, weight_block_max
+from ..continuous import (
+    MAX_OFFSET,
+    ContinuousQuantization,
+    FormatPair,
+    FrozenWeightQuantization,
+    get_format_pair,
+    quantize_mx_continuous_fused,
+    weight_block_max,
+)
 from ..formats import MXFormat
 from ..nn import InputCache
 from ..nn.rotation import rotate_input_side, rotate_output_side
@@ -182,18 +189,21 @@ class DMXLinear(nn.Module):
             return None
         frozen = self._frozen_weights.get(offset)
         if frozen is None:
-            frozen = FrozenWeightQuantization.compute(self.weight, offset, self.pair, self.block_size,
-                                                      self.scale_rule, self._weight_block_max)
+            frozen = FrozenWeightQuantization.compute(
+                self.weight, offset, self.pair, self.block_size, self.scale_rule, self._weight_block_max
+            )
             self._frozen_weights[offset] = frozen
         return frozen
 
     def quantized_weight(self, beta: torch.Tensor) -> torch.Tensor:
         """The weight quantized at `beta`, computed afresh (off the endpoints, or with learned rotations)."""
         if self.rotated:
-            return quantize_mx_continuous_fused(self.rotated_weight(), beta, self.pair, self.block_size,
-                                                self.scale_rule)
-        return quantize_mx_continuous_fused(self.weight, beta, self.pair, self.block_size, self.scale_rule,
-                                            self._weight_block_max)
+            return quantize_mx_continuous_fused(
+                self.rotated_weight(), beta, self.pair, self.block_size, self.scale_rule
+            )
+        return quantize_mx_continuous_fused(
+            self.weight, beta, self.pair, self.block_size, self.scale_rule, self._weight_block_max
+        )
 
     def quantized_input(self, x: torch.Tensor, beta: torch.Tensor, offset: float | None) -> torch.Tensor:
         """The input quantized at `beta`; shared with the other layers reading `x` at the same endpoint."""

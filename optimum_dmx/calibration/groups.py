@@ -17,12 +17,15 @@ def validate_offset_groups(offset_groups: str | Sequence[Sequence[str]]) -> str 
     """`"none"`, `"fused"`, or explicit groups (lists of module names); raise naming what is allowed."""
     if isinstance(offset_groups, str):
         if offset_groups not in OFFSET_GROUPINGS:
-            raise ValueError(f"offset_groups={offset_groups!r} is not supported; allowed: {', '.join(OFFSET_GROUPINGS)}"
-                             " or a list of module-name lists.")
+            raise ValueError(
+                f"offset_groups={offset_groups!r} is not supported; allowed: {', '.join(OFFSET_GROUPINGS)}"
+                " or a list of module-name lists."
+            )
         return offset_groups
     if not all(isinstance(g, (list, tuple)) and g and all(isinstance(n, str) for n in g) for g in offset_groups):
-        raise ValueError(f"offset_groups={offset_groups!r} must be 'none', 'fused' or a list of non-empty lists of "
-                         "module names.")
+        raise ValueError(
+            f"offset_groups={offset_groups!r} must be 'none', 'fused' or a list of non-empty lists of module names."
+        )
     names = [name for group in offset_groups for name in group]
     repeated = sorted({name for name in names if names.count(name) > 1})
     if repeated:

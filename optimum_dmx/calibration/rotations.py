@@ -101,8 +101,12 @@ class LearnedRotations:
 
     def merge_into(self, model: nn.Module) -> None:
         """Merge the learned matrices into `model`'s weights (`nn.rotation.merge_rotations`)."""
-        merge_rotations(model, self.sites, None if self.residual is None else self.residual.detach(),
-                        [matrix.detach() for matrix in self.heads])
+        merge_rotations(
+            model,
+            self.sites,
+            None if self.residual is None else self.residual.detach(),
+            [matrix.detach() for matrix in self.heads],
+        )
 
 
 def learnable_sites(model: nn.Module) -> RotationSites:
@@ -110,8 +114,10 @@ def learnable_sites(model: nn.Module) -> RotationSites:
     to start from (its RMSNorm scales are not folded, so rotating its residual stream would change its function)."""
     sites = rotation_sites(model)
     if sites.residual and not has_unit_norm_scales(model):
-        raise ValueError("learned rotations start from merged ones: rotate the model first (rotation='hadamard' or "
-                         "'block_hadamard'), which folds its RMSNorm scales into the linears")
+        raise ValueError(
+            "learned rotations start from merged ones: rotate the model first (rotation='hadamard' or "
+            "'block_hadamard'), which folds its RMSNorm scales into the linears"
+        )
     return sites
 
 

@@ -38,8 +38,9 @@ def kl_sensitivities(
         reference = [next_token_log_probs(model, b) for b in batches]
     sensitivities = {}
     for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
-        with emulate_format_map(model, {name: low}, settings.block_size, settings.quantize_activations,
-                                settings.scale_rule):
+        with emulate_format_map(
+            model, {name: low}, settings.block_size, settings.quantize_activations, settings.scale_rule
+        ):
             kl = sum(next_token_kl(ref, next_token_log_probs(model, b)).item() for b, ref in zip(batches, reference))
         sensitivities[name] = kl / tokens
     return sensitivities

@@ -128,8 +128,10 @@ def calibrate(
 
     rank, world_size = world(next(model.parameters()).device)
     if settings.batch_size % world_size:
-        raise ValueError(f"batch_size={settings.batch_size} must be a multiple of the {world_size} processes "
-                         "calibrating together: each takes an equal share of every batch.")
+        raise ValueError(
+            f"batch_size={settings.batch_size} must be a multiple of the {world_size} processes "
+            "calibrating together: each takes an equal share of every batch."
+        )
 
     start = time.perf_counter()
     sampled = settings.method == "dmx"
@@ -140,17 +142,18 @@ def calibrate(
         relaxed = RelaxedOffset(settings.paper.t_start)
         offset = lambda: relaxed  # noqa: E731  (one temperature for every layer)
     sites = learnable_sites(model) if settings.learn_rotations else None  # found before the DMXLinears go in
-    with dmx_linears(model, settings, offset) as layers, \
-            activation_checkpointing(model, settings.gradient_checkpointing), \
-            (learned_rotations(model, layers, sites) if sites else nullcontext()) as rotations:
+    with (
+        dmx_linears(model, settings, offset) as layers,
+        activation_checkpointing(model, settings.gradient_checkpointing),
+        learned_rotations(model, layers, sites) if sites else nullcontext() as rotations,
+    ):
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
         bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress or rank > 0)
         batches = (input_ids[process_share(rows, rank, world_size)] for rows in bar)
         if sampled:
             offsets, history = _sampled_offsets(model, layers, batches, settings, bar, world_size, rotations)
         else:
-            offsets, history = _relaxed_offsets(model, layers, relaxed, batches, settings, bar, world_size,
-                                                rotations)
+            offsets, history = _relaxed_offsets(model, layers, relaxed, batches, settings, bar, world_size, rotations)
         shapes = {name: tuple(layer.weight.shape) for name, layer in layers.items()}
         threshold_map = {name: layer.discrete_format.name for name, layer in layers.items()}
     # The KL scan swaps modules itself: it runs on the restored model.
@@ -169,7 +172,10 @@ def calibrate(
     )
     logger.info(
         "Calibrated %d layers: %.3f bits (simple), %.3f bits (weighted), %.3f storage bits.",
-        len(format_map), result.bits_simple, result.bits_weighted, result.storage_bits,
+        len(format_map),
+        result.bits_simple,
+        result.bits_weighted,
+        result.storage_bits,
     )
     return result
 
@@ -193,8 +199,14 @@ def _task_loss(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 
 
 def _relaxed_offsets(
-    model: nn.Module, layers: dict[str, DMXLinear], relaxed: RelaxedOffset, batches, settings: CalibrationSettings,
-    bar, world_size: int = 1, rotations: LearnedRotations | None = None,
+    model: nn.Module,
+    layers: dict[str, DMXLinear],
+    relaxed: RelaxedOffset,
+    batches,
+    settings: CalibrationSettings,
+    bar,
+    world_size: int = 1,
+    rotations: LearnedRotations | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """The paper's loop: SGD on `cross-entropy + bit regularizer` through `F(beta_hat, T)` (and a Cayley step on
     the `rotations` being learned, if any). Returns the final `beta_hat` of every layer and the per-step history."""
@@ -223,22 +235,29 @@ def _relaxed_offsets(
             rotations.step(world_size)
         task_loss = average_across_processes(task_loss.detach().float(), world_size)
         loss = task_loss + reg_loss.detach()
-        history.append({
-            "step": step,
-            "loss": loss.item(),
-            "task_loss": task_loss.item(),
-            "reg_loss": reg_loss.item(),
-            "bits": avg_bits.item(),
-            "bits_simple": average_bits(bits.detach(), "simple").item(),
-            "bits_weighted": average_bits(bits.detach(), "weighted", sizes).item(),
-            "temperature": temperature,
-        })
+        history.append(
+            {
+                "step": step,
+                "loss": loss.item(),
+                "task_loss": task_loss.item(),
+                "reg_loss": reg_loss.item(),
+                "bits": avg_bits.item(),
+                "bits_simple": average_bits(bits.detach(), "simple").item(),
+                "bits_weighted": average_bits(bits.detach(), "weighted", sizes).item(),
+                "temperature": temperature,
+            }
+        )
         bar.set_postfix(loss=f"{loss.item():.4f}", bits=f"{avg_bits.item():.3f}", T=f"{temperature:.1f}")
     return {name: m.beta_hat.item() for name, m in layers.items()}, history
 
 
 def _sampled_offsets(
-    model: nn.Module, layers: dict[str, DMXLinear], batches, settings: CalibrationSettings, bar, world_size: int = 1,
+    model: nn.Module,
+    layers: dict[str, DMXLinear],
+    batches,
+    settings: CalibrationSettings,
+    bar,
+    world_size: int = 1,
     rotations: LearnedRotations | None = None,
 ) -> tuple[dict[str, float], list[dict]]:
     """The default method's loop. Each step draws a format map at the budget, runs the model in it, and adds to
@@ -272,8 +291,15 @@ def _sampled_offsets(
             uniform = torch.rand(len(names), generator=generator, dtype=torch.float64)
             gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-12)))
             draw = sharpness * (offsets - offsets.mean()) / spread + gumbel
-            drawn = budget_format_map(dict(zip(names, draw.tolist())), shapes, pair, settings.target_bits,
-                                      settings.bit_average, settings.quantize_activations, groups=groups)
+            drawn = budget_format_map(
+                dict(zip(names, draw.tolist())),
+                shapes,
+                pair,
+                settings.target_bits,
+                settings.bit_average,
+                settings.quantize_activations,
+                groups=groups,
+            )
             high = [drawn[n] != pair.low.name for n in names]
             for probe, is_high in zip(probes, high):
                 probe.set(MAX_OFFSET if is_high else 0.0, device, measure=not is_high)
@@ -288,18 +314,19 @@ def _sampled_offsets(
                 gains = torch.stack([probes[i].gain() for i in low]).double().cpu()
                 means.add(torch.tensor(low), average_across_processes(gains, world_size))
             loss = average_across_processes(loss.detach().float(), world_size)
-            bits = torch.tensor([pair.high.bits if is_high else pair.low.bits for is_high in high],
-                                dtype=torch.float64)
-            history.append({
-                "step": step,
-                "loss": loss.item(),
-                "task_loss": loss.item(),
-                "reg_loss": 0.0,
-                "bits": average_bits(bits, settings.bit_average, sizes).item(),
-                "bits_simple": average_bits(bits, "simple").item(),
-                "bits_weighted": average_bits(bits, "weighted", sizes).item(),
-                "temperature": temperature,
-            })
+            bits = torch.tensor([pair.high.bits if is_high else pair.low.bits for is_high in high], dtype=torch.float64)
+            history.append(
+                {
+                    "step": step,
+                    "loss": loss.item(),
+                    "task_loss": loss.item(),
+                    "reg_loss": 0.0,
+                    "bits": average_bits(bits, settings.bit_average, sizes).item(),
+                    "bits_simple": average_bits(bits, "simple").item(),
+                    "bits_weighted": average_bits(bits, "weighted", sizes).item(),
+                    "temperature": temperature,
+                }
+            )
             bar.set_postfix(loss=f"{loss.item():.4f}", T=f"{temperature:.1f}")
     finally:
         for probe in probes:

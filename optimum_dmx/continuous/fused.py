@@ -34,9 +34,17 @@ from typing import NamedTuple
 import torch
 from torch.nn import functional as F
 
-from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, pow2
-from ..formats.blocks import shared_exponent, to_blocks
-from ..formats.blocks import validate_input
+from ..formats.blocks import (
+    block_max,
+    block_max_exponent,
+    block_scale,
+    floor_log2,
+    from_blocks,
+    pow2,
+    shared_exponent,
+    to_blocks,
+    validate_input,
+)
 from ..formats.cast import compiles
 from ..formats.compilation import CompiledKernel
 from ..formats.spec import grid_exponent, validate_block_size, validate_scale_rule
@@ -100,8 +108,16 @@ class _Quantizer:
     compiled: bool
 
     @classmethod
-    def at(cls, offset: float, device: torch.device, pair: FormatPair, width: int, block_size: int, scale_rule: str,
-           block_amax: torch.Tensor | None) -> "_Quantizer":
+    def at(
+        cls,
+        offset: float,
+        device: torch.device,
+        pair: FormatPair,
+        width: int,
+        block_size: int,
+        scale_rule: str,
+        block_amax: torch.Tensor | None,
+    ) -> _Quantizer:
         # Compiled exp2 / pow differ from eager ones in the last bit for fractional exponents: only the pair's exact
         # formats (integer offsets, the default recipe's probes) run the compiled kernels, so results never depend
         # on them.
@@ -111,8 +127,9 @@ class _Quantizer:
     def values(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` quantized, in its dtype."""
         p = self.parameters
-        return self._run(_values_kernel, (x,), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits,
-                         self.block_size)[0].view(x.shape)
+        return self._run(_values_kernel, (x,), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits, self.block_size)[
+            0
+        ].view(x.shape)
 
     def gradients(self, x: torch.Tensor, grad_y: torch.Tensor, want_x_grad: bool, want_beta_grad: bool):
         """``dL/dx = dL/dy * dy/dx`` (None unless ``want_x_grad``) and the per-block sums of ``dL/dy * dy/dbeta``
@@ -120,10 +137,24 @@ class _Quantizer:
         ``x``. ``_beta_gradient`` adds the sums up."""
         p = self.parameters
         grad_x, beta_block_sums = self._run(
-            _gradients_kernel, (x, grad_y), p.m, p.e_min, p.qmax, p.scale_offset, p.rounding_bits, p.de, p.dm,
-            p.dqmax, self.block_size, want_x_grad, want_beta_grad)
-        return (None if grad_x is None else grad_x.view(x.shape),
-                None if beta_block_sums is None else beta_block_sums.view(*x.shape[:-1], -1))
+            _gradients_kernel,
+            (x, grad_y),
+            p.m,
+            p.e_min,
+            p.qmax,
+            p.scale_offset,
+            p.rounding_bits,
+            p.de,
+            p.dm,
+            p.dqmax,
+            self.block_size,
+            want_x_grad,
+            want_beta_grad,
+        )
+        return (
+            None if grad_x is None else grad_x.view(x.shape),
+            None if beta_block_sums is None else beta_block_sums.view(*x.shape[:-1], -1),
+        )
 
     def _run(self, kernel: CompiledKernel, inputs: tuple[torch.Tensor, ...], *constants) -> tuple:
         """``kernel(*inputs, block_amax, *constants)`` without its block output (the scales, last), where ``inputs``
@@ -183,14 +214,28 @@ def _pairwise_sum(t: torch.Tensor) -> torch.Tensor:
     backend's choice: this keeps a kernel's sums bit-identical to its eager reference."""
     while t.shape[-1] > 1:
         half = t.shape[-1] // 2
-        head = t[..., :half] + t[..., half:2 * half]
-        t = torch.cat((head, t[..., 2 * half:]), dim=-1) if t.shape[-1] % 2 else head
+        head = t[..., :half] + t[..., half : 2 * half]
+        t = torch.cat((head, t[..., 2 * half :]), dim=-1) if t.shape[-1] % 2 else head
     return t[..., 0]
 
 
 @CompiledKernel
-def _gradients_kernel(x, grad_y, block_amax, m, e_min, qmax, scale_offset, rounding_bits, de, dm, dqmax, block_size,
-                      want_x_grad, want_beta_grad):
+def _gradients_kernel(
+    x,
+    grad_y,
+    block_amax,
+    m,
+    e_min,
+    qmax,
+    scale_offset,
+    rounding_bits,
+    de,
+    dm,
+    dqmax,
+    block_size,
+    want_x_grad,
+    want_beta_grad,
+):
     """``dL/dx`` from ``dL/dy`` (when wanted), the per-block sums of ``dL/dy * dy/dbeta`` (when wanted; float32,
     ``[*leading, n_blocks]``), the derivatives recomputed from ``x``, and the block scales (a block output,
     ``formats.compilation``). Reducing ``dy/dbeta`` inside the kernel, per block, spares writing it as a float32
@@ -253,9 +298,14 @@ class ContinuousQuantization:
 
     @classmethod
     def compute(
-        cls, x: torch.Tensor, beta: torch.Tensor | float, pair: str | FormatPair, block_size: int = 32,
-        scale_rule: str = "ocp", block_amax: torch.Tensor | None = None,
-    ) -> "ContinuousQuantization":
+        cls,
+        x: torch.Tensor,
+        beta: torch.Tensor | float,
+        pair: str | FormatPair,
+        block_size: int = 32,
+        scale_rule: str = "ocp",
+        block_amax: torch.Tensor | None = None,
+    ) -> ContinuousQuantization:
         pair = get_format_pair(pair)
         quantizer = _Quantizer.at(_offset_value(beta), x.device, pair, x.shape[-1], block_size, scale_rule, block_amax)
         with torch.no_grad():
@@ -265,8 +315,10 @@ class ContinuousQuantization:
         """The values, in the autograd graphs of ``x`` (the tensor they were computed from) and ``beta`` where
         those need grad (``beta`` holds the offset's value: derivatives are taken at the computed offset)."""
         if x.shape != self.values.shape:
-            raise ValueError(f"attach takes the tensor the quantization was computed from, of shape "
-                             f"{tuple(self.values.shape)}; got shape {tuple(x.shape)}.")
+            raise ValueError(
+                f"attach takes the tensor the quantization was computed from, of shape "
+                f"{tuple(self.values.shape)}; got shape {tuple(x.shape)}."
+            )
         if not torch.is_grad_enabled() or not (x.requires_grad or beta.requires_grad):
             return self.values
         return _AttachContinuousMX.apply(x, beta, self.values, self.quantizer)
@@ -319,9 +371,14 @@ class FrozenWeightQuantization:
 
     @classmethod
     def compute(
-        cls, weight: torch.Tensor, offset: float, pair: str | FormatPair, block_size: int = 32,
-        scale_rule: str = "ocp", block_amax: torch.Tensor | None = None,
-    ) -> "FrozenWeightQuantization":
+        cls,
+        weight: torch.Tensor,
+        offset: float,
+        pair: str | FormatPair,
+        block_size: int = 32,
+        scale_rule: str = "ocp",
+        block_amax: torch.Tensor | None = None,
+    ) -> FrozenWeightQuantization:
         quantization = ContinuousQuantization.compute(weight, offset, pair, block_size, scale_rule, block_amax)
         values = quantization.values
         compact = values.to(torch.bfloat16)

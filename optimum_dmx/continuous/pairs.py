@@ -12,8 +12,16 @@ from dataclasses import dataclass
 
 import torch
 
-from ..formats.spec import MX_FORMATS, MXFormat, Number, get_format, largest_exponent, max_normal
-from ..formats.spec import scale_rounding_bits, smallest_step_exponent
+from ..formats.spec import (
+    MX_FORMATS,
+    MXFormat,
+    Number,
+    get_format,
+    largest_exponent,
+    max_normal,
+    scale_rounding_bits,
+    smallest_step_exponent,
+)
 
 __all__ = ["FormatPair", "FORMAT_PAIRS", "get_format_pair", "MAX_OFFSET"]
 

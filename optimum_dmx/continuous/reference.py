@@ -17,9 +17,16 @@ import math
 
 import torch
 
-from ..formats.blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, shared_exponent
-from ..formats.blocks import to_blocks
-from ..formats.blocks import validate_input
+from ..formats.blocks import (
+    block_max,
+    block_max_exponent,
+    block_scale,
+    floor_log2,
+    from_blocks,
+    shared_exponent,
+    to_blocks,
+    validate_input,
+)
 from ..formats.spec import grid_exponent, max_normal, smallest_step_exponent, validate_block_size, validate_scale_rule
 from .pairs import FormatPair, get_format_pair
 
@@ -92,9 +99,7 @@ class _BroadcastScalingGradient(torch.autograd.Function):
         return torch.where(finite, grad * scale, 0.0).sum(), None
 
 
-def float_quantize(
-    x: torch.Tensor, e: torch.Tensor, m: torch.Tensor, qmax: torch.Tensor | None = None
-) -> torch.Tensor:
+def float_quantize(x: torch.Tensor, e: torch.Tensor, m: torch.Tensor, qmax: torch.Tensor | None = None) -> torch.Tensor:
     """Quantize ``x`` to the float format with real-valued exponent bits ``e`` and mantissa bits ``m``.
 
     Differentiable with respect to ``x``, ``e``, ``m`` and ``qmax`` (default: the largest normal with no code
@@ -128,8 +133,9 @@ def quantize_mx_continuous(
 
     Each block of ``block_size`` elements shares the scale ``2^(floor(log2 max|block|) - 2^(e-1))``, treated
     as a constant for the gradient (``scale_rule`` as in ``quantize_mx``, its rounding width taken at ``beta``);
-    its elements go through :func:`float_quantize` at the pair's ``(e, m, qmax)`` for ``beta``. Differentiable with respect to ``x`` and ``beta``; at ``beta`` = 0, 1, 2
-    (MXFP8 pair) or 0, 2 (MXFP6 pair) the result equals ``quantize_mx`` bit for bit.
+    its elements go through :func:`float_quantize` at the pair's ``(e, m, qmax)`` for ``beta``. Differentiable with
+    respect to ``x`` and ``beta``; at ``beta`` = 0, 1, 2 (MXFP8 pair) or 0, 2 (MXFP6 pair) the result equals
+    ``quantize_mx`` bit for bit.
     """
     pair = get_format_pair(pair)
     block_size = validate_block_size(block_size)

@@ -110,8 +110,9 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
     """Raise for what the target cannot store; for what vLLM cannot serve, unless forced; warn on scale rules."""
     format_map = quantization["format_map"]
     if quantization.get("block_size", 32) != 32:
-        raise ExportError(f"{spec.name} stores MX blocks of 32 elements; this checkpoint uses block_size="
-                          f"{quantization['block_size']}")
+        raise ExportError(
+            f"{spec.name} stores MX blocks of 32 elements; this checkpoint uses block_size={quantization['block_size']}"
+        )
     transformed = sorted(quantization.get("input_transforms") or {})
     if transformed:
         raise ExportError(
@@ -132,18 +133,28 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
         not_served = sorted(name for name, fmt in format_map.items() if fmt not in spec.vllm_formats)
         if not_served:
             found = sorted({format_map[name] for name in not_served})
-            problems.append(f"vLLM does not serve {', '.join(found)} through {spec.name} ({len(not_served)} layers, "
-                            f"e.g. {', '.join(not_served[:3])}; use the {spec.alternative!r} target or a "
-                            "format pair without them)")
+            problems.append(
+                f"vLLM does not serve {', '.join(found)} through {spec.name} ({len(not_served)} layers, "
+                f"e.g. {', '.join(not_served[:3])}; use the {spec.alternative!r} target or a "
+                "format pair without them)"
+            )
         mixed = mixed_groups(format_map)
         if mixed:
-            shown = "; ".join(f"{'/'.join(n.rpartition('.')[2] for n in g)} of {g[0].rpartition('.')[0]} are "
-                              f"{'/'.join(format_map[n] for n in g)}" for g in mixed[:3])
-            problems.append(f"vLLM runs q/k/v and gate/up as one fused matmul with one format, but {len(mixed)} "
-                            f"groups mix formats ({shown}); calibrate with shared offsets for fused projections")
+            shown = "; ".join(
+                f"{'/'.join(n.rpartition('.')[2] for n in g)} of {g[0].rpartition('.')[0]} are "
+                f"{'/'.join(format_map[n] for n in g)}"
+                for g in mixed[:3]
+            )
+            problems.append(
+                f"vLLM runs q/k/v and gate/up as one fused matmul with one format, but {len(mixed)} "
+                f"groups mix formats ({shown}); calibrate with shared offsets for fused projections"
+            )
         if problems and not force:
-            raise ExportError("the format map cannot be served by vLLM as is: " + "; ".join(problems)
-                              + ". Pass force=True (--force) to export anyway for other loaders.")
+            raise ExportError(
+                "the format map cannot be served by vLLM as is: "
+                + "; ".join(problems)
+                + ". Pass force=True (--force) to export anyway for other loaders."
+            )
         for problem in problems:
             logger.warning("exporting anyway: %s", problem)
     rule = quantization.get("scale_rule", "ocp")
@@ -151,7 +162,12 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
         logger.warning(
             "this checkpoint was calibrated with scale_rule=%r, but %s computes activation block scales with its "
             "own rule (%r): served outputs will differ slightly from this package's. Calibrate with "
-            "DMXConfig(scale_rule=%r) for an exact match.", rule, spec.name, spec.scale_rule, spec.scale_rule)
+            "DMXConfig(scale_rule=%r) for an exact match.",
+            rule,
+            spec.name,
+            spec.scale_rule,
+            spec.scale_rule,
+        )
 
 
 def _check_whole_blocks(config: dict[str, Any], format_map: Mapping[str, str], spec: ExportTarget) -> None:
@@ -165,8 +181,10 @@ def _check_whole_blocks(config: dict[str, Any], format_map: Mapping[str, str], s
         skeleton = AutoModelForCausalLM.from_config(architecture)
     ragged = sorted(name for name in format_map if skeleton.get_submodule(name).in_features % 32)
     if ragged:
-        raise ExportError(f"{spec.name} needs in_features divisible by 32 (whole MX blocks); {len(ragged)} layers are "
-                          f"not, e.g. {', '.join(ragged[:3])}")
+        raise ExportError(
+            f"{spec.name} needs in_features divisible by 32 (whole MX blocks); {len(ragged)} layers are "
+            f"not, e.g. {', '.join(ragged[:3])}"
+        )
 
 
 def _convert_tensors(source: Path, staging: Path, spec: ExportTarget, format_map: Mapping[str, str]) -> dict[str, str]:
@@ -185,14 +203,17 @@ def _convert_tensors(source: Path, staging: Path, spec: ExportTarget, format_map
             module, _, leaf = name.rpartition(".")
             if module in format_map and leaf in ("weight_packed", "weight_scale"):
                 if leaf == "weight_packed":
-                    out.update(spec.layer_tensors(module, format_map[module], tensor, tensors[f"{module}.weight_scale"]))
+                    out.update(
+                        spec.layer_tensors(module, format_map[module], tensor, tensors[f"{module}.weight_scale"])
+                    )
                     remaining.discard(module)
             else:
                 out[name] = tensor
         save_file(out, staging / file.name, metadata=metadata)
         weight_map.update(dict.fromkeys(out, file.name))
     if remaining:
-        raise ExportError(f"the safetensors files lack the packed weights of {len(remaining)} layers of the format "
-                          f"map, e.g. {sorted(remaining)[:3]}")
+        raise ExportError(
+            f"the safetensors files lack the packed weights of {len(remaining)} layers of the format "
+            f"map, e.g. {sorted(remaining)[:3]}"
+        )
     return weight_map
-

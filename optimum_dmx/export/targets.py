@@ -89,8 +89,11 @@ class ExportTarget:
 
 # --- compressed-tensors ------------------------------------------------------------------------------------
 
-_CT_FORMATS = {"mxfp4_e2m1": (4, "mxfp4-pack-quantized"), "mxfp6_e2m3": (6, "mxfp6-pack-quantized"),
-               "mxfp8_e4m3": (8, "mxfp8-quantized")}
+_CT_FORMATS = {
+    "mxfp4_e2m1": (4, "mxfp4-pack-quantized"),
+    "mxfp6_e2m3": (6, "mxfp6-pack-quantized"),
+    "mxfp8_e4m3": (8, "mxfp8-quantized"),
+}
 
 
 def _ct_layer_tensors(module: str, fmt: str, codes: torch.Tensor, scales: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -100,8 +103,16 @@ def _ct_layer_tensors(module: str, fmt: str, codes: torch.Tensor, scales: torch.
 
 
 def _ct_mx_args(bits: int, dynamic: bool) -> dict[str, Any]:
-    return {"num_bits": bits, "type": "float", "symmetric": True, "group_size": 32, "strategy": "group",
-            "dynamic": dynamic, "scale_dtype": "torch.uint8", "zp_dtype": "torch.uint8"}
+    return {
+        "num_bits": bits,
+        "type": "float",
+        "symmetric": True,
+        "group_size": 32,
+        "strategy": "group",
+        "dynamic": dynamic,
+        "scale_dtype": "torch.uint8",
+        "zp_dtype": "torch.uint8",
+    }
 
 
 def _ct_quantization_config(format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None) -> dict:
@@ -149,18 +160,35 @@ def _quark_layer_tensors(module: str, fmt: str, codes: torch.Tensor, scales: tor
 
 
 def _quark_mx_spec(dtype: str, dynamic: bool) -> dict[str, Any]:
-    return {"dtype": dtype, "is_dynamic": dynamic, "qscheme": "per_group", "ch_axis": -1, "group_size": 32,
-            "block_size": None, "symmetric": None, "round_method": "half_even", "scale_type": "float",
-            "scale_format": "e8m0", "scale_calculation_mode": "even", "observer_cls": "PerBlockMXObserver",
-            "mx_element_dtype": None, "zero_point_type": "int32", "is_scale_quant": False,
-            "enable_buffer_reuse": False, "max_input_numel": 4194304}
+    return {
+        "dtype": dtype,
+        "is_dynamic": dynamic,
+        "qscheme": "per_group",
+        "ch_axis": -1,
+        "group_size": 32,
+        "block_size": None,
+        "symmetric": None,
+        "round_method": "half_even",
+        "scale_type": "float",
+        "scale_format": "e8m0",
+        "scale_calculation_mode": "even",
+        "observer_cls": "PerBlockMXObserver",
+        "mx_element_dtype": None,
+        "zero_point_type": "int32",
+        "is_scale_quant": False,
+        "enable_buffer_reuse": False,
+        "max_input_numel": 4194304,
+    }
 
 
 def _quark_quantization_config(format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None) -> dict:
     unquantized = {"weight": None, "bias": None, "input_tensors": None, "output_tensors": None, "target_device": None}
     layers = {
-        name: {**unquantized, "weight": _quark_mx_spec(_QUARK_DTYPES[fmt], dynamic=False),
-               "input_tensors": _quark_mx_spec(_QUARK_DTYPES[fmt], dynamic=True)}
+        name: {
+            **unquantized,
+            "weight": _quark_mx_spec(_QUARK_DTYPES[fmt], dynamic=False),
+            "input_tensors": _quark_mx_spec(_QUARK_DTYPES[fmt], dynamic=True),
+        }
         for name, fmt in sorted(format_map.items())
     }
     return {
@@ -175,8 +203,13 @@ def _quark_quantization_config(format_map: Mapping[str, str], modules_to_not_con
         "softmax_quant_spec": None,
         "kv_cache_quant_config": {},
         "kv_cache_post_rope": False,
-        "export": {"kv_cache_group": [], "min_kv_scale": 0.0, "pack_method": "reorder",
-                   "weight_format": "real_quantized", "weight_merge_groups": None},
+        "export": {
+            "kv_cache_group": [],
+            "min_kv_scale": 0.0,
+            "pack_method": "reorder",
+            "weight_format": "real_quantized",
+            "weight_merge_groups": None,
+        },
     }
 
 

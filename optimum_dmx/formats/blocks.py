@@ -13,8 +13,15 @@ import math
 
 import torch
 
-from .spec import E8M0_BIAS, E8M0_NAN, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN
-from .spec import Number
+from .spec import (
+    E8M0_BIAS,
+    E8M0_NAN,
+    FP32_EXPONENT_BIAS,
+    FP32_MANTISSA_BITS,
+    SCALE_EXPONENT_MAX,
+    SCALE_EXPONENT_MIN,
+    Number,
+)
 
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 NAN_SCALE_EXPONENT = E8M0_NAN - E8M0_BIAS  # 128: the unbiased exponent that encodes a NaN block
@@ -69,8 +76,9 @@ def rounds_up(amax: torch.Tensor, rounding_bits: Number) -> torch.Tensor:
     """Whether ``amax`` rounded to ``r = rounding_bits`` mantissa bits reaches the next power of two: its
     mantissa ``1.f`` satisfies ``f >= 1 - 2^-(r+1)``. Exact: ``f`` is read from the float32 bit pattern."""
     fraction = (amax.view(torch.int32) & ((1 << FP32_MANTISSA_BITS) - 1)).float() * 2.0**-FP32_MANTISSA_BITS
-    threshold = 1 - (torch.exp2(-(rounding_bits + 1)) if isinstance(rounding_bits, torch.Tensor)
-                     else 2.0 ** -(rounding_bits + 1))
+    threshold = 1 - (
+        torch.exp2(-(rounding_bits + 1)) if isinstance(rounding_bits, torch.Tensor) else 2.0 ** -(rounding_bits + 1)
+    )
     return fraction >= threshold
 
 

@@ -18,12 +18,28 @@ import math
 
 import torch
 
-from .blocks import block_max, block_max_exponent, block_scale, floor_log2, from_blocks, pow2, shared_exponent
-from .blocks import to_blocks
-from .blocks import validate_input
+from .blocks import (
+    block_max,
+    block_max_exponent,
+    block_scale,
+    floor_log2,
+    from_blocks,
+    pow2,
+    shared_exponent,
+    to_blocks,
+    validate_input,
+)
 from .compilation import CompiledKernel
-from .spec import SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN, MXFormat, get_format, grid_exponent, scale_rounding_bits
-from .spec import validate_block_size, validate_scale_rule
+from .spec import (
+    SCALE_EXPONENT_MAX,
+    SCALE_EXPONENT_MIN,
+    MXFormat,
+    get_format,
+    grid_exponent,
+    scale_rounding_bits,
+    validate_block_size,
+    validate_scale_rule,
+)
 
 
 def float8_carrier(fmt: MXFormat) -> tuple[torch.dtype, int] | None:

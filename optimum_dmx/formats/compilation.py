@@ -273,8 +273,9 @@ def _same_bits(a: Any, b: Any) -> bool:
     with torch.no_grad():
         a_nan, b_nan = a.isnan(), b.isnan()
         bits = _SAME_SIZE_INTEGER[a.element_size()]  # compares -0.0 and 0.0 as different, as they are
-        return torch.equal(a_nan, b_nan) and torch.equal(a.masked_fill(a_nan, 0).view(bits),
-                                                         b.masked_fill(b_nan, 0).view(bits))
+        return torch.equal(a_nan, b_nan) and torch.equal(
+            a.masked_fill(a_nan, 0).view(bits), b.masked_fill(b_nan, 0).view(bits)
+        )
 
 
 def _signature(arg: Any) -> Any:

@@ -15,9 +15,17 @@ import torch
 from .blocks import block_scale, to_blocks, validate_input
 from .cast import compiles, quantize_blocks
 from .compilation import CompiledKernel
-from .spec import E8M0_BIAS, FP32_EXPONENT_BIAS, FP32_MANTISSA_BITS, SCALE_EXPONENT_MAX, MXFormat, get_format
-from .spec import packed_row_lengths
-from .spec import validate_block_size, validate_scale_rule
+from .spec import (
+    E8M0_BIAS,
+    FP32_EXPONENT_BIAS,
+    FP32_MANTISSA_BITS,
+    SCALE_EXPONENT_MAX,
+    MXFormat,
+    get_format,
+    packed_row_lengths,
+    validate_block_size,
+    validate_scale_rule,
+)
 
 
 @dataclass
@@ -40,9 +48,7 @@ class MXPackedTensor:
     block_size: int = 32
 
 
-def packed_shapes(
-    shape: Sequence[int], fmt: str | MXFormat, block_size: int = 32
-) -> tuple[torch.Size, torch.Size]:
+def packed_shapes(shape: Sequence[int], fmt: str | MXFormat, block_size: int = 32) -> tuple[torch.Size, torch.Size]:
     """Shapes of ``(codes, scales)`` that ``pack_mx`` produces for a tensor of ``shape``."""
     fmt = get_format(fmt)
     *leading, last = shape
@@ -134,8 +140,15 @@ def unpack_mx(packed: MXPackedTensor, dtype: torch.dtype = torch.float32) -> tor
     return run(packed.codes, packed.scales, table, fmt.bits, block_size, packed.shape[-1], dtype)[0]
 
 
-def dequantize(codes: torch.Tensor, scales: torch.Tensor, table: torch.Tensor, bits: int, block_size: int,
-               length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def dequantize(
+    codes: torch.Tensor,
+    scales: torch.Tensor,
+    table: torch.Tensor,
+    bits: int,
+    block_size: int,
+    length: int,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``unpack_mx``'s arithmetic: codes to values (``table``), times their block scales, cut to ``length``; and
     the block scales (float32; a block output, ``compilation``)."""
     elements = table[unpack_codes(codes, bits)[..., : scales.shape[-1] * block_size]]

@@ -30,12 +30,42 @@ from ..nn.transforms import RandomizedHadamard
 QUANT_METHOD = "dmx"
 
 # The fields a config.json records besides the map; `gradient_checkpointing` changes no result, so it is not one.
-_RECORDED_SETTINGS = ("method", "target_bits", "format_pair", "preset", "num_samples", "seq_len", "batch_size",
-                      "steps", "bit_average", "rotation", "learn_rotations", "offset_groups", "scale_rule",
-                      "quantize_activations", "modules_to_not_convert", "seed")
-_SETTINGS_FIELDS = ("method", "target_bits", "format_pair", "num_samples", "seq_len", "batch_size", "steps",
-                    "bit_average", "offset_groups", "quantize_activations", "scale_rule", "modules_to_not_convert",
-                    "seed", "learn_rotations", "gradient_checkpointing", "paper")
+_RECORDED_SETTINGS = (
+    "method",
+    "target_bits",
+    "format_pair",
+    "preset",
+    "num_samples",
+    "seq_len",
+    "batch_size",
+    "steps",
+    "bit_average",
+    "rotation",
+    "learn_rotations",
+    "offset_groups",
+    "scale_rule",
+    "quantize_activations",
+    "modules_to_not_convert",
+    "seed",
+)
+_SETTINGS_FIELDS = (
+    "method",
+    "target_bits",
+    "format_pair",
+    "num_samples",
+    "seq_len",
+    "batch_size",
+    "steps",
+    "bit_average",
+    "offset_groups",
+    "quantize_activations",
+    "scale_rule",
+    "modules_to_not_convert",
+    "seed",
+    "learn_rotations",
+    "gradient_checkpointing",
+    "paper",
+)
 _PRESET_FIELDS = ("num_samples", "seq_len", "batch_size", "steps", "gradient_checkpointing", "paper")
 _ACHIEVED_BITS = ("bits_simple", "bits_weighted", "storage_bits")
 # Runtime-only inputs: shared on deepcopy, never serialized.
@@ -130,8 +160,10 @@ class DMXConfig(QuantizationConfigMixin):
             raise TypeError(f"preset={self.preset!r} must be a preset name (str).")
         sizes = get_preset(self.preset).settings()
         if paper is not None and method != "paper":
-            raise ValueError(f"paper={paper!r} sets the hyper-parameters of method='paper'; method="
-                             f"{method or 'dmx'!r} has none (pass method='paper', or leave paper out).")
+            raise ValueError(
+                f"paper={paper!r} sets the hyper-parameters of method='paper'; method="
+                f"{method or 'dmx'!r} has none (pass method='paper', or leave paper out)."
+            )
         given = {
             "method": method,
             "target_bits": target_bits,
@@ -158,8 +190,10 @@ class DMXConfig(QuantizationConfigMixin):
         self.tokenizer = tokenizer
         self.rotation = validate_rotation("none" if rotation is None else rotation)
         if self.learn_rotations and self.rotation not in LEARNABLE_ROTATIONS:
-            raise ValueError(f"learn_rotations=True trains merged rotations: it needs rotation="
-                             f"{' or '.join(map(repr, LEARNABLE_ROTATIONS))}, got rotation={self.rotation!r}.")
+            raise ValueError(
+                f"learn_rotations=True trains merged rotations: it needs rotation="
+                f"{' or '.join(map(repr, LEARNABLE_ROTATIONS))}, got rotation={self.rotation!r}."
+            )
         self.format_map = _validate_format_map(format_map)
         self.input_transforms = _validate_input_transforms(input_transforms)
         self.achieved_bits = _validate_achieved_bits(achieved_bits)
@@ -255,14 +289,18 @@ def _read_legacy_keys(
     known = ("recipe", "block_size", *_ACHIEVED_BITS, *_LEGACY_PAPER_KEYS, *_LEGACY_IGNORED_KEYS)
     unknown = sorted(set(legacy) - set(known))
     if unknown:
-        raise TypeError(f"DMXConfig got unknown fields {unknown}; see help(DMXConfig) for the fields it takes (the "
-                        "paper's hyper-parameters go in paper=PaperRecipe(...)).")
+        raise TypeError(
+            f"DMXConfig got unknown fields {unknown}; see help(DMXConfig) for the fields it takes (the "
+            "paper's hyper-parameters go in paper=PaperRecipe(...))."
+        )
     if legacy.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
         raise ValueError(f"quant_method={legacy['quant_method']!r}: a DMXConfig is quant_method {QUANT_METHOD!r}.")
     block_size = legacy.get("block_size", MX_BLOCK_SIZE)
     if block_size != MX_BLOCK_SIZE:
-        raise ValueError(f"block_size={block_size!r}: this version reads MX blocks of {MX_BLOCK_SIZE} (the OCP "
-                         "specification's) only.")
+        raise ValueError(
+            f"block_size={block_size!r}: this version reads MX blocks of {MX_BLOCK_SIZE} (the OCP "
+            "specification's) only."
+        )
     if method is None:
         method = legacy.get("recipe")
     if method == "paper" and paper is None:

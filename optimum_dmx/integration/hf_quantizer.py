@@ -56,8 +56,9 @@ class DMXHfQuantizer(HfQuantizer):
     ) -> PreTrainedModel:
         if self.pre_quantized:
             config = self.quantization_config
-            replace_with_mx_linear(model, config.format_map, input_transforms=config.input_transforms,
-                                   **_mx_options(config))
+            replace_with_mx_linear(
+                model, config.format_map, input_transforms=config.input_transforms, **_mx_options(config)
+            )
             _check_packed_tensors(model, checkpoint_files or [])
         return model
 
@@ -81,8 +82,9 @@ class DMXHfQuantizer(HfQuantizer):
         )
         skip = sorted(set(skip))
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
-        transforms = rotate_model(model, config.rotation, linear_modules_to_quantize(model, skip),
-                                  config.block_size, config.seed)
+        transforms = rotate_model(
+            model, config.rotation, linear_modules_to_quantize(model, skip), config.block_size, config.seed
+        )
         if config.needs_calibration:
             # Imported here, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
             # loading a saved dMX checkpoint (the other use of this module) never needs.
@@ -95,8 +97,9 @@ class DMXHfQuantizer(HfQuantizer):
         replace_with_mx_linear(model, format_map, **_mx_options(config))
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
-        return config.with_result(format_map, input_transforms=transforms, achieved_bits=bits,
-                                  modules_to_not_convert=skip)
+        return config.with_result(
+            format_map, input_transforms=transforms, achieved_bits=bits, modules_to_not_convert=skip
+        )
 
     def _dequantize(self, model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
         """`model.dequantize()`: every `MXLinear` back to an `nn.Linear` holding its MX-valued weight."""
@@ -113,8 +116,11 @@ class DMXHfQuantizer(HfQuantizer):
 
 def _mx_options(config: DMXConfig) -> dict[str, Any]:
     """How the config's `MXLinear`s quantize: block size, activation quantization, block-scale rule."""
-    return {"block_size": config.block_size, "quantize_activations": config.quantize_activations,
-            "scale_rule": config.scale_rule}
+    return {
+        "block_size": config.block_size,
+        "quantize_activations": config.quantize_activations,
+        "scale_rule": config.scale_rule,
+    }
 
 
 def _check_not_quantized(model: PreTrainedModel) -> None:

@@ -94,8 +94,12 @@ def save_format_heatmap(format_map: Mapping[str, str], path: str | Path) -> Path
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     ax.set_ylabel("decoder layer")
     used = sorted({fmt for fmt in cells.values()}, key=names.index)
-    ax.legend(handles=[Patch(color=_FORMAT_COLOURS[n], label=n) for n in used], loc="upper left",
-              bbox_to_anchor=(1.02, 1), frameon=False)
+    ax.legend(
+        handles=[Patch(color=_FORMAT_COLOURS[n], label=n) for n in used],
+        loc="upper left",
+        bbox_to_anchor=(1.02, 1),
+        frameon=False,
+    )
     ax.set_title("dMX format per layer")
     fig.tight_layout()
     path = Path(path)
@@ -144,17 +148,19 @@ def _size_row(info: ModelCardInfo) -> str:
     if not info.float_checkpoint_bytes:
         return f"| Checkpoint size | {info.checkpoint_bytes / 2**20:.1f} MiB |\n"
     ratio = info.checkpoint_bytes / info.float_checkpoint_bytes
-    return (f"| Checkpoint size | {info.checkpoint_bytes / 2**20:.1f} MiB, {ratio:.3f} x the float checkpoint "
-            f"({info.float_checkpoint_bytes / 2**20:.1f} MiB) |\n")
+    return (
+        f"| Checkpoint size | {info.checkpoint_bytes / 2**20:.1f} MiB, {ratio:.3f} x the float checkpoint "
+        f"({info.float_checkpoint_bytes / 2**20:.1f} MiB) |\n"
+    )
 
 
 _METHOD_TEXT = {
     "dmx": "`dmx`: format maps sampled at the bit budget each step, per-layer offsets learned from the task loss's "
-           "derivative, their ranking blended with KL pre-selection's, highest-ranked layers kept within the budget",
+    "derivative, their ranking blended with KL pre-selection's, highest-ranked layers kept within the budget",
     "paper": "`paper`: the dMX paper's procedure (relaxed offsets through fractional formats, SGD on task loss + bit "
-             "regularizer)",
+    "regularizer)",
     "kl": "`kl`: KL pre-selection (the layers whose MXFP4 quantization moves the next-token distribution most go "
-          "high, within the budget)",
+    "high, within the budget)",
 }
 # Settings that take part in each method; the paper's hyper-parameters are listed with its own.
 _METHOD_SETTINGS = {
@@ -168,9 +174,9 @@ _ROTATION_TEXT = {
     "none": "none",
     "hadamard": "full-size randomized Hadamard (merged into the weights; online on each `down_proj` input)",
     "block_hadamard": "block-diagonal randomized Hadamard aligned to the MX blocks (merged into the weights; online on "
-                      "each `down_proj` input)",
+    "each `down_proj` input)",
     "online_block_hadamard": "block-diagonal randomized Hadamard aligned to the MX blocks on every quantized linear's "
-                             "input, at run time (inverse merged into the weights)",
+    "input, at run time (inverse merged into the weights)",
 }
 
 
@@ -189,7 +195,9 @@ def _calibration_section(config: Mapping[str, Any], info: ModelCardInfo) -> str:
     settings = [f"{key}={config[key]}" for key in _METHOD_SETTINGS.get(method, ()) if config.get(key) is not None]
     settings += [f"{key}={value}" for key, value in (config.get("paper") or {}).items()]
     data = info.calibration_data or "not recorded"
-    text = f"Calibration data: {data}.\n\nMethod: {_METHOD_TEXT.get(method, method)}.\n\nSettings: {', '.join(settings)}."
+    text = (
+        f"Calibration data: {data}.\n\nMethod: {_METHOD_TEXT.get(method, method)}.\n\nSettings: {', '.join(settings)}."
+    )
     if info.calibration_seconds is not None:
         text += f" Calibration took {info.calibration_seconds / 60:.1f} min."
     return text
@@ -217,9 +225,12 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
     base = info.base_model or "a transformers model"
     values = {
         "metadata": _metadata(config, info),
-        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(bits.get('bits_simple'))} bits)" if info.base_model
+        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(bits.get('bits_simple'))} bits)"
+        if info.base_model
         else "dMX mixed-precision MX model",
-        "base_model_label": f"[{info.base_model}](https://huggingface.co/{info.base_model})" if info.base_model and "/" in info.base_model else base,
+        "base_model_label": f"[{info.base_model}](https://huggingface.co/{info.base_model})"
+        if info.base_model and "/" in info.base_model
+        else base,
         "kept": ", ".join(f"`{m}`" for m in config.get("modules_to_not_convert") or []) or "none",
         "format_pair": pair.name,
         "low_format": pair.low.name,
@@ -246,8 +257,9 @@ def checkpoint_bytes(folder: str | Path) -> int:
     return sum(p.stat().st_size for p in Path(folder).glob("*.safetensors"))
 
 
-def write_model_card(save_directory: str | Path, quantization_config: Mapping[str, Any],
-                     info: ModelCardInfo | None = None) -> Path:
+def write_model_card(
+    save_directory: str | Path, quantization_config: Mapping[str, Any], info: ModelCardInfo | None = None
+) -> Path:
     """Write ``README.md`` and the heatmap ``dmx_format_map.png`` into ``save_directory``.
 
     The checkpoint size on the card is measured from the ``*.safetensors`` files already in the folder.

@@ -45,9 +45,7 @@ def average_bits(bits: torch.Tensor, kind: str = "simple", sizes: torch.Tensor |
     raise ValueError(f"bit average {kind!r} is not supported; allowed: {', '.join(BIT_AVERAGES)}.")
 
 
-def storage_bits(
-    element_bits: Sequence[int], weight_shapes: Sequence[tuple[int, int]], block_size: int = 32
-) -> float:
+def storage_bits(element_bits: Sequence[int], weight_shapes: Sequence[tuple[int, int]], block_size: int = 32) -> float:
     """Stored bits per weight element: padded codes plus one 8-bit E8M0 scale per block of each row."""
     if len(element_bits) != len(weight_shapes):
         raise ValueError(f"got {len(element_bits)} bit widths for {len(weight_shapes)} weights.")

@@ -21,9 +21,10 @@ class MXLinear(nn.Module):
     rebuilt before the tensors are loaded.
 
     The forward pass quantizes the input activations to the same format along the last dimension
-    (when `quantize_activations`, with block scales by `scale_rule`: see `formats.spec.SCALE_RULES`), dequantizes the weight to the input's dtype and runs a dense matmul in
-    that dtype. With `cache_weight` (the default) the dequantized weight is kept between calls and rebuilt
-    only when the packed tensors, the dtype or the device change; without it only the packed form is kept
+    (when `quantize_activations`, with block scales by `scale_rule`: see `formats.spec.SCALE_RULES`), dequantizes the
+    weight to the input's dtype and runs a dense matmul in that dtype. With `cache_weight` (the default) the
+    dequantized weight is kept between calls and rebuilt only when the packed tensors, the dtype or the device
+    change; without it only the packed form is kept
     (about 1/4 to 1/2 of the bf16 weight memory) and the weight is dequantized on every call.
 
     An `input_transform` (an online rotation, `nn.transforms`) is applied to the input before its quantization;
@@ -96,7 +97,9 @@ class MXLinear(nn.Module):
             block_size=block_size,
             quantize_activations=quantize_activations,
             scale_rule=scale_rule,
-            input_transform=input_transform if input_transform is not None else getattr(linear, "input_transform", None),
+            input_transform=input_transform
+            if input_transform is not None
+            else getattr(linear, "input_transform", None),
             device=weight.device,
             dtype=weight.dtype,
         )
@@ -146,6 +149,7 @@ class MXLinear(nn.Module):
     def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
         """`x` quantized to the module's format, computed once per input tensor among the modules sharing
         `input_casts` (not inside `torch.compile`, which traces the cast itself)."""
+
         def cast() -> torch.Tensor:
             return quantize_mx(x, self.fmt, self.block_size, self.scale_rule)
 
@@ -156,5 +160,6 @@ class MXLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-            f"fmt={self.fmt.name}, block_size={self.block_size}, quantize_activations={self.quantize_activations}, scale_rule={self.scale_rule}"
+            f"fmt={self.fmt.name}, block_size={self.block_size}, quantize_activations={self.quantize_activations}, "
+            f"scale_rule={self.scale_rule}"
         )

@@ -73,14 +73,18 @@ def rotate_model(
     if rotation == "online_block_hadamard":
         return _transform_every_input(model, quantized, block_size, seed)
     sites = rotation_sites(model)
-    seeds = iter(torch.randint(0, 2**31 - 1, (3 * len(sites.heads) + 1,), generator=torch.Generator().manual_seed(seed)).tolist())
+    seeds = iter(
+        torch.randint(0, 2**31 - 1, (3 * len(sites.heads) + 1,), generator=torch.Generator().manual_seed(seed)).tolist()
+    )
 
     def transform(size: int) -> RandomizedHadamard:
         return RandomizedHadamard(size, size if rotation == "hadamard" else min(block_size, size), next(seeds))
 
     residual = transform(_text_config(model).hidden_size)
-    per_layer = [(transform(head_dim), transform(model.get_submodule(_down_proj(o_proj)).in_features))
-                 for _, o_proj, head_dim in sites.heads]
+    per_layer = [
+        (transform(head_dim), transform(model.get_submodule(_down_proj(o_proj)).in_features))
+        for _, o_proj, head_dim in sites.heads
+    ]
     if sites.residual:
         fold_norm_scales(model)
     merge_rotations(model, sites, residual.matrix() if sites.residual else None, [h.matrix() for h, _ in per_layer])
@@ -141,12 +145,16 @@ def _residual_norm_readers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Li
     readers = [(_final_norm(model), [_output_linear(model)])]
     for layer in _decoder_layers(model):
         attention, mlp = layer.self_attn, layer.mlp
-        readers += [(layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
-                    (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj])]
+        readers += [
+            (layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
+            (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]),
+        ]
     return readers
 
 
-def _transform_every_input(model: nn.Module, quantized: Collection[str], block_size: int, seed: int) -> dict[str, dict[str, Any]]:
+def _transform_every_input(
+    model: nn.Module, quantized: Collection[str], block_size: int, seed: int
+) -> dict[str, dict[str, Any]]:
     """An online block-diagonal randomized Hadamard transform on the input of every quantized linear."""
     generator = torch.Generator().manual_seed(seed)
     transforms = {}
@@ -155,9 +163,13 @@ def _transform_every_input(model: nn.Module, quantized: Collection[str], block_s
         if not isinstance(linear, nn.Linear) or isinstance(linear, TransformedLinear):
             raise ValueError(f"rotation='online_block_hadamard' needs {name!r} to be a plain nn.Linear")
         if linear.in_features % block_size:
-            raise ValueError(f"rotation='online_block_hadamard' needs in_features divisible by {block_size}; "
-                             f"{name!r} has {linear.in_features}")
-        transform = RandomizedHadamard(linear.in_features, block_size, int(torch.randint(0, 2**31 - 1, (), generator=generator)))
+            raise ValueError(
+                f"rotation='online_block_hadamard' needs in_features divisible by {block_size}; "
+                f"{name!r} has {linear.in_features}"
+            )
+        transform = RandomizedHadamard(
+            linear.in_features, block_size, int(torch.randint(0, 2**31 - 1, (), generator=generator))
+        )
         _merge_input_side(linear, transform.matrix())
         model.set_submodule(name, TransformedLinear(linear, transform))
         transforms[name] = transform.to_dict()
@@ -168,15 +180,26 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     base = getattr(model, getattr(model, "base_model_prefix", "model"), None)
     layers = getattr(base, "layers", None)
     if not isinstance(layers, nn.ModuleList) or not len(layers):
-        raise ValueError(f"rotation needs a decoder-only model with `{getattr(model, 'base_model_prefix', 'model')}"
-                         f".layers`; {type(model).__name__} has none")
+        raise ValueError(
+            f"rotation needs a decoder-only model with `{getattr(model, 'base_model_prefix', 'model')}"
+            f".layers`; {type(model).__name__} has none"
+        )
     for index, layer in enumerate(layers):
-        missing = [f"self_attn.{n}" for n in _ATTENTION if not isinstance(getattr(getattr(layer, "self_attn", None), n, None), nn.Linear)]
-        missing += [f"mlp.{n}" for n in _MLP if not isinstance(getattr(getattr(layer, "mlp", None), n, None), nn.Linear)]
-        missing += [n for n in ("input_layernorm", "post_attention_layernorm") if not _is_rms_norm(getattr(layer, n, None))]
+        missing = [
+            f"self_attn.{n}"
+            for n in _ATTENTION
+            if not isinstance(getattr(getattr(layer, "self_attn", None), n, None), nn.Linear)
+        ]
+        missing += [
+            f"mlp.{n}" for n in _MLP if not isinstance(getattr(getattr(layer, "mlp", None), n, None), nn.Linear)
+        ]
+        missing += [
+            n for n in ("input_layernorm", "post_attention_layernorm") if not _is_rms_norm(getattr(layer, n, None))
+        ]
         if missing:
             raise ValueError(
-                f"rotation supports Llama-style decoder layers (RMSNorms, self_attn.q/k/v/o_proj, mlp.gate/up/down_proj); "
+                "rotation supports Llama-style decoder layers (RMSNorms, self_attn.q/k/v/o_proj, "
+                "mlp.gate/up/down_proj); "
                 f"layer {index} of {type(model).__name__} lacks {', '.join(missing)}"
             )
     return layers

@@ -12,8 +12,13 @@ from .input_cache import InputCache
 from .mx_linear import MXLinear
 from .transforms import RandomizedHadamard, TransformedLinear
 
-__all__ = ["linear_modules_to_quantize", "swapped_modules", "emulate_format_map", "replace_with_mx_linear",
-           "dequantize_mx_linears"]
+__all__ = [
+    "linear_modules_to_quantize",
+    "swapped_modules",
+    "emulate_format_map",
+    "replace_with_mx_linear",
+    "dequantize_mx_linears",
+]
 
 
 def is_skipped(name: str, pattern: str) -> bool:
@@ -82,8 +87,13 @@ def emulate_format_map(
     input_casts = InputCache()
     layers = {}
     for name, fmt in format_map.items():
-        layers[name] = MXLinear.from_linear(model.get_submodule(name), fmt, block_size=block_size,
-                                            quantize_activations=quantize_activations, scale_rule=scale_rule)
+        layers[name] = MXLinear.from_linear(
+            model.get_submodule(name),
+            fmt,
+            block_size=block_size,
+            quantize_activations=quantize_activations,
+            scale_rule=scale_rule,
+        )
         layers[name].input_casts = input_casts
     with swapped_modules(model, layers):
         yield
@@ -102,9 +112,10 @@ def replace_with_mx_linear(
 
     Weights are packed from the float linears; on a meta-device skeleton the new modules are empty and
     wait for a packed checkpoint. `input_transforms` (module name -> `RandomizedHadamard.to_dict()`, as
-    config.json records them) gives modules their online input transform; a `TransformedLinear` keeps its own. Raises `ValueError` naming the module when `format_map` names a module
-    the model lacks, a module that is not an `nn.Linear`, or one that is already an `MXLinear` (the model
-    was already quantized: quantizing twice would compound the error).
+    config.json records them) gives modules their online input transform; a `TransformedLinear` keeps its own.
+    Raises `ValueError` naming the module when `format_map` names a module the model lacks, a module that is not an
+    `nn.Linear`, or one that is already an `MXLinear` (the model was already quantized: quantizing twice would
+    compound the error).
 
     The new modules share one `InputCache`: linears reading the same input in the same format quantize it once.
     """
@@ -123,7 +134,11 @@ def replace_with_mx_linear(
             raise ValueError(f"format_map names module {name!r}, a {kind}; only nn.Linear can be quantized")
         spec = (input_transforms or {}).get(name)
         new = MXLinear.from_linear(
-            module, fmt, block_size=block_size, quantize_activations=quantize_activations, scale_rule=scale_rule,
+            module,
+            fmt,
+            block_size=block_size,
+            quantize_activations=quantize_activations,
+            scale_rule=scale_rule,
             input_transform=None if spec is None else RandomizedHadamard.from_dict(spec),
         )
         new.input_casts = input_casts
@@ -142,8 +157,13 @@ def dequantize_mx_linears(model: nn.Module, dtype: torch.dtype | None = None) ->
         if not isinstance(module, MXLinear):
             continue
         target = dtype or (module.bias.dtype if module.bias is not None else torch.float32)
-        linear = nn.Linear(module.in_features, module.out_features, bias=module.bias is not None,
-                           device=module.weight_packed.device, dtype=target)
+        linear = nn.Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device=module.weight_packed.device,
+            dtype=target,
+        )
         with torch.no_grad():
             linear.weight.copy_(module.dequantized_weight(target))
             if module.bias is not None:

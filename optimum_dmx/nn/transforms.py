@@ -59,15 +59,20 @@ class RandomizedHadamard(nn.Module):
     def __init__(self, size: int, block_size: int | None = None, seed: int = 0):
         super().__init__()
         block_size = size if block_size is None else block_size
-        if not (isinstance(size, int) and isinstance(block_size, int) and 0 < block_size <= size and size % block_size == 0):
-            raise ValueError(f"RandomizedHadamard needs a block_size dividing size; got size={size!r}, "
-                             f"block_size={block_size!r}")
+        if not (
+            isinstance(size, int) and isinstance(block_size, int) and 0 < block_size <= size and size % block_size == 0
+        ):
+            raise ValueError(
+                f"RandomizedHadamard needs a block_size dividing size; got size={size!r}, block_size={block_size!r}"
+            )
         self.size, self.block_size, self.seed = size, block_size, int(seed)
         self.power, self.odd = _split_power_of_two(block_size)
         generator = torch.Generator().manual_seed(self.seed)
         # Explicitly on the CPU: transformers builds checkpoints' modules under a meta-device context.
         signs = torch.randint(0, 2, (size,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
-        odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[0]
+        odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[
+            0
+        ]
         # Plain float64 tensors, not buffers: `model.to(torch.bfloat16)` must not round them (the merged weights
         # were computed with these exact values), and a state dict has nothing to hold.
         self._factors = {torch.device("cpu"): (signs, odd)}
@@ -120,8 +125,13 @@ class TransformedLinear(nn.Linear):
     """
 
     def __init__(self, linear: nn.Linear, input_transform: RandomizedHadamard):
-        super().__init__(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                         device="meta", dtype=linear.weight.dtype)
+        super().__init__(
+            linear.in_features,
+            linear.out_features,
+            bias=linear.bias is not None,
+            device="meta",
+            dtype=linear.weight.dtype,
+        )
         self.weight, self.bias = linear.weight, linear.bias
         self.input_transform = input_transform
 
