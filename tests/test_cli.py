@@ -118,7 +118,7 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
             ["target_bits=7.0", "mxfp6-mxfp4"],
         ),
         (["quantize", "{root}/model", "--dataset", "{tmp}/missing.txt"], ["calibration data not found", "missing.txt"]),
-        (["quantize", "{root}/model", "--dataset", "{tmp}/table.csv"], ["cannot read calibration data", ".csv"]),
+        (["quantize", "{root}/model", "--dataset", "{tmp}/table.csv"], ["cannot use calibration data", ".csv"]),
         (["quantize", "{root}/model", "--pair", "mxfp5-mxfp4"], ["invalid choice", "mxfp5-mxfp4"]),
         (["quantize", "{root}/model", "--preset", "huge"], ["invalid choice", "huge"]),
         (

@@ -83,13 +83,14 @@ def check_calibration_source(source: Any) -> None:
 
 
 def _local_files(source: str | os.PathLike | Sequence[os.PathLike]) -> list[str] | None:
-    """The files a local source names, or None when `source` is not a local path (then: a Hub name)."""
+    """The files a local source names (a folder: its data files), or None when `source` is not a local path (then:
+    a Hub name)."""
     if not isinstance(source, (str, os.PathLike)):
-        files = [os.path.expanduser(os.fspath(p)) for p in source]
-        missing = [f for f in files if not os.path.isfile(f)]
+        paths = [os.path.expanduser(os.fspath(p)) for p in source]
+        missing = [p for p in paths if not os.path.exists(p)]
         if missing:
             raise ValueError(f"calibration files not found: {missing}.")
-        return files
+        return [f for p in paths for f in _local_files(p)]
     path = os.path.expanduser(os.fspath(source))
     if os.path.isdir(path):
         files = sorted(os.path.join(path, n) for n in os.listdir(path) if Path(n).suffix.lower() in _BUILDERS)
@@ -110,6 +111,7 @@ def _local_files(source: str | os.PathLike | Sequence[os.PathLike]) -> list[str]
 
 def _load_local(files: list[str]):
     from datasets import load_dataset
+    from datasets.exceptions import DatasetGenerationError
 
     if not files:
         raise ValueError("the calibration data names no files.")
@@ -125,7 +127,13 @@ def _load_local(files: list[str]):
     if len(builders) > 1:
         raise ValueError(f"calibration files mix formats {sorted(builders)}; pass files of one format at a time.")
     (builder,) = builders
-    return load_dataset(builder, data_files=files, split="train")
+    try:
+        return load_dataset(builder, data_files=files, split="train")
+    except DatasetGenerationError as error:  # its own message names neither the file nor what went wrong
+        cause = error.__cause__ or error.__context__
+        reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
+        where = files[0] if len(files) == 1 else f"{len(files)} {builder} files ({files[0]!r}, ...)"
+        raise ValueError(f"cannot read calibration data {where!r} as {builder}: {reason}") from error
 
 
 def load_calibration_dataset(source: CalibrationDataset):
@@ -140,10 +148,16 @@ def load_calibration_dataset(source: CalibrationDataset):
         return source["train"]
     check_calibration_source(source)
     if isinstance(source, (list, tuple)) and source and all(isinstance(s, (str, os.PathLike)) for s in source):
-        if all(isinstance(s, os.PathLike) or os.path.isfile(os.path.expanduser(s)) for s in source):
+        existing = [s for s in source if isinstance(s, os.PathLike) or os.path.exists(os.path.expanduser(s))]
+        if len(existing) == len(source):
             return _load_local(_local_files(source))
-        if all(isinstance(s, str) for s in source):
-            return Dataset.from_dict({TEXT_COLUMN: list(source)})
+        if existing:
+            raise ValueError(
+                f"the calibration list mixes {len(existing)} existing paths (e.g. {os.fspath(existing[0])!r}) with "
+                f"{len(source) - len(existing)} strings that name nothing on disk: pass only files and folders, or "
+                "only calibration texts."
+            )
+        return Dataset.from_dict({TEXT_COLUMN: list(source)})
     if isinstance(source, (str, os.PathLike)):
         files = _local_files(source)
         if files is not None:
@@ -195,7 +209,14 @@ def _texts(dataset) -> list[str]:
         raise ValueError(
             f"the calibration dataset has no {TEXT_COLUMN!r} column; its columns are {dataset.column_names}."
         )
-    return [t for t in dataset[TEXT_COLUMN] if t is not None]
+    texts = [t for t in dataset[TEXT_COLUMN] if t is not None]
+    wrong = next((t for t in texts if not isinstance(t, str)), None)
+    if wrong is not None:
+        raise TypeError(
+            f"the calibration dataset's {TEXT_COLUMN!r} column holds {type(wrong).__name__} values; it "
+            "must hold strings."
+        )
+    return texts
 
 
 def build_calibration_batches(

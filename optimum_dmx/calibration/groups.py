@@ -22,7 +22,9 @@ def validate_offset_groups(offset_groups: str | Sequence[Sequence[str]]) -> str 
                 " or a list of module-name lists."
             )
         return offset_groups
-    if not all(isinstance(g, (list, tuple)) and g and all(isinstance(n, str) for n in g) for g in offset_groups):
+    if not isinstance(offset_groups, (list, tuple)) or not all(
+        isinstance(g, (list, tuple)) and g and all(isinstance(n, str) for n in g) for g in offset_groups
+    ):
         raise ValueError(
             f"offset_groups={offset_groups!r} must be 'none', 'fused' or a list of non-empty lists of module names."
         )

@@ -105,4 +105,4 @@ def get_format_pair(pair: str | FormatPair) -> FormatPair:
         return pair
     if isinstance(pair, str) and pair in FORMAT_PAIRS:
         return FORMAT_PAIRS[pair]
-    raise ValueError(f"Unknown format pair {pair!r}. Allowed: {', '.join(FORMAT_PAIRS)}.")
+    raise ValueError(f"format_pair={pair!r} is not supported; allowed: {', '.join(FORMAT_PAIRS)}.")

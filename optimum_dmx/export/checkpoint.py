@@ -23,7 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..integration.configuration import QUANT_METHOD
-from ..integration.folders import staged_folder
+from ..integration.folders import check_output, staged_folder
 from ..nn.groups import mixed_groups
 from .targets import ExportTarget, get_export_target
 
@@ -72,8 +72,10 @@ def export_checkpoint(
             source.save_pretrained(saved)
             return export_checkpoint(saved, output_dir, target, for_vllm=for_vllm, force=force, overwrite=overwrite)
     source, output_dir = Path(source), Path(output_dir)
-    if output_dir.resolve() == source.resolve():
-        raise ExportError(f"output folder {str(output_dir)!r} is the source folder; export writes a new folder")
+    try:
+        check_output(output_dir, [source])
+    except ValueError as error:
+        raise ExportError(str(error)) from None
     config = _read_dmx_config(source)
     quantization = config["quantization_config"]
     format_map: dict[str, str] = quantization["format_map"]
@@ -201,6 +203,11 @@ def _convert_tensors(source: Path, staging: Path, spec: ExportTarget, format_map
         out = {}
         for name, tensor in tensors.items():
             module, _, leaf = name.rpartition(".")
+            if leaf == "weight_packed" and module not in format_map:
+                raise ExportError(
+                    f"layer {module!r} is stored packed ({name!r}) but the checkpoint's format_map has no format for "
+                    "it: the checkpoint is damaged or its config.json was edited"
+                )
             if module in format_map and leaf in ("weight_packed", "weight_scale"):
                 if leaf == "weight_packed":
                     out.update(

@@ -331,6 +331,11 @@ def _validate_format_map(format_map: Mapping[str, str] | None) -> dict[str, str]
         return None
     if not isinstance(format_map, Mapping):
         raise TypeError(f"format_map must map module names to format names, got {type(format_map).__name__}")
+    if not format_map:
+        raise ValueError(
+            "format_map is empty: name the modules to quantize (module name -> MX format), or leave it "
+            "out to calibrate one"
+        )
     canonical = {}
     for module_name, fmt in format_map.items():
         try:

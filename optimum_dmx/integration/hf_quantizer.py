@@ -13,6 +13,7 @@ quant_method `"dmx"` with transformers (idempotently).
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -24,10 +25,12 @@ from transformers.quantizers.auto import (
     register_quantizer,
 )
 from transformers.quantizers.base import HfQuantizer
+from transformers.utils import cached_file
 
 from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, linear_modules_to_quantize, replace_with_mx_linear
 from ..nn.rotation import rotate_model
 from .configuration import QUANT_METHOD, DMXConfig
+from .integrity import CHECKSUMS_NAME, verify_integrity
 from .model_card import attach_model_card, detach_model_card
 
 if TYPE_CHECKING:
@@ -60,6 +63,9 @@ class DMXHfQuantizer(HfQuantizer):
                 model, config.format_map, input_transforms=config.input_transforms, **_mx_options(config)
             )
             _check_packed_tensors(model, checkpoint_files or [])
+            verify_integrity(
+                _integrity_record_path(model, checkpoint_files or []), checkpoint_files or [], config.format_map
+            )
         return model
 
     def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
@@ -77,6 +83,8 @@ class DMXHfQuantizer(HfQuantizer):
         config = self.quantization_config
         _check_not_quantized(model)
         _check_weights_in_memory(model)
+        if config.needs_calibration:
+            _check_sequence_length(model, config.seq_len)
         skip = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
         )
@@ -123,6 +131,16 @@ def _mx_options(config: DMXConfig) -> dict[str, Any]:
     }
 
 
+def _check_sequence_length(model: PreTrainedModel, seq_len: int) -> None:
+    """Refuse calibration sequences longer than the model's positions, before anything is computed."""
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise ValueError(
+            f"seq_len={seq_len} is longer than {type(model).__name__}'s max_position_embeddings={limit}: pass "
+            f"seq_len={limit} or less"
+        )
+
+
 def _check_not_quantized(model: PreTrainedModel) -> None:
     for name, module in model.named_modules():
         if isinstance(module, MXLinear):
@@ -146,12 +164,32 @@ def _check_weights_in_memory(model: PreTrainedModel) -> None:
         )
 
 
-def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -> None:
-    """Raise, naming the module, unless the checkpoint holds every MXLinear's tensors in the expected shapes.
+def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) -> Path | None:
+    """The checkpoint's integrity record: beside its weights, or fetched from the Hub repo it was loaded from."""
+    if checkpoint_files and (Path(checkpoint_files[0]).parent / CHECKSUMS_NAME).is_file():
+        return Path(checkpoint_files[0]).parent / CHECKSUMS_NAME
+    source = getattr(model.config, "name_or_path", None)
+    if not source or Path(source).exists():
+        return None
+    try:
+        found = cached_file(
+            source,
+            CHECKSUMS_NAME,
+            _raise_exceptions_for_missing_entries=False,
+            _raise_exceptions_for_connection_errors=False,
+        )
+    except (OSError, ValueError):
+        return None
+    return Path(found) if found else None
 
-    The loader would only warn about a missing tensor (and leave uninitialized memory in its place), so
-    a checkpoint that does not match its own format map is refused here, before anything is loaded.
-    Only the safetensors headers are read.
+
+def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -> None:
+    """Raise, naming the module, unless the checkpoint holds every MXLinear's tensors in the expected shapes and
+    every packed layer it holds is in the format map.
+
+    The loader would only warn about a missing tensor (and leave uninitialized memory in its place, or a randomly
+    initialised layer where the map forgot a packed one), so a checkpoint that does not match its own format map is
+    refused here, before anything is loaded. Only the safetensors headers are read.
     """
     found: dict[str, tuple[tuple[int, ...], str]] = {}
     for path in checkpoint_files:
@@ -163,6 +201,15 @@ def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -
                 found[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
     if not found:
         raise ValueError("a dMX checkpoint must be stored as safetensors; no .safetensors file was found")
+    mapped = {name for name, module in model.named_modules() if isinstance(module, MXLinear)}
+    unmapped = sorted(key.rpartition(".")[0] for key in found if key.endswith(".weight_packed"))
+    unmapped = [name for name in unmapped if name not in mapped]
+    if unmapped:
+        raise ValueError(
+            f"the checkpoint stores {len(unmapped)} packed layers that its format_map does not name (e.g. "
+            f"{unmapped[0]!r}): they would load randomly initialised. The checkpoint is damaged or its config.json "
+            "was edited."
+        )
     for name, module in model.named_modules():
         if not isinstance(module, MXLinear):
             continue

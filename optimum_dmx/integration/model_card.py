@@ -24,6 +24,7 @@ from huggingface_hub import HfApi
 from ..calibration.settings import MX_BLOCK_SIZE
 from ..continuous import get_format_pair
 from ..formats import MX_FORMATS
+from .integrity import write_integrity_record
 
 README_NAME = "README.md"
 HEATMAP_NAME = "dmx_format_map.png"
@@ -281,6 +282,8 @@ class _WritesDMXModelCard:
         call = inspect.signature(super().save_pretrained).bind(save_directory, *args, **kwargs)
         call.apply_defaults()
         config = getattr(self.config, "quantization_config", None)
+        if call.arguments["is_main_process"] and config is not None and config.format_map:
+            write_integrity_record(save_directory, self, config.format_map)
         if call.arguments["is_main_process"] and not call.arguments["push_to_hub"] and config is not None:
             write_model_card(save_directory, config.to_dict(), self.dmx_card_info)
         return result

@@ -54,20 +54,25 @@ class DMXQuantizer(OptimumQuantizer):
         save_dir: str | os.PathLike,
         card_info: ModelCardInfo | None = None,
         *,
+        tokenizer: Any = None,
         overwrite: bool = False,
         **kwargs: Any,
     ) -> None:
-        """`model.save_pretrained(save_dir, **kwargs)`, with the dMX model card, atomically.
+        """`model.save_pretrained(save_dir, **kwargs)` (and `tokenizer.save_pretrained`), with the dMX model card,
+        atomically.
 
-        `card_info` adds to the card what only the caller knows (base model, data, measurements). The
-        checkpoint and its `README.md` are written to a temporary sibling directory that replaces `save_dir`
-        only once complete, so an interrupted save never leaves a partial checkpoint there. A `save_dir` that
-        exists and is not empty is replaced only with `overwrite=True`.
+        `card_info` adds to the card what only the caller knows (base model, data, measurements). The checkpoint,
+        the tokenizer and the card are written to a staging sibling folder that replaces `save_dir` only once all
+        of them are complete (`folders.staged_folder`), so an interrupted save never leaves a partial checkpoint
+        there and never removes the old one. A `save_dir` that exists and is not empty is replaced only with
+        `overwrite=True`; a second process saving to the same `save_dir` at the same time gets `FolderInUseError`.
         """
         if card_info is not None:
             model.dmx_card_info = card_info
         with staged_folder(save_dir, overwrite=overwrite) as staging:
             model.save_pretrained(staging, **kwargs)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
 
     def push_to_hub(
         self, model: PreTrainedModel, repo_id: str, card_info: ModelCardInfo | None = None, **kwargs: Any
