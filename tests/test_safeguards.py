@@ -399,3 +399,21 @@ def test_hashing_100_mb_takes_well_under_a_second():
     start = time.perf_counter()
     tensor_digest(tensor)
     assert time.perf_counter() - start < 0.5
+
+
+@pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
+def test_a_float32_checkpoint_exports_as_bfloat16_and_runs_when_loaded_by_default(tiny_llama_dir, tmp_path, target):
+    """Loaded in float32, the loaders' MX layers (bfloat16) fail on mixed dtypes in their first matmul."""
+    import torch
+
+    names = linear_names(AutoModelForCausalLM.from_pretrained(tiny_llama_dir))
+    config = DMXConfig(format_map=dict.fromkeys(names, "mxfp4_e2m1"))
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
+    assert model.dtype == torch.float32
+    model.save_pretrained(tmp_path / "dmx")
+    out = export_checkpoint(tmp_path / "dmx", tmp_path / target, target, force=True)
+    assert json.loads((out / "config.json").read_text())["dtype"] == "bfloat16"
+    served = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = served(torch.tensor([[1, 2, 3]])).logits
+    assert served.dtype == torch.bfloat16 and torch.isfinite(logits).all()

@@ -89,12 +89,25 @@ def export_checkpoint(
             index["weight_map"] = dict(sorted(weight_map.items()))
             (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config["quantization_config"] = spec.quantization_config(format_map, quantization.get("modules_to_not_convert"))
+        _serve_in_bfloat16(config)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for path in source.iterdir():
             if path.is_file() and path.name not in _REWRITTEN and path.suffix != ".safetensors":
                 shutil.copy2(path, staging / path.name)
         (staging / "README.md").write_text(spec.model_card(quantization, output_dir.name), encoding="utf-8")
     return output_dir
+
+
+def _serve_in_bfloat16(config: dict[str, Any]) -> None:
+    """A float32 checkpoint is exported as bfloat16: the loaders' MX layers compute in bfloat16, and loaded in its
+    own float32 the exported model's first matmul fails on mixed dtypes inside the loader."""
+    for key in ("dtype", "torch_dtype"):
+        if config.get(key) == "float32":
+            logger.warning(
+                "The checkpoint is float32; its export loads as bfloat16, the dtype the loaders' MX layers "
+                "compute in (embeddings, norms and lm_head included)."
+            )
+            config[key] = "bfloat16"
 
 
 def _read_dmx_config(folder: Path) -> dict[str, Any]:
