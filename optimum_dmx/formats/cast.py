@@ -135,8 +135,7 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
         # As a matrix of rows: one kernel serves every number of rows (tokens) of a width. The kernel takes and
         # returns float32 (the cast computes in float32 anyway, so the bits are the same): inductor vectorises a
         # bfloat16 or float16 kernel 32 lanes wide, and at that width (torch 2.13, C++) it reinterprets float32
-        # bit patterns through memory one element at a time; converting outside is faster (benchmarks/README.md,
-        # "Inference").
+        # bit patterns through memory one element at a time; converting outside is faster.
         rows = x.reshape(-1, x.shape[-1]).float()
         return fused_cast_mx(rows, fmt, block_size, scale_rule)[0].to(x.dtype).view(x.shape)
     return cast_mx(x, fmt, block_size, scale_rule)

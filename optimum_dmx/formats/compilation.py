@@ -13,31 +13,29 @@ Compilation is on by default. It is skipped, and the eager function runs instead
   warning says so and every later call of every kernel runs eagerly, with the same results, more slowly.
 
 Each kernel's first call also runs the eager function on the same arguments and compares the results bit for bit
-(once per kernel: its cost is one eager call). A compiler that gets a kernel wrong (inductor's AVX2 code once
-selected the wrong side of an integer ``where``; a kernel cached for one instruction set and loaded under another)
-thus never yields a wrong value: that kernel runs eagerly from then on, with one warning that names it.
+(once per kernel: its cost is one eager call). A compiler that gets a kernel wrong (for example a kernel cached for
+one instruction set and loaded under another) thus never yields a wrong value: that kernel runs eagerly from then
+on, with one warning that names it.
 
 A kernel function also returns its per-block tensors (the block scales or shared exponents), which its callers
 drop: these *block outputs* make inductor compute them once per block, vectorised across blocks, and store them,
 where an intermediate would be inlined into every vector of elements that reads it, recomputing its few dozen
 scalar operations for each (without block outputs the casts take about 1.4x and the continuous quantizer's kernels
-6-14x as long on activations that fit in cache: benchmarks/README.md, "Block outputs"). Storing a value instead of
-recomputing it changes no bit of the results.
+several times as long on activations that fit in cache). Storing a value instead of recomputing it changes no bit of
+the results.
 
 Each set of constant arguments (format, block size, scale rule) with each input dtype, device and row width gets
 a kernel of its own, with the number of rows (tokens) left symbolic: a calibration step, a last short batch or a
-generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling. The width
-must be static in the compiled graph, not only in the key: inductor's on-disk cache keys a graph by its operations,
-which are the same for every width, and with every size symbolic it specialised a kernel on its example's width
-without a guard (the cast's kernel for rows of one block stored the block outputs with a stride that only holds for
-one block per row), so the cache served a kernel to widths it is wrong for. Keys of zero or one row (a token being
-generated) get kernels with static sizes.
+generation loop with a growing sequence reuses the kernel of its layer width instead of recompiling. The width is
+static in the compiled graph, not only in the key: inductor's on-disk cache keys a graph by its operations, which
+are the same for every width, so a graph with a symbolic width could be served a kernel specialised on another
+width. Keys of zero or one row (a token being generated) get kernels with static sizes.
 
 A kernel is the function traced into a graph (``make_fx``, over fake tensors whose first size is a symbol) and
 compiled by inductor directly (``torch._inductor.standalone_compile``), not through ``torch.compile``: a call then
 costs the kernel and a few microseconds, where ``torch.compile``'s frame evaluation, guards and wrappers cost tens
 of microseconds on every call: more than the kernel itself on a small activation, and on a GPU time the device
-waits (benchmarks/README.md, "Inference").
+waits.
 """
 
 from __future__ import annotations
