@@ -15,6 +15,7 @@ deep-copies quantization configs, and a generator cannot be copied) and never se
 from __future__ import annotations
 
 import copy
+import inspect
 from collections.abc import Mapping
 from typing import Any
 
@@ -66,7 +67,6 @@ _SETTINGS_FIELDS = (
     "gradient_checkpointing",
     "paper",
 )
-_PRESET_FIELDS = ("num_samples", "seq_len", "batch_size", "steps", "gradient_checkpointing", "paper")
 _ACHIEVED_BITS = ("bits_simple", "bits_weighted", "storage_bits")
 # Runtime-only inputs: shared on deepcopy, never serialized.
 _RUNTIME_FIELDS = ("dataset", "tokenizer")
@@ -74,7 +74,8 @@ _RUNTIME_FIELDS = ("dataset", "tokenizer")
 # paper's hyper-parameters (now `paper`), the achieved bits (now `achieved_bits`), the recipe (now `method`), and
 # the default method's internal settings, which describe how a map was made and are not needed to load it.
 _LEGACY_PAPER_KEYS = ("lr", "regularizer", "reg_lambda", "discretization", "t_start", "t_end", "t_warmup_ratio")
-_LEGACY_IGNORED_KEYS = ("offset_probe", "loss", "kl_weight", "kl_samples", "rotation_lr", "quant_method")
+_LEGACY_IGNORED_KEYS = ("offset_probe", "loss", "kl_weight", "kl_samples", "rotation_lr")
+_LEGACY_KEYS = ("recipe", "block_size", *_ACHIEVED_BITS, *_LEGACY_PAPER_KEYS, *_LEGACY_IGNORED_KEYS)
 
 
 class DMXConfig(QuantizationConfigMixin):
@@ -123,8 +124,6 @@ class DMXConfig(QuantizationConfigMixin):
         input_transforms: full module name -> online input transform (`RandomizedHadamard.to_dict()`), written
             with the format map when `rotation` is on.
         achieved_bits: `bits_simple`, `bits_weighted` and `storage_bits` of the applied map, written with it.
-        legacy: keys of config.json files written by optimum-dmx 0.1.0.dev0, read into the fields above; any other
-            keyword is an error.
     """
 
     def __init__(
@@ -152,9 +151,7 @@ class DMXConfig(QuantizationConfigMixin):
         format_map: Mapping[str, str] | None = None,
         input_transforms: Mapping[str, dict] | None = None,
         achieved_bits: Mapping[str, float] | None = None,
-        **legacy: Any,
     ):
-        method, paper, achieved_bits = _read_legacy_keys(legacy, method, paper, achieved_bits)
         self.preset = DEFAULT_PRESET if preset is None else preset
         if not isinstance(self.preset, str):
             raise TypeError(f"preset={self.preset!r} must be a preset name (str).")
@@ -198,6 +195,12 @@ class DMXConfig(QuantizationConfigMixin):
         self.input_transforms = _validate_input_transforms(input_transforms)
         self.achieved_bits = _validate_achieved_bits(achieved_bits)
         self.quant_method = QUANT_METHOD
+
+    @classmethod
+    def from_dict(cls, config_dict: Mapping[str, Any], return_unused_kwargs: bool = False, **kwargs: Any):
+        """A config from a saved `quantization_config` (what transformers calls when it loads config.json),
+        including those written by optimum-dmx 0.1.0.dev0; a key this version does not know is refused by name."""
+        return super().from_dict(_current_fields(config_dict), return_unused_kwargs, **kwargs)
 
     @property
     def block_size(self) -> int:
@@ -282,32 +285,34 @@ class DMXConfig(QuantizationConfigMixin):
         return new
 
 
-def _read_legacy_keys(
-    legacy: dict[str, Any], method: str | None, paper: Any, achieved_bits: Mapping[str, float] | None
-) -> tuple[str | None, Any, Mapping[str, float] | None]:
-    """Fold the keys of a 0.1.0.dev0 config.json into this version's fields; refuse any other keyword."""
-    known = ("recipe", "block_size", *_ACHIEVED_BITS, *_LEGACY_PAPER_KEYS, *_LEGACY_IGNORED_KEYS)
-    unknown = sorted(set(legacy) - set(known))
+_FIELDS = tuple(inspect.signature(DMXConfig.__init__).parameters)[1:]  # what a record may hold
+
+
+def _current_fields(record: Mapping[str, Any]) -> dict[str, Any]:
+    """A saved `quantization_config` as this version's fields: `quant_method` dropped, the keys that config.json
+    files of 0.1.0.dev0 hold folded in (`recipe` -> `method`, the paper's hyper-parameters -> `paper`, `bits_*` ->
+    `achieved_bits`, the default recipe's internal settings dropped); any other unknown key is refused by name."""
+    values = dict(record)
+    quant_method = values.pop("quant_method", QUANT_METHOD)
+    if quant_method != QUANT_METHOD:
+        raise ValueError(f"quant_method={quant_method!r}: a DMXConfig is quant_method {QUANT_METHOD!r}.")
+    legacy = {key: values.pop(key) for key in _LEGACY_KEYS if key in values}
+    unknown = sorted(set(values) - set(_FIELDS))
     if unknown:
-        raise TypeError(
-            f"DMXConfig got unknown fields {unknown}; see help(DMXConfig) for the fields it takes (the "
-            "paper's hyper-parameters go in paper=PaperRecipe(...))."
-        )
-    if legacy.get("quant_method", QUANT_METHOD) != QUANT_METHOD:
-        raise ValueError(f"quant_method={legacy['quant_method']!r}: a DMXConfig is quant_method {QUANT_METHOD!r}.")
+        raise TypeError(f"quantization_config has unknown fields {unknown}; allowed: {', '.join(_FIELDS)}.")
     block_size = legacy.get("block_size", MX_BLOCK_SIZE)
     if block_size != MX_BLOCK_SIZE:
         raise ValueError(
             f"block_size={block_size!r}: this version reads MX blocks of {MX_BLOCK_SIZE} (the OCP "
             "specification's) only."
         )
-    if method is None:
-        method = legacy.get("recipe")
-    if method == "paper" and paper is None:
-        paper = {key: legacy[key] for key in _LEGACY_PAPER_KEYS if legacy.get(key) is not None} or None
-    if achieved_bits is None and any(legacy.get(key) is not None for key in _ACHIEVED_BITS):
-        achieved_bits = {key: legacy.get(key) for key in _ACHIEVED_BITS}
-    return method, paper, achieved_bits
+    if values.get("method") is None and legacy.get("recipe") is not None:
+        values["method"] = legacy["recipe"]
+    if values.get("method") == "paper" and values.get("paper") is None:
+        values["paper"] = {key: legacy[key] for key in _LEGACY_PAPER_KEYS if legacy.get(key) is not None} or None
+    if values.get("achieved_bits") is None and any(legacy.get(key) is not None for key in _ACHIEVED_BITS):
+        values["achieved_bits"] = {key: legacy.get(key) for key in _ACHIEVED_BITS}
+    return values
 
 
 def _validate_achieved_bits(achieved_bits: Mapping[str, float] | None) -> dict[str, float] | None:
