@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Calibration cost: a step, the KL scan and a whole run, in time and memory, against an unquantized training step.
 
-Regenerate `results/calibration_cost.md` (2 CPU cores, about 15 minutes):
+Regenerate `results/calibration_cost.md` (about 30 minutes on 2 CPU cores):
 
-    python benchmarks/bench_calibration_cost.py --threads 2 --output benchmarks/results/calibration_cost.md
+    python benchmarks/bench_calibration_cost.py --threads 2 --batch-sizes 4 --repeats 1 --memory \
+        --output benchmarks/results/calibration_cost.md
 
 Everything is measured in one run on the same model and batch, so the ratios compare like with like:
 
