@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Calibration cost: a step, the KL scan and a whole run, in time and memory, against an unquantized training step.
 
-Regenerate `results/calibration_cost.md` (about 30 minutes on 2 CPU cores):
+Regenerate `results/calibration_cost.md` (longer than 30 minutes on 2 CPU cores; not yet run to the end):
 
     python benchmarks/bench_calibration_cost.py --threads 2 --batch-sizes 4 --repeats 1 --memory \
         --output benchmarks/results/calibration_cost.md
