@@ -29,13 +29,21 @@ import statistics
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import torch
 
-from optimum_dmx.calibration import CalibrationSettings, calibrate, get_preset, kl_sensitivities
+from optimum_dmx.calibration import (
+    CalibrationSettings,
+    build_calibration_batches,
+    calibrate,
+    get_preset,
+    kl_sensitivities,
+)
 
 from common import (
     MODEL_DTYPES,
+    benchmark_texts,
     calibration_benchmark_parser,
     device_description,
     fwd_bwd_seconds,
@@ -108,10 +116,12 @@ def step_table(model: torch.nn.Module, ids: torch.Tensor, a: argparse.Namespace)
     return lines
 
 
-def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
+def run_table(model: torch.nn.Module, model_dir: Path, a: argparse.Namespace) -> list[str]:
+    from transformers import AutoTokenizer
+
     preset = get_preset(a.preset)
-    model_dir, calibration = a.model, a.calibration
-    _, _, ids = load_model_and_calibration(model_dir, calibration, preset.seq_len, preset.num_samples)
+    texts = a.calibration or benchmark_texts().calibration  # the model is loaded once, in main
+    ids = build_calibration_batches(texts, AutoTokenizer.from_pretrained(model_dir), preset.seq_len, preset.num_samples)
     settings = CalibrationSettings(format_pair=a.pair, **preset.settings())
     reference = fwd_bwd_seconds(model, ids[: preset.batch_size], repeats=3)
     scan = _scan_seconds(model, ids, a.pair, preset.batch_size)
@@ -268,7 +278,7 @@ def main() -> None:
         *step_table(model, ids, a),
     ]
     if not a.no_run:
-        lines += ["", *run_table(model, a)]
+        lines += ["", *run_table(model, model_dir, a)]
     if a.memory:
         lines += ["", *memory_table(a)]
     write_report("\n".join(lines) + "\n", a.output, "Calibration cost")
