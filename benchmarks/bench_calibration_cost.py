@@ -1,20 +1,20 @@
 #!/usr/bin/env python
 """Calibration cost: a step, the KL scan and a whole run, in time and memory, against an unquantized training step.
 
-Regenerate `results/calibration_cost.md` (longer than 30 minutes on 2 CPU cores; not yet run to the end):
+Regenerate `results/calibration_cost.md` (about 20 minutes on 2 CPU cores):
 
     python benchmarks/bench_calibration_cost.py --threads 2 --batch-sizes 4 --repeats 1 --memory \
         --output benchmarks/results/calibration_cost.md
 
 Everything is measured in one run on the same model and batch, so the ratios compare like with like:
 
-* **Step** (per batch size, medians of `--repeats` alternated repeats): the reference is a forward + backward pass
-  of the float model with every weight trainable. A dMX step is the marginal time of the real trainer
-  (`calibrate`): two runs that differ only in their step count, 1 and `1 + --steps`, their difference divided by
-  `--steps` (without the one-time setup). Rows: the default method, the same with activation checkpointing, the
-  paper's method. Each runs once untimed first; that first run pays the kernels' compilation ("warm-up s").
-* **Run**: one whole default-method calibration at `--preset` sizes (its steps, its KL scan and its setup), the
-  KL scan alone (what `method="kl"` costs), and both in units of unquantized steps of the preset's batch.
+* **Step** (per batch size, medians over `--repeats` alternated repeats): the reference is a forward + backward
+  pass of the float model with every weight trainable. A dMX step is a step of the real trainer (`calibrate`): each
+  repeat is one run of `1 + --steps` steps, and the trainer's own per-step times (`step_seconds`) after the first
+  are the samples; the first step pays the kernels' compilation ("first step s"). Rows: the default method, the
+  same with activation checkpointing, the paper's method.
+* **Run**: one whole default-method calibration at `--preset` sizes, split into its steps, its KL scan (what
+  `method="kl"` costs) and its setup, in seconds and in units of unquantized steps of the preset's batch.
 * **Memory** (`--memory`): peak resident memory (CPU, Linux) or allocated GPU memory of one unquantized step and
   of `--steps` dMX steps, each in a process of its own with glibc's `MALLOC_MMAP_THRESHOLD_=65536` (freed buffers
   go back to the system, so the resident set follows the live tensors), after an untimed warm-up.
@@ -28,26 +28,27 @@ import os
 import statistics
 import subprocess
 import sys
-import time
-from pathlib import Path
 
 import torch
 
 from optimum_dmx.calibration import (
     CalibrationSettings,
+    Preset,
     build_calibration_batches,
     calibrate,
     get_preset,
-    kl_sensitivities,
 )
 
 from common import (
     MODEL_DTYPES,
+    benchmark_model,
     benchmark_texts,
     calibration_benchmark_parser,
     device_description,
     fwd_bwd_seconds,
     load_model_and_calibration,
+    random_ids,
+    random_model,
     write_report,
 )
 
@@ -56,32 +57,45 @@ TRAINERS = {"dMX": {}, "dMX checkpointed": {"gradient_checkpointing": True}, "dM
 MEMORY_WORKLOADS = ("unquantized", "dMX", "dMX checkpointed")
 
 
-def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> float:
-    """Marginal wall time of one step of trainer `name` on `batch` (every step sees the whole batch)."""
-
-    def run(num_steps: int) -> float:
-        settings = CalibrationSettings(
-            target_bits=5.0,
-            format_pair=pair,
-            num_samples=len(batch),
-            seq_len=batch.shape[1],
-            batch_size=len(batch),
-            steps=num_steps,
-            **TRAINERS[name],
+def load(a: argparse.Namespace, seq_len: int, count: int) -> tuple[torch.nn.Module, str, torch.Tensor]:
+    """The benchmark's model (`--model`, `--shape` or the default), its description and `count` sequences."""
+    dtype = MODEL_DTYPES[a.dtype]
+    if a.shape:
+        return (
+            random_model(a.shape, a.device, dtype),
+            f"randomly initialised `{a.shape}`",
+            random_ids(a.shape, seq_len, count),
         )
-        start = time.perf_counter()
-        calibrate(model, batch, settings, progress=False)
-        return time.perf_counter() - start
+    model, model_dir, ids = load_model_and_calibration(
+        a.model, a.calibration, seq_len, count, device=a.device, dtype=dtype
+    )
+    return model, f"`{model_dir.name}`", ids
 
-    return (run(1 + steps) - run(1)) / steps  # the setup and the default method's KL scan cancel out
+
+def preset_ids(a: argparse.Namespace, preset: Preset) -> torch.Tensor:
+    """Calibration sequences of the preset's sizes (random ones for `--shape`)."""
+    from transformers import AutoTokenizer
+
+    if a.shape:
+        return random_ids(a.shape, preset.seq_len, preset.num_samples)
+    tokenizer = AutoTokenizer.from_pretrained(a.model or benchmark_model())
+    texts = a.calibration or benchmark_texts().calibration
+    return build_calibration_batches(texts, tokenizer, preset.seq_len, preset.num_samples)
 
 
-def _scan_seconds(model: torch.nn.Module, ids: torch.Tensor, pair: str, batch_size: int = 4) -> float:
-    """Wall time of the KL scan (`kl_sensitivities`) on `ids`."""
-    settings = CalibrationSettings(format_pair=pair, batch_size=batch_size)
-    start = time.perf_counter()
-    kl_sensitivities(model, ids, settings, progress=False)
-    return time.perf_counter() - start
+def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> list[float]:
+    """Wall time of each of `1 + steps` steps of trainer `name` on `batch`, from one run (`step_seconds` of its
+    result); the first step pays the kernels' compilation, if any."""
+    settings = CalibrationSettings(
+        target_bits=5.0,
+        format_pair=pair,
+        num_samples=len(batch),
+        seq_len=batch.shape[1],
+        batch_size=len(batch),
+        steps=1 + steps,
+        **TRAINERS[name],
+    )
+    return calibrate(model, batch, settings, progress=False).step_seconds
 
 
 def step_table(model: torch.nn.Module, ids: torch.Tensor, a: argparse.Namespace) -> list[str]:
@@ -91,57 +105,59 @@ def step_table(model: torch.nn.Module, ids: torch.Tensor, a: argparse.Namespace)
         "| batch x seq | unquantized fwd+bwd ms | "
         + " | ".join(f"{name} step ms | {name} / unquantized" for name in TRAINERS)
         + " | "
-        + " | ".join(f"{name} warm-up s" for name in TRAINERS)
+        + " | ".join(f"{name} first step s" for name in TRAINERS)
         + " |",
         "|---|---|" + "---|---|" * len(TRAINERS) + "---|" * len(TRAINERS),
     ]
     for batch_size in [int(b) for b in a.batch_sizes.split(",")]:
         batch = ids[:batch_size]
-        warm_up = {}
-        for name in TRAINERS:
-            start = time.perf_counter()
-            step_seconds(name, model, batch, a.pair, a.steps)
-            warm_up[name] = time.perf_counter() - start
+        first_step = {}
         times: dict[str, list[float]] = {"unquantized": [], **{name: [] for name in TRAINERS}}
         for _ in range(a.repeats):
             times["unquantized"].append(fwd_bwd_seconds(model, batch, repeats=1))
             for name in TRAINERS:
-                times[name].append(step_seconds(name, model, batch, a.pair, a.steps))
+                seconds = step_seconds(name, model, batch, a.pair, a.steps)
+                first_step.setdefault(name, seconds[0])
+                times[name] += seconds[1:]
         t = {name: statistics.median(values) for name, values in times.items()}
         reference = t["unquantized"]
         cells = " | ".join(f"{t[name] * 1e3:.1f} | {t[name] / reference:.2f}x" for name in TRAINERS)
-        cells += " | " + " | ".join(f"{warm_up[name]:.1f}" for name in TRAINERS)
+        cells += " | " + " | ".join(f"{first_step[name]:.1f}" for name in TRAINERS)
         lines.append(f"| {batch_size} x {batch.shape[1]} | {reference * 1e3:.1f} | {cells} |")
         print(lines[-1], file=sys.stderr, flush=True)
     return lines
 
 
-def run_table(model: torch.nn.Module, model_dir: Path, a: argparse.Namespace) -> list[str]:
-    from transformers import AutoTokenizer
-
+def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
     preset = get_preset(a.preset)
-    texts = a.calibration or benchmark_texts().calibration  # the model is loaded once, in main
-    ids = build_calibration_batches(texts, AutoTokenizer.from_pretrained(model_dir), preset.seq_len, preset.num_samples)
+    ids = preset_ids(a, preset)
     settings = CalibrationSettings(format_pair=a.pair, **preset.settings())
     reference = fwd_bwd_seconds(model, ids[: preset.batch_size], repeats=3)
-    scan = _scan_seconds(model, ids, a.pair, preset.batch_size)
-    start = time.perf_counter()
-    calibrate(model, ids, settings, progress=False)
-    whole = time.perf_counter() - start
+    result = calibrate(model, ids, settings, progress=False)
+    steps = sum(result.step_seconds)
+    setup = result.seconds - steps - result.scan_seconds
     lines = [
         "## Run",
         "",
         f"Preset `{a.preset}`: {preset.steps} steps of {preset.batch_size} x {preset.seq_len} tokens; one "
         f"unquantized step of that batch takes {reference * 1e3:.1f} ms.",
         "",
-        "| what | seconds | unquantized steps |",
-        "|---|---|---|",
-        f'| KL scan alone (`method="kl"`) | {scan:.1f} | {scan / reference:.0f} |',
-        f"| whole default-method run (steps + scan + setup) | {whole:.1f} | {whole / reference:.0f} |",
-        f"| its steps and setup (run less scan), per step | {(whole - scan) / preset.steps:.2f} | "
-        f"{(whole - scan) / preset.steps / reference:.1f} |",
+        "| what | seconds | unquantized steps | share of the run |",
+        "|---|---|---|---|",
     ]
-    print("\n".join(lines[-3:]), file=sys.stderr, flush=True)
+    for what, seconds in [
+        (f"{preset.steps} steps", steps),
+        ('KL scan (all that `method="kl"` runs)', result.scan_seconds),
+        ("setup (model surgery, rotations)", setup),
+        ("whole default-method run", result.seconds),
+    ]:
+        lines.append(f"| {what} | {seconds:.1f} | {seconds / reference:.0f} | {seconds / result.seconds:.0%} |")
+    lines.append("")
+    lines.append(
+        f"The KL scan costs {result.scan_seconds / steps:.0%} of the steps' time "
+        f"({result.scan_seconds / (steps / preset.steps):.1f} steps)."
+    )
+    print("\n".join(lines[-7:]), file=sys.stderr, flush=True)
     return lines
 
 
@@ -156,9 +172,7 @@ def resident_kib(field: str) -> int:
 
 def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
     """Peak and peak-over-baseline memory (MiB) of `workload`, measured in this process."""
-    model, _, ids = load_model_and_calibration(
-        a.model, a.calibration, a.seq_len, a.batch_size, device=a.device, dtype=MODEL_DTYPES[a.dtype]
-    )
+    model, _, ids = load(a, a.seq_len, a.batch_size)
     ids = ids.to(a.device)
     if workload == "unquantized":
         for p in model.parameters():
@@ -233,6 +247,8 @@ def memory_table(a: argparse.Namespace) -> list[str]:
             ]
             if a.model:
                 command += ["--model", str(a.model)]
+            if a.shape:
+                command += ["--shape", a.shape]
             if a.calibration:
                 command += ["--calibration", *map(str, a.calibration)]
             env = {**os.environ, "MALLOC_MMAP_THRESHOLD_": "65536"}
@@ -254,7 +270,9 @@ def memory_table(a: argparse.Namespace) -> list[str]:
 def main() -> None:
     p = calibration_benchmark_parser(__doc__)
     p.add_argument("--pair", default="mxfp8-mxfp4")
-    p.add_argument("--steps", type=int, default=2, help="extra steps whose time is divided out (and memory steps)")
+    p.add_argument(
+        "--steps", type=int, default=4, help="timed steps after the first, per repeat (and the memory steps)"
+    )
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--preset", default="cpu-demo", help="sizes of the whole run (optimum_dmx.calibration.presets)")
     p.add_argument("--memory", action="store_true", help="add the memory table")
@@ -268,17 +286,14 @@ def main() -> None:
         return
 
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
-    model, model_dir, ids = load_model_and_calibration(
-        a.model, a.calibration, a.seq_len, max(batch_sizes), device=a.device, dtype=MODEL_DTYPES[a.dtype]
-    )
+    model, description, ids = load(a, a.seq_len, max(batch_sizes))
     lines = [
-        f"Model `{model_dir.name}` ({a.dtype}), pair {a.pair}, {device_description(a.device)}, torch "
-        f"{torch.__version__}.",
+        f"Model {description} ({a.dtype}), pair {a.pair}, {device_description(a.device)}, torch {torch.__version__}.",
         "",
         *step_table(model, ids, a),
     ]
     if not a.no_run:
-        lines += ["", *run_table(model, model_dir, a)]
+        lines += ["", *run_table(model, a)]
     if a.memory:
         lines += ["", *memory_table(a)]
     write_report("\n".join(lines) + "\n", a.output, "Calibration cost")

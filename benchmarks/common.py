@@ -300,6 +300,43 @@ def load_model_and_calibration(
     return model, Path(model_dir), ids
 
 
+# Llama-architecture shapes of real models, for cost measurements that need no pretrained weights (random init).
+MODEL_SHAPES: dict[str, dict] = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=256),
+    "smollm2-135m": dict(hidden_size=576, intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9,
+                         num_key_value_heads=3, vocab_size=49152, tie_word_embeddings=True),
+    "llama-3.2-1b": dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                         num_key_value_heads=8, head_dim=64, vocab_size=128256, tie_word_embeddings=True),
+    "llama-3.1-8b": dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+    "llama-3.3-70b": dict(hidden_size=8192, intermediate_size=28672, num_hidden_layers=80, num_attention_heads=64,
+                          num_key_value_heads=8, vocab_size=128256, tie_word_embeddings=False),
+}  # fmt: skip
+
+
+def random_model(shape: str, device: str = "cpu", dtype: torch.dtype = torch.float32, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised Llama of ``MODEL_SHAPES[shape]``, built on ``device`` in ``dtype``: what a step costs
+    does not depend on the weights' values."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**MODEL_SHAPES[shape], max_position_embeddings=131072)
+    torch.manual_seed(seed)
+    default_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return LlamaForCausalLM(config).eval()
+    finally:
+        torch.set_default_dtype(default_dtype)
+
+
+def random_ids(shape: str, seq_len: int, count: int, seed: int = 0) -> torch.Tensor:
+    """``count`` random token sequences of ``seq_len`` in the vocabulary of ``MODEL_SHAPES[shape]``, on the CPU."""
+    vocab_size = MODEL_SHAPES[shape]["vocab_size"]
+    return torch.randint(vocab_size, (count, seq_len), generator=torch.Generator().manual_seed(seed))
+
+
 def kernel_benchmark_parser(doc: str) -> argparse.ArgumentParser:
     """A parser with the arguments the kernel benchmarks share: repeats, torch threads and output file; ``doc`` is
     the script's docstring (its first paragraph describes it)."""
@@ -315,7 +352,9 @@ def calibration_benchmark_parser(doc: str) -> argparse.ArgumentParser:
     """A parser with the arguments the calibration benchmarks share: model, texts, batch sizes, sequence length,
     torch threads and output file; ``doc`` is the script's docstring (its first paragraph describes it)."""
     p = argparse.ArgumentParser(description=doc.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
+    source.add_argument("--shape", choices=MODEL_SHAPES, help="a randomly initialised model of this shape instead")
     p.add_argument("--calibration", type=Path, nargs="+", help="text files (default: the Austen novels)")
     p.add_argument("--batch-sizes", default="2,4", help="comma list of batch sizes")
     p.add_argument("--seq-len", type=int, default=128)

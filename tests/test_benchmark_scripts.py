@@ -58,6 +58,50 @@ def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     assert output.read_text().startswith("# Calibration cost\n\nCommand: `python benchmarks/bench_calibration_cost.py")
 
 
+def run_gpu_check(device: str, output: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", device, "--output", str(output)],
+        env={**os.environ, "PYTHON": sys.executable},
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+
+
+def test_gpu_check_dry_run_on_cpu(tmp_path):
+    """`gpu_check.sh --device cpu` runs every step of the GPU check at tiny sizes and writes one report."""
+    output = tmp_path / "gpu_check.md"
+    result = run_gpu_check("cpu", output)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    report = output.read_text()
+    assert re.findall(r"^## (.+)$", report, re.MULTILINE) == [
+        "tests/test_cuda.py",
+        "MX kernels",
+        "Calibration cost, tiny",
+    ]
+    assert len(re.findall(r"`: exit status 0, \d+ s$", report, re.MULTILINE)) == 3
+    assert re.search(r"^\d+ skipped in ", report, re.MULTILINE)  # no CUDA here: the CUDA tests are skipped
+    assert re.search(r"^\| `quantize_mx` mxfp4_e2m1, compiled \| yes \|", report, re.MULTILINE)
+    assert re.search(r"^\| 1 x 32 \| [\d.]+ \| [\d.]+ \| [\d.]+x \|", report, re.MULTILINE)  # the step table
+    assert len(re.findall(r"^\| 1 x 32 \| (unquantized|dMX|dMX checkpointed) \|", report, re.MULTILINE)) == 3
+
+
+def test_gpu_check_reports_a_failing_step_and_runs_the_others(tmp_path):
+    output = tmp_path / "gpu_check.md"
+    result = run_gpu_check("meta", output)  # no kernels run on the meta device: the benchmarks fail
+    assert result.returncode == 1
+    report = output.read_text()
+    statuses = re.findall(r"^`(.+?)`: exit status (\d+)", report, re.MULTILINE)
+    assert re.findall(r"^## (.+)$", report, re.MULTILINE) == [
+        "tests/test_cuda.py",
+        "MX kernels",
+        "Calibration cost, llama-3.2-1b",
+        "Calibration cost, llama-3.1-8b",
+    ]
+    assert statuses[0][1] == "0"  # the CUDA tests skip themselves
+    assert len(statuses) == 4 and all(status != "0" for _, status in statuses[1:])  # kernels, the 1B and 8B shapes
+
+
 def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     runs, output = tmp_path / "runs.jsonl", tmp_path / "quality.md"

@@ -101,6 +101,63 @@ def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
     assert kl_sensitivities(model, different, CalibrationSettings(batch_size=4), progress=False) != sensitivities
 
 
+def test_kl_scan_equals_one_whole_pass_per_layer(sensitive, sensitivities):
+    """Replaying the decoder layers before a layer's own gives what a whole forward pass per layer gives."""
+    from optimum_dmx.calibration.sensitivity import next_token_kl, next_token_log_probs
+
+    model, ids = sensitive
+    batch = ids[:4]
+    with torch.no_grad():
+        reference = next_token_log_probs(model, batch)
+        for name, value in sensitivities.items():
+            with emulate_format_map(model, {name: "mxfp4"}):
+                whole = next_token_kl(reference, next_token_log_probs(model, batch)).item() / batch.numel()
+            assert value == whole, name
+
+
+def test_kl_scan_computes_each_decoder_layer_only_from_the_perturbed_one_on(sensitive):
+    model, ids = sensitive
+    decoder_layers = list(model.model.layers)
+    calls = [0] * len(decoder_layers)
+
+    def count(index):
+        def hook(module, args):
+            calls[index] += 1
+
+        return hook
+
+    handles = [layer.self_attn.register_forward_pre_hook(count(i)) for i, layer in enumerate(decoder_layers)]
+    try:
+        kl_sensitivities(model, ids[:4], CalibrationSettings(batch_size=4), progress=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    per_layer = len(linear_modules_to_quantize(model, ["lm_head"])) // len(decoder_layers)
+    # the float reference pass, then each decoder layer's linears run layers i.. and their successors
+    assert calls == [1 + per_layer * (i + 1) for i in range(len(decoder_layers))]
+
+
+def test_kl_scan_gives_back_a_forward_installed_on_a_layer(sensitive, sensitivities):
+    """Replaying overrides a decoder layer's `forward`; one installed on the instance (accelerate's offload hooks
+    do that) is the one it has afterwards, and it is the one the reference pass runs."""
+    model, ids = sensitive
+    layer = model.model.layers[0]
+    runs = []
+
+    def installed(*args, **kwargs):
+        runs.append(1)
+        return type(layer).forward(layer, *args, **kwargs)
+
+    layer.forward = installed
+    try:
+        again = kl_sensitivities(model, ids[:4], CalibrationSettings(batch_size=4), progress=False)
+        assert layer.forward is installed and len(runs) == 1 + 7  # the reference pass and layer 0's own linears
+    finally:
+        del layer.forward
+    assert again == sensitivities
+    assert "forward" not in model.model.layers[1].__dict__
+
+
 def test_kl_preselection_computes_sensitivities_itself(sensitive, sensitivities):
     model, ids = sensitive
     s = settings(target_bits=5.0)

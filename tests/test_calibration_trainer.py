@@ -1,5 +1,6 @@
 import json
 import math
+import time
 
 import pytest
 import torch
@@ -205,6 +206,26 @@ def test_history_and_json(tmp_path, sensitive, method):
     element_bits = {n: {"mxfp4_e2m1": 4, "mxfp8_e4m3": 8}[f] for n, f in result.format_map.items()}
     expected = sum(numel[n] * (element_bits[n] + 8 / 32) for n in numel) / sum(numel.values())  # in_features % 32 == 0
     assert loaded["storage_bits"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("method", ["dmx", "paper", "kl"])
+def test_step_and_scan_times(sensitive, method):
+    """`step_seconds` times each training step, `scan_seconds` the KL scan: a pause in every forward pass shows in
+    each step and in each of the scan's passes (one reference pass and one per layer, 4 sequences in one batch)."""
+    model, ids = sensitive
+    pause = 0.02
+    handle = model.model.register_forward_pre_hook(lambda module, args: time.sleep(pause))
+    try:
+        result = calibrate(model, ids, settings(method=method, steps=3), progress=False)
+    finally:
+        handle.remove()
+    steps = 0 if method == "kl" else 3
+    assert len(result.step_seconds) == steps and all(t >= pause for t in result.step_seconds)
+    if method == "paper":
+        assert result.scan_seconds == 0
+    else:
+        assert result.scan_seconds >= pause * (1 + len(result.format_map))
+    assert sum(result.step_seconds) + result.scan_seconds <= result.seconds
 
 
 def test_discretization_threshold_is_beta_hat_one(sensitive):

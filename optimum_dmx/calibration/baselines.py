@@ -50,6 +50,7 @@ def kl_preselection(
     start = time.perf_counter()
     if sensitivities is None:
         sensitivities = kl_sensitivities(model, input_ids, settings, progress)
+    scan_seconds = time.perf_counter() - start
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     missing = set(targets) - set(sensitivities)
     if missing:
@@ -63,4 +64,6 @@ def kl_preselection(
         settings.quantize_activations,
         groups=offset_groups(settings.offset_groups, list(targets)),
     )
-    return result_from_format_map(format_map, targets, settings, method="kl", seconds=time.perf_counter() - start)
+    return result_from_format_map(
+        format_map, targets, settings, method="kl", seconds=time.perf_counter() - start, scan_seconds=scan_seconds
+    )

@@ -28,6 +28,8 @@ class CalibrationResult:
         kl_sensitivities: the KL scan's per-module sensitivity, when the default method blended it into its ranking.
         method: which procedure produced the assignment (`"dmx"`, `"paper"`, `"kl"`, `"uniform"`).
         seconds: wall time of the procedure.
+        step_seconds: wall time of each training step (the first one includes compiling the kernels).
+        scan_seconds: wall time of the KL scan (0 where the method has none).
     """
 
     format_map: dict[str, str]
@@ -39,6 +41,8 @@ class CalibrationResult:
     kl_sensitivities: dict[str, float] = field(default_factory=dict)
     method: str = "dmx"
     seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+    scan_seconds: float = 0.0
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -18,9 +18,9 @@ from __future__ import annotations
 import logging
 import math
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -42,6 +42,8 @@ from .rotations import LearnedRotations, learnable_sites, learned_rotations
 from .schedule import T_END, T_START, T_WARMUP_RATIO, temperature_at
 from .sensitivity import kl_sensitivities
 from .settings import CalibrationSettings
+
+T = TypeVar("T")
 
 logger = logging.getLogger(__name__)
 
@@ -149,7 +151,8 @@ def calibrate(
     ):
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
         bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress or rank > 0)
-        batches = (input_ids[process_share(rows, rank, world_size)] for rows in bar)
+        step_seconds: list[float] = []
+        batches = _timed((input_ids[process_share(rows, rank, world_size)] for rows in bar), step_seconds)
         if sampled:
             offsets, history = _sampled_offsets(model, layers, batches, settings, bar, world_size, rotations)
         else:
@@ -157,7 +160,11 @@ def calibrate(
         shapes = {name: tuple(layer.weight.shape) for name, layer in layers.items()}
         threshold_map = {name: layer.discrete_format.name for name, layer in layers.items()}
     # The KL scan swaps modules itself: it runs on the restored model.
-    sensitivities = kl_sensitivities(model, input_ids, settings, progress) if sampled else {}
+    sensitivities, scan_seconds = {}, 0.0
+    if sampled:
+        scan_start = time.perf_counter()
+        sensitivities = kl_sensitivities(model, input_ids, settings, progress)
+        scan_seconds = time.perf_counter() - scan_start
     priority = blended_priority(offsets, sensitivities, KL_WEIGHT) if sampled else offsets
     format_map = threshold_map if settings.discretization == "threshold" else _budget_map(priority, shapes, settings)
     result = result_from_format_map(
@@ -169,6 +176,8 @@ def calibrate(
         kl_sensitivities=sensitivities,
         method=settings.method,
         seconds=time.perf_counter() - start,
+        step_seconds=step_seconds,
+        scan_seconds=scan_seconds,
     )
     logger.info(
         "Calibrated %d layers: %.3f bits (simple), %.3f bits (weighted), %.3f storage bits.",
@@ -178,6 +187,14 @@ def calibrate(
         result.storage_bits,
     )
     return result
+
+
+def _timed(items: Iterable[T], seconds: list[float]) -> Iterator[T]:
+    """Yield `items`, appending to `seconds` the wall time the consumer spends on each (a step, here)."""
+    for item in items:
+        start = time.perf_counter()
+        yield item
+        seconds.append(time.perf_counter() - start)
 
 
 def _budget_map(priority: dict[str, float], shapes: dict[str, tuple], settings: CalibrationSettings) -> dict[str, str]:
