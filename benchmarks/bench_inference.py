@@ -1,9 +1,10 @@
 #!/usr/bin/env python
 """Inference cost of dMX checkpoints: MXLinear vs nn.Linear, load time and checkpoint size.
 
-Regenerate `results/inference.md` (about 15 minutes on one CPU core):
+Regenerate `results/inference.md` (about 30 minutes on one CPU core):
 
-    python benchmarks/bench_inference.py --repeats 9 --model-bf16 --output benchmarks/results/inference.md
+    python benchmarks/bench_inference.py --repeats 7 --model-bf16 \
+        --rotation hadamard,block_hadamard,online_block_hadamard --output benchmarks/results/inference.md
 
 Measures, in one run:
 
@@ -235,7 +236,7 @@ def bench_model(
                         str(dtype).removeprefix("torch."),
                         f"{batch}x{seq}",
                         f"{base * 1e3:.0f}",
-                        *(f"{t * 1e3:.0f} ({t / base:.2f}x)" for t in others),
+                        *compared(others, base, 1e3, "{:.0f}"),
                     ]
                 )
             prompt = torch.randint(
@@ -255,10 +256,18 @@ def bench_model(
                     str(dtype).removeprefix("torch."),
                     f"1x{PROMPT_TOKENS} + {GENERATED_TOKENS}",
                     f"{base * 1e3:.1f}",
-                    *(f"{t * 1e3:.1f} ({t / base:.2f}x)" for t in others),
+                    *compared(others, base, 1e3, "{:.1f}"),
                 ]
             )
     return rows, notes
+
+
+def compared(times: list[float], float_time: float, unit: float, number: str) -> list[str]:
+    """Cells for the dMX models' `times` (cached first, then packed-only, unshared casts, rotations): each with its
+    ratio to float; a rotated model's also with its ratio to the cached unrotated dMX model (its transforms' cost)."""
+    cells = [f"{number.format(t * unit)} ({t / float_time:.2f}x)" for t in times]
+    cells[3:] = [f"{cell[:-1]}; {t / times[0]:.2f}x dMX)" for cell, t in zip(cells[3:], times[3:])]
+    return cells
 
 
 def table(header: list[str], rows: list[list[str]]) -> str:
@@ -318,7 +327,7 @@ def main() -> None:
             "dMX packed-only",
             "dMX cached, input casts not shared",
         ]
-        header += [f"dMX cached, rotation {rotation}" for rotation in rotations]
+        header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]
         parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]
         parts += [f"- {note}" for note in notes]
     write_report("\n".join(parts) + "\n", args.output, "Inference")

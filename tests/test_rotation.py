@@ -16,19 +16,43 @@ from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrat
 from optimum_dmx.export import ExportError, export_checkpoint
 from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
-from optimum_dmx.nn.transforms import RandomizedHadamard, TransformedLinear, fast_hadamard
+from optimum_dmx.nn.transforms import (
+    RandomizedHadamard,
+    TransformedLinear,
+    hadamard_matrix,
+    kronecker_factors,
+)
 
 from .helpers import INPUT_IDS, last_json_line, run_python, tiny_decoder
 
 
 @pytest.mark.parametrize("n", [1, 2, 32, 256])
-def test_fast_hadamard_is_sylvesters_matrix(n):
-    x = torch.randn(3, n, dtype=torch.float64)
+def test_hadamard_matrix_is_sylvesters(n):
     reference = torch.from_numpy(scipy.linalg.hadamard(n)).double() / n**0.5
-    torch.testing.assert_close(fast_hadamard(x), x @ reference, rtol=0, atol=1e-12)
+    assert torch.equal(hadamard_matrix(n), reference)
+    with pytest.raises(ValueError, match="power-of-two order, got 24"):
+        hadamard_matrix(24)
 
 
-@pytest.mark.parametrize("size, block_size", [(96, 32), (96, 96), (576, 32), (576, 576), (64, None)])
+@pytest.mark.parametrize(
+    "power, odd, orders",
+    [(1, 1, [1]), (32, 1, [32]), (64, 1, [64]), (2048, 1, [32, 64]), (8192, 1, [16, 8, 64]), (512, 3, [32, 48]),
+     (64, 9, [16, 36]), (2048, 7, [16, 16, 56]), (4, 97, [4, 97])],
+)  # fmt: skip
+def test_kronecker_factors_of_the_block_transform(power, odd, orders):
+    q = torch.linalg.qr(torch.randn(odd, odd, dtype=torch.float64))[0].contiguous()
+    factors = kronecker_factors(power, q)
+    assert [len(f) for f in factors] == orders
+    if power * odd <= 2048:
+        product = torch.ones(1, 1, dtype=torch.float64)
+        for factor in factors:
+            product = torch.kron(product, factor)
+        torch.testing.assert_close(product, torch.kron(hadamard_matrix(power), q), rtol=0, atol=1e-14)
+
+
+@pytest.mark.parametrize(
+    "size, block_size", [(96, 32), (96, 96), (576, 32), (576, 576), (64, None), (2048, 2048), (1536, 1536)]
+)
 def test_randomized_hadamard_is_orthogonal_block_diagonal_and_rebuilds_exactly(size, block_size):
     transform = RandomizedHadamard(size, block_size, seed=5)
     matrix = transform.matrix()

@@ -6,8 +6,10 @@ dimension of row vectors (`x -> x @ T`):
 * `D`: a random diagonal of signs (one per element, from `seed`);
 * `I ⊗ ...`: the same transform on every `block_size` consecutive elements (block-diagonal; `block_size = size`
   is the full-size transform);
-* `H`: the normalized Walsh-Hadamard matrix of the largest power of two dividing `block_size`, applied with the
-  fast transform (`log2` butterfly stages, no matrix);
+* `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
+  with `Q` (below) as a Kronecker product of matrices of order at most `HADAMARD_FACTOR_ORDER` (64): one small
+  matrix product per factor (one in all for blocks of up to 64 elements), a few dozen multiply-adds per element
+  instead of `block_size`;
 * `Q`: a random orthogonal matrix (from `seed`) for the odd factor of `block_size` that no Hadamard matrix of
   power-of-two order covers (hidden sizes such as 576 = 64 x 9); the identity when there is none.
 
@@ -32,18 +34,31 @@ def _split_power_of_two(n: int) -> tuple[int, int]:
     return power, n // power
 
 
-def fast_hadamard(x: torch.Tensor) -> torch.Tensor:
-    """`x @ H / sqrt(n)` along the last dimension (`n`, a power of two), by the butterfly (`n log n` additions)."""
-    n = x.shape[-1]
-    if n & (n - 1):
-        raise ValueError(f"fast_hadamard needs a power-of-two length, got {n}")
-    lead = x.shape[:-1]
-    h = 1
-    while h < n:
-        pairs = x.reshape(*lead, n // (2 * h), 2, h)
-        x = torch.stack((pairs[..., 0, :] + pairs[..., 1, :], pairs[..., 0, :] - pairs[..., 1, :]), dim=-2)
-        h *= 2
-    return x.reshape(*lead, n) / n**0.5
+HADAMARD_FACTOR_ORDER = 64  # largest Hadamard matrix applied as one matrix product
+
+
+def hadamard_matrix(order: int) -> torch.Tensor:
+    """The normalized Sylvester-Hadamard matrix `H_2 ⊗ ... ⊗ H_2 / sqrt(order)` (symmetric, orthogonal), float64."""
+    if order < 1 or order & (order - 1):
+        raise ValueError(f"a Sylvester-Hadamard matrix needs a power-of-two order, got {order}")
+    matrix = torch.ones(1, 1, dtype=torch.float64, device="cpu")
+    while len(matrix) < order:
+        matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
+    return matrix / order**0.5
+
+
+def kronecker_factors(power: int, odd: torch.Tensor) -> list[torch.Tensor]:
+    """Float64 matrices whose Kronecker product is `H_power ⊗ odd`, each of order at most `HADAMARD_FACTOR_ORDER`
+    (but for an odd factor above it), as few and as even as possible: each is one matrix product, and tiny ones
+    waste most of theirs. The odd factor and the power of two that fits beside it form the last one."""
+    low = 1
+    while low < power and 2 * low * len(odd) <= HADAMARD_FACTOR_ORDER:
+        low *= 2
+    last = torch.kron(hadamard_matrix(low), odd.contiguous())
+    bits = (power // low).bit_length() - 1
+    count = -(-bits // (HADAMARD_FACTOR_ORDER.bit_length() - 1))  # factors of at most 64 for the other bits
+    sizes = [bits // count + (i < bits % count) for i in range(count)] if count else []
+    return [hadamard_matrix(2**size) for size in sizes] + [last]
 
 
 class RandomizedHadamard(nn.Module):
@@ -73,23 +88,29 @@ class RandomizedHadamard(nn.Module):
         odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[
             0
         ]
+        # A block is indexed as a tensor of shape `factor_shape`, one axis per Kronecker factor of `H ⊗ Q`: the
+        # transform multiplies each axis by its factor's matrix.
+        matrices = kronecker_factors(self.power, odd)
+        self.factor_shape = tuple(len(m) for m in matrices)
         # Plain float64 tensors, not buffers: `model.to(torch.bfloat16)` must not round them (the merged weights
         # were computed with these exact values), and a state dict has nothing to hold.
-        self._factors = {torch.device("cpu"): (signs, odd)}
+        self._factors = {(torch.device("cpu"), torch.float64): (signs, matrices)}
 
-    def _factors_on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        if device not in self._factors:
-            self._factors[device] = tuple(t.to(device) for t in self._factors[torch.device("cpu")])
-        return self._factors[device]
+    def _factors_as(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """The signs and the factors' matrices on `x`'s device and in its dtype (converted once, then kept)."""
+        key = (x.device, x.dtype)
+        if key not in self._factors:
+            signs, matrices = self._factors[(torch.device("cpu"), torch.float64)]
+            self._factors[key] = (signs.to(x.device, x.dtype), [m.to(x.device, x.dtype) for m in matrices])
+        return self._factors[key]
 
     def _apply_float(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ T` in `x`'s (floating) dtype."""
-        signs, odd = (t.to(x.dtype) for t in self._factors_on(x.device))
+        signs, matrices = self._factors_as(x)
         lead = x.shape[:-1]
-        y = (x * signs).reshape(*lead, self.size // self.block_size, self.power, self.odd)
-        if self.odd > 1:
-            y = y @ odd
-        y = fast_hadamard(y.transpose(-1, -2)).transpose(-1, -2)
+        y = (x * signs).reshape(*lead, self.size // self.block_size, *self.factor_shape)
+        for axis, matrix in zip(range(-len(matrices), 0), matrices):
+            y = (y.movedim(axis, -1) @ matrix).movedim(-1, axis)
         return y.reshape(*lead, self.size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
