@@ -34,16 +34,14 @@ import torch
 from optimum_dmx.calibration import (
     CalibrationSettings,
     Preset,
-    build_calibration_batches,
     calibrate,
     get_preset,
 )
 
 from common import (
     MODEL_DTYPES,
-    benchmark_model,
-    benchmark_texts,
     calibration_benchmark_parser,
+    calibration_ids,
     device_description,
     fwd_bwd_seconds,
     load_model_and_calibration,
@@ -74,13 +72,9 @@ def load(a: argparse.Namespace, seq_len: int, count: int) -> tuple[torch.nn.Modu
 
 def preset_ids(a: argparse.Namespace, preset: Preset) -> torch.Tensor:
     """Calibration sequences of the preset's sizes (random ones for `--shape`)."""
-    from transformers import AutoTokenizer
-
     if a.shape:
         return random_ids(a.shape, preset.seq_len, preset.num_samples)
-    tokenizer = AutoTokenizer.from_pretrained(a.model or benchmark_model())
-    texts = a.calibration or benchmark_texts().calibration
-    return build_calibration_batches(texts, tokenizer, preset.seq_len, preset.num_samples)
+    return calibration_ids(a.model, a.calibration, preset.seq_len, preset.num_samples)
 
 
 def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> list[float]:

@@ -289,15 +289,24 @@ def load_model_and_calibration(
 ) -> tuple[torch.nn.Module, Path, torch.Tensor]:
     """The model (default: the de-gridded SmolLM2-135M) in ``dtype`` on ``device``, its folder, and ``count``
     calibration sequences of ``seq_len`` tokens (default texts: the Austen novels), on the CPU."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from optimum_dmx.calibration import build_calibration_batches
+    from transformers import AutoModelForCausalLM
 
     model_dir = model_dir or benchmark_model()
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    ids = build_calibration_batches(calibration or benchmark_texts().calibration, tokenizer, seq_len, count, seed=seed)
-    return model, Path(model_dir), ids
+    return model, Path(model_dir), calibration_ids(model_dir, calibration, seq_len, count, seed)
+
+
+def calibration_ids(
+    model_dir: Path | None, calibration: list[Path] | None, seq_len: int, count: int, seed: int = 0
+) -> torch.Tensor:
+    """``count`` calibration sequences of ``seq_len`` tokens of the texts (default: the Austen novels), by the
+    tokenizer of ``model_dir`` (default: the benchmark model's), on the CPU."""
+    from transformers import AutoTokenizer
+
+    from optimum_dmx.calibration import build_calibration_batches
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir or benchmark_model())
+    return build_calibration_batches(calibration or benchmark_texts().calibration, tokenizer, seq_len, count, seed=seed)
 
 
 # Llama-architecture shapes of real models, for cost measurements that need no pretrained weights (random init).

@@ -17,6 +17,11 @@ from torch import nn
 from transformers.modeling_layers import GradientCheckpointingLayer
 
 
+def decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
+    """The model's decoder layers (transformers' `GradientCheckpointingLayer`s) by full name, in model order."""
+    return {name: module for name, module in model.named_modules() if isinstance(module, GradientCheckpointingLayer)}
+
+
 @contextmanager
 def activation_checkpointing(model: nn.Module, enabled: bool = True) -> Iterator[None]:
     """Within the block, recompute each decoder layer's activations in the backward pass (when `enabled`).
@@ -27,7 +32,7 @@ def activation_checkpointing(model: nn.Module, enabled: bool = True) -> Iterator
     if not enabled:
         yield
         return
-    layers = [module for module in model.modules() if isinstance(module, GradientCheckpointingLayer)]
+    layers = list(decoder_layers(model).values())
     if not layers or not hasattr(model, "activation_checkpointing_enable"):
         raise ValueError(
             f"gradient_checkpointing=True needs a transformers model whose decoder layers support activation "

@@ -19,10 +19,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 from tqdm.auto import tqdm
-from transformers.modeling_layers import GradientCheckpointingLayer
 
 from ..continuous import get_format_pair
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
+from .checkpointing import decoder_layers as find_decoder_layers
 from .settings import CalibrationSettings
 
 KL_SAMPLES = 4  # calibration sequences the scan reads (the first ones): its ranking is stable from 4 on
@@ -42,7 +42,7 @@ def kl_sensitivities(
     input_ids = input_ids[:KL_SAMPLES]
     low = get_format_pair(settings.format_pair).low.name
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
-    decoder_layers = _decoder_layers(model)
+    decoder_layers = find_decoder_layers(model)  # none: each pass runs the whole model
     device = next(model.parameters()).device
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
     tokens = input_ids.numel()
@@ -96,12 +96,6 @@ def _returning(layer: nn.Module, output: Any) -> Iterator[None]:
             del layer.forward
         else:
             layer.forward = own_forward
-
-
-def _decoder_layers(model: nn.Module) -> dict[str, nn.Module]:
-    """The model's decoder layers (transformers' `GradientCheckpointingLayer`s) by name, in execution order, or
-    none for a model without them (each pass then runs the whole model)."""
-    return {name: m for name, m in model.named_modules() if isinstance(m, GradientCheckpointingLayer)}
 
 
 def _layers_before(name: str, decoder_layers: dict[str, nn.Module]) -> list[nn.Module]:
