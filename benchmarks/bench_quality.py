@@ -30,6 +30,7 @@ Pass `--model`, `--calibration` and `--eval NAME=FILE` for any other model and t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 import time
@@ -43,6 +44,7 @@ from optimum_dmx.calibration import (
     build_calibration_batches,
     calibrate,
     get_preset,
+    round_weights_by_gptq,
     uniform_format_map,
 )
 from optimum_dmx.continuous import FORMAT_PAIRS
@@ -67,6 +69,7 @@ class Sweep:
     calibration: list[Path] | None = None  # None: five Austen novels
     eval_texts: dict[str, Path] | None = None  # None: Pride and Prejudice, Moby Dick
     methods: list[str] = field(default_factory=lambda: list(METHODS))
+    uniform_formats: list[str] = field(default_factory=lambda: list(UNIFORM_FORMATS))
     pairs: list[str] = field(default_factory=lambda: list(FORMAT_PAIRS))
     targets: list[float] | None = None  # None: DEFAULT_TARGETS per pair
     seeds: list[int] = field(default_factory=lambda: [0])
@@ -74,6 +77,7 @@ class Sweep:
     rotation: str = "none"
     offset_groups: str = "none"
     bit_average: str = "simple"
+    weight_rounding: str = "rtn"
     eval_tokens: int = 16384
     eval_seq_len: int = 512
     eval_offset: float = 0.1
@@ -85,7 +89,7 @@ class Sweep:
             if method == "float":
                 cells.append((method, "", "", 0))
             elif method == "uniform":
-                cells.extend((method, "", fmt, 0) for fmt in UNIFORM_FORMATS)
+                cells.extend((method, "", fmt, 0) for fmt in self.uniform_formats)
             else:
                 for seed in self.seeds:
                     for pair in self.pairs:
@@ -105,6 +109,8 @@ class Sweep:
         }
         if method in CALIBRATED:
             key.update(preset=self.preset, offset_groups=self.offset_groups, bit_average=self.bit_average)
+        if self.weight_rounding != "rtn" and method != "float":
+            key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
         return key
 
 
@@ -127,6 +133,11 @@ class Runner:
             text = Path(path).read_text(encoding="utf-8")
             self.texts[name] = text[int(len(text) * sweep.eval_offset) :]
 
+    def calibration_ids(self, seed: int) -> torch.Tensor:
+        """The seed's calibration sequences at the preset's sizes (the calibration's, and GPTQ's)."""
+        preset = get_preset(self.sweep.preset)
+        return build_calibration_batches(self.calibration, self.tokenizer, preset.seq_len, preset.num_samples, seed)
+
     def format_map(self, method: str, pair: str, target: str, seed: int) -> tuple[dict[str, str], float]:
         """The method's format map for the cell, and the seconds it took."""
         if method == "float":
@@ -143,17 +154,27 @@ class Runner:
             bit_average=s.bit_average,
             **get_preset(s.preset).settings(),
         )
-        ids = build_calibration_batches(self.calibration, self.tokenizer, settings.seq_len, settings.num_samples, seed)
-        result = calibrate(self.model, ids, settings)
+        result = calibrate(self.model, self.calibration_ids(seed), settings)
         return result.format_map, result.seconds
 
-    def run(self, method: str, pair: str, target: str, seed: int) -> dict:
-        format_map, seconds = self.format_map(method, pair, target, seed)
+    def run(self, method: str, pair: str, target: str, seed: int, known: dict | None = None) -> dict:
+        """Evaluate the cell's map: `known`'s (a finished run of the same cell rounded to nearest) when given,
+        else the method's, computed now."""
+        if known is not None:
+            format_map, seconds = known["format_map"], known["calibration_seconds"]
+        else:
+            format_map, seconds = self.format_map(method, pair, target, seed)
         row = {**self.sweep.key(method, pair, target, seed), "calibration_seconds": round(seconds, 1)}
         if format_map:
             shapes = {name: tuple(self.targets[name].weight.shape) for name in format_map}
             row.update({k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()})
         with emulate_format_map(self.model, format_map):
+            if format_map and self.sweep.weight_rounding == "gptq":
+                start = time.perf_counter()
+                float_weights = {name: self.targets[name].weight for name in format_map}
+                batch_size = get_preset(self.sweep.preset).batch_size
+                round_weights_by_gptq(self.model, float_weights, self.calibration_ids(seed), batch_size)
+                row["gptq_seconds"] = round(time.perf_counter() - start, 1)
             for name, text in self.texts.items():
                 result = evaluate_perplexity(
                     self.model, self.tokenizer, text, self.sweep.eval_seq_len, self.sweep.eval_tokens, batch_size=4
@@ -172,16 +193,33 @@ def run_sweep(sweep: Sweep, runs: Path) -> None:
         return
     runs.parent.mkdir(parents=True, exist_ok=True)
     runner = Runner(sweep)
+    # A GPTQ row evaluates the map of the same cell's round-to-nearest row when there is one (the map does not
+    # depend on the rounding), instead of calibrating again.
+    rtn_sweep = dataclasses.replace(sweep, weight_rounding="rtn")
+    finished = {_identity(r): r for r in read_json_lines(runs)}
     for cell in todo:
         print(f"== {' '.join(map(str, cell))}", flush=True)
         start = time.perf_counter()
-        row = runner.run(*cell)
+        known = finished.get(_identity(rtn_sweep.key(*cell))) if sweep.weight_rounding != "rtn" else None
+        row = runner.run(*cell, known=known)
         row["seconds_total"] = round(time.perf_counter() - start, 1)
         append_json_line(runs, row)
 
 
 def _identity(row: dict) -> tuple:
-    keys = ("method", "pair", "target", "seed", "rotation", "model", "eval", "preset", "offset_groups", "bit_average")
+    keys = (
+        "method",
+        "pair",
+        "target",
+        "seed",
+        "rotation",
+        "model",
+        "eval",
+        "preset",
+        "offset_groups",
+        "bit_average",
+        "weight_rounding",
+    )
     return tuple(str(row.get(k, "")) for k in keys)
 
 
@@ -197,6 +235,7 @@ def report(rows: list[dict]) -> str:
             r["model"],
             r["rotation"],
             r.get("offset_groups", ""),
+            r.get("weight_rounding", "rtn"),
             r["pair"],
             float(r["target"]) if r["pair"] else 0,
             order.get(r["method"], 99),
@@ -204,25 +243,35 @@ def report(rows: list[dict]) -> str:
         ),
     )
     lines = [
-        "| model | rotation | groups | method | pair | target | seed | bits (simple) | bits (weighted) "
-        "| storage bits | " + " | ".join(f"PPL {t}" for t in texts) + " | calibration s |",
-        "|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|",
+        "| model | rotation | groups | rounding | method | pair | target | seed | bits (simple) | bits (weighted) "
+        "| storage bits | " + " | ".join(f"PPL {t}" for t in texts) + " | calibration s | GPTQ s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['rotation']} | {r.get('offset_groups', '-')} | {r['method']} | {r['pair'] or '-'} | "
+            f"| {r['model']} | {r['rotation']} | {r.get('offset_groups', '-')} | {r.get('weight_rounding', 'rtn')} | "
+            f"{r['method']} | {r['pair'] or '-'} | "
             f"{r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | {r.get('bits_simple', '-')} | "
             f"{r.get('bits_weighted', '-')} | {r.get('storage_bits', '-')} | "
             + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts)
-            + f" | {r['calibration_seconds']} |"
+            + f" | {r['calibration_seconds']} | {r.get('gptq_seconds', '-')} |"
         )
-    return "\n".join(lines) + "\n\n" + "\n".join(comparison(rows, texts)) + "\n"
+    sections = [comparison(rows, texts), rounding_comparison(rows, texts)]
+    return "\n".join(lines) + "\n\n" + "\n\n".join("\n".join(s) for s in sections if s) + "\n"
 
 
 def comparison(rows: list[dict], texts: list[str]) -> list[str]:
     """How often the default method's held-out perplexity is below each other calibrated method's, same cell."""
     by_cell = {
-        (r["model"], r["rotation"], r.get("offset_groups"), r["pair"], r["target"], r["seed"], r["method"]): r
+        (
+            r["model"],
+            r["rotation"],
+            (r.get("offset_groups"), r.get("weight_rounding")),
+            r["pair"],
+            r["target"],
+            r["seed"],
+            r["method"],
+        ): r
         for r in rows
         if r["pair"]
     }
@@ -236,8 +285,8 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
                 ratio = ours[f"ppl_{t}"] / theirs[f"ppl_{t}"]
                 counts.setdefault(other, []).append(ratio)
     lines = [
-        "Default method (`dmx`) against the others, same model, rotation, groups, pair, target and seed, on each "
-        "held-out text:",
+        "Default method (`dmx`) against the others, same model, rotation, groups, rounding, pair, target and seed, "
+        "on each held-out text:",
         "",
     ]
     for other, ratios in counts.items():
@@ -249,6 +298,33 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
     return lines
 
 
+def rounding_comparison(rows: list[dict], texts: list[str]) -> list[str]:
+    """GPTQ against round-to-nearest on the same map (same cell, settings and seed), per method and held-out text."""
+
+    def cell(r: dict) -> tuple:
+        return tuple(
+            str(r.get(k, ""))
+            for k in ("method", "pair", "target", "seed", "rotation", "model", "eval", "offset_groups", "bit_average")
+        )
+
+    rtn = {cell(r): r for r in rows if r.get("weight_rounding", "rtn") == "rtn"}
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        if r.get("weight_rounding") == "gptq" and cell(r) in rtn:
+            for t in texts:
+                ratios.setdefault(r["method"], []).append(r[f"ppl_{t}"] / rtn[cell(r)][f"ppl_{t}"])
+    if not ratios:
+        return []
+    lines = ["GPTQ against round-to-nearest, the same map (same cell and seed), on each held-out text:", ""]
+    for method, values in ratios.items():
+        mean = math.exp(sum(map(math.log, values)) / len(values))
+        lines.append(
+            f"- `{method}`: GPTQ lower in {sum(v < 1 for v in values)} of {len(values)} comparisons; geometric mean "
+            f"perplexity ratio {mean:.3f}"
+        )
+    return lines
+
+
 def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     d = Sweep()
@@ -256,6 +332,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
     p.add_argument("--calibration", type=Path, nargs="+", help="calibration text files (default: five Austen novels)")
     p.add_argument("--eval", nargs="+", help="NAME=FILE held-out texts (default: Pride and Prejudice, Moby Dick)")
     p.add_argument("--methods", default=",".join(d.methods), help=f"comma list of {', '.join(METHODS)}")
+    p.add_argument("--uniform-formats", default=",".join(d.uniform_formats), help="formats of the uniform rows")
     p.add_argument("--pairs", default=",".join(d.pairs), help=f"comma list of {', '.join(FORMAT_PAIRS)}")
     p.add_argument("--targets", help="comma list of target bits (default: per pair, as in the paper)")
     p.add_argument("--seeds", default="0", help="comma list of seeds (calibration sample and order)")
@@ -263,6 +340,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
     p.add_argument("--rotation", default=d.rotation, choices=list(ROTATIONS), help="rotate the model first")
     p.add_argument("--offset-groups", default=d.offset_groups, choices=["none", "fused"])
     p.add_argument("--bit-average", default=d.bit_average, choices=["simple", "weighted"])
+    p.add_argument(
+        "--weight-rounding",
+        default=d.weight_rounding,
+        choices=["rtn", "gptq"],
+        help="how each map's weights are rounded",
+    )
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
     p.add_argument("--eval-seq-len", type=int, default=d.eval_seq_len)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -271,7 +354,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
     p.add_argument("--output", type=Path, help="also write the table (and command) here")
     a = p.parse_args(argv)
     methods, pairs = a.methods.split(","), a.pairs.split(",")
-    for value, allowed, what in ((methods, METHODS, "method"), (pairs, list(FORMAT_PAIRS), "pair")):
+    checks = ((methods, METHODS, "method"), (pairs, list(FORMAT_PAIRS), "pair"))
+    checks += ((a.uniform_formats.split(","), UNIFORM_FORMATS, "uniform format"),)
+    for value, allowed, what in checks:
         bad = [v for v in value if v not in allowed]
         if bad:
             p.error(f"unknown {what} {bad}; allowed: {', '.join(allowed)}")
@@ -281,6 +366,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         calibration=a.calibration,
         eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
         methods=methods,
+        uniform_formats=a.uniform_formats.split(","),
         pairs=pairs,
         targets=[float(t) for t in a.targets.split(",")] if a.targets else None,
         seeds=[int(s) for s in a.seeds.split(",")],
@@ -288,6 +374,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         rotation=a.rotation,
         offset_groups=a.offset_groups,
         bit_average=a.bit_average,
+        weight_rounding=a.weight_rounding,
         eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,
     )

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="fused: q/k/v and gate/up share one format, as vLLM needs to serve the map",
     )
     quantize.add_argument(
+        "--weight-rounding",
+        choices=["rtn", "gptq"],
+        help="how each weight is rounded in its chosen format (default rtn: to nearest; gptq: GPTQ's error "
+        "feedback from the calibration data's inputs)",
+    )
+    quantize.add_argument(
         "--gradient-checkpointing",
         action="store_const",
         const=True,
@@ -231,6 +237,7 @@ def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "rotation",
             "learn_rotations",
             "offset_groups",
+            "weight_rounding",
             "gradient_checkpointing",
         )
     }

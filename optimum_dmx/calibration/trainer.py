@@ -20,7 +20,7 @@ import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager, nullcontext
-from typing import Any, TypeVar
+from typing import TypeVar
 
 import torch
 from torch import nn
@@ -32,7 +32,6 @@ from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .baselines import kl_preselection
 from .budget import blended_priority, budget_format_map
 from .checkpointing import activation_checkpointing
-from .data import build_calibration_batches
 from .distributed import average_across_processes, process_share, world
 from .dmx_linear import DMXLinear, EndpointProbe, OffsetStrategy, RelaxedOffset, SharedInputs
 from .groups import offset_groups
@@ -366,14 +365,3 @@ class _RunningMeans:
         measured = self.count > 0
         means = self.total / self.count.clamp_min(1)
         return torch.where(measured, means, torch.full_like(means, missing))
-
-
-def calibrate_on_text(
-    model: nn.Module, dataset: Any, tokenizer: Any, settings: CalibrationSettings, progress: bool = True
-) -> CalibrationResult:
-    """`calibrate` on `settings.num_samples` blocks of `settings.seq_len` tokens drawn from `dataset`.
-
-    `dataset` is any source `build_calibration_batches` accepts (Hub name, files, `datasets.Dataset`, texts).
-    """
-    input_ids = build_calibration_batches(dataset, tokenizer, settings.seq_len, settings.num_samples, settings.seed)
-    return calibrate(model, input_ids, settings, progress)

@@ -117,12 +117,24 @@ def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scale_ru
     validate_scale_rule(scale_rule)
     validate_input(x)
     elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
-    codes = element_codes(elements * 2.0**shift, fmt).masked_fill_(k > SCALE_EXPONENT_MAX, 0)  # NaN blocks
-    codes = codes.reshape(*x.shape[:-1], -1)
-    codes_shape, _ = packed_shapes(x.shape, fmt, block_size)
+    return pack_blocks(elements * 2.0**shift, k, fmt, x.shape)
+
+
+def pack_blocks(elements: torch.Tensor, k: torch.Tensor, fmt: MXFormat, shape: Sequence[int]) -> MXPackedTensor:
+    """The storage form of blocks already rounded to ``fmt`` with shared exponents of the caller's choice.
+
+    ``elements`` (float32, ``[*leading, n_blocks, block_size]``, the last block zero-padded) lie on ``fmt``'s
+    grid in units of ``2^k``; ``k`` (int32, ``[*leading, n_blocks, 1]``) are the blocks' exponents, 128 for NaN
+    blocks; ``shape`` is the unpadded tensor's. ``pack_mx`` packs its own rounding this way; a rounding that picks
+    its scales otherwise (GPTQ) keeps them exactly.
+    """
+    shape = torch.Size(shape)
+    codes = element_codes(elements, fmt).masked_fill_(k > SCALE_EXPONENT_MAX, 0)  # NaN blocks
+    codes = codes.reshape(*shape[:-1], -1)
+    codes_shape, _ = packed_shapes(shape, fmt, elements.shape[-1])
     codes = torch.nn.functional.pad(codes, (0, codes_shape[-1] * 8 // fmt.bits - codes.shape[-1]))
     scales = (k.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
-    return MXPackedTensor(pack_codes(codes, fmt.bits), scales, fmt, x.shape, block_size)
+    return MXPackedTensor(pack_codes(codes, fmt.bits), scales, fmt, shape, elements.shape[-1])
 
 
 def unpack_mx(packed: MXPackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:

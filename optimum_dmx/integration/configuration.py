@@ -45,6 +45,7 @@ _RECORDED_SETTINGS = (
     "learn_rotations",
     "offset_groups",
     "scale_rule",
+    "weight_rounding",
     "quantize_activations",
     "modules_to_not_convert",
     "seed",
@@ -67,6 +68,9 @@ _SETTINGS_FIELDS = (
     "gradient_checkpointing",
     "paper",
 )
+# How each weight is rounded in its format once the map is fixed (`calibration.gptq`).
+WEIGHT_ROUNDINGS = ("rtn", "gptq")
+DEFAULT_WEIGHT_ROUNDING = "rtn"
 _ACHIEVED_BITS = ("bits_simple", "bits_weighted", "storage_bits")
 # Runtime-only inputs: shared on deepcopy, never serialized.
 _RUNTIME_FIELDS = ("dataset", "tokenizer")
@@ -110,6 +114,11 @@ class DMXConfig(QuantizationConfigMixin):
         scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
             export: `"ocp"` (default: the specification's floor), `"compressed-tensors"` or `"quark"` (those
             loaders' rounding, so that a served model computes what was calibrated).
+        weight_rounding: how each weight is rounded in its layer's format once the map is fixed: `"rtn"`
+            (default: to nearest) or `"gptq"` (GPTQ: columns in order, each one's error spread over the others
+            by the inverse Hessian of the layer's inputs on the calibration data, decoder layer by decoder
+            layer; `calibration.gptq`). With a given `format_map`, `"gptq"` needs `dataset` and `tokenizer`
+            too (the map is kept, only its rounding is computed). Loading reads the stored codes either way.
         quantize_activations: also quantize each layer's input activations (dynamically, in its format).
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass of calibration
             (less memory, about one more forward pass per step, the same result).
@@ -143,6 +152,7 @@ class DMXConfig(QuantizationConfigMixin):
         learn_rotations: bool | None = None,
         offset_groups: str | list[list[str]] | None = None,
         scale_rule: str | None = None,
+        weight_rounding: str | None = None,
         quantize_activations: bool | None = None,
         gradient_checkpointing: bool | None = None,
         modules_to_not_convert: list[str] | None = None,
@@ -186,6 +196,11 @@ class DMXConfig(QuantizationConfigMixin):
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.rotation = validate_rotation("none" if rotation is None else rotation)
+        self.weight_rounding = DEFAULT_WEIGHT_ROUNDING if weight_rounding is None else weight_rounding
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ValueError(
+                f"weight_rounding={self.weight_rounding!r}; allowed: {', '.join(map(repr, WEIGHT_ROUNDINGS))}"
+            )
         if self.learn_rotations and self.rotation not in LEARNABLE_ROTATIONS:
             raise ValueError(
                 f"learn_rotations=True trains merged rotations: it needs rotation="
@@ -212,16 +227,28 @@ class DMXConfig(QuantizationConfigMixin):
         """True when quantizing with this config means learning a format map (none was given)."""
         return self.format_map is None
 
+    @property
+    def needs_data(self) -> bool:
+        """True when quantizing with this config reads calibration text: to learn a map, or to round by GPTQ."""
+        return self.needs_calibration or self.weight_rounding == "gptq"
+
     def calibration_settings(self, **overrides: Any) -> CalibrationSettings:
         """The `CalibrationSettings` these fields describe, with `overrides` (e.g. the resolved skip list)."""
         values = {name: copy.copy(getattr(self, name)) for name in _SETTINGS_FIELDS}
         return CalibrationSettings(**{**values, **overrides})
 
     def check_calibration_inputs(self) -> None:
-        """Raise unless this config can be carried out: a format map, or a dataset and a tokenizer to calibrate."""
-        if not self.needs_calibration:
+        """Raise unless this config can be carried out: a format map, or a dataset and a tokenizer to calibrate
+        (and to round by GPTQ)."""
+        if not self.needs_data:
             return
         missing = [name for name in _RUNTIME_FIELDS if getattr(self, name) is None]
+        if missing and not self.needs_calibration:
+            raise ValueError(
+                f"weight_rounding='gptq' computes each layer's rounding from calibration text, but no "
+                f"{' and no '.join(missing)} was given: pass DMXConfig(dataset=..., tokenizer=...), or "
+                "weight_rounding='rtn' to apply the format_map without data"
+            )
         if missing:
             raise ValueError(
                 f"DMXConfig has no format_map, so the model must be calibrated, but no {' and no '.join(missing)} "

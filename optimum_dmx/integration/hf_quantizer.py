@@ -83,7 +83,7 @@ class DMXHfQuantizer(HfQuantizer):
         config = self.quantization_config
         _check_not_quantized(model)
         _check_weights_in_memory(model)
-        if config.needs_calibration:
+        if config.needs_data:
             _check_sequence_length(model, config.seq_len)
         skip = self.get_modules_to_not_convert(
             model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
@@ -93,16 +93,29 @@ class DMXHfQuantizer(HfQuantizer):
         transforms = rotate_model(
             model, config.rotation, linear_modules_to_quantize(model, skip), config.block_size, config.seed
         )
+        # Imported when needed, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
+        # loading a saved dMX checkpoint (the other use of this module) never needs.
+        input_ids = None
+        if config.needs_data:
+            from ..calibration.data import build_calibration_batches
+
+            input_ids = build_calibration_batches(
+                config.dataset, config.tokenizer, config.seq_len, config.num_samples, config.seed
+            )
         if config.needs_calibration:
-            # Imported here, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
-            # loading a saved dMX checkpoint (the other use of this module) never needs.
-            from ..calibration.trainer import calibrate_on_text
+            from ..calibration.trainer import calibrate
 
             settings = config.calibration_settings(modules_to_not_convert=skip)
-            format_map = calibrate_on_text(model, config.dataset, config.tokenizer, settings).format_map
+            format_map = calibrate(model, input_ids, settings).format_map
         else:
             format_map = config.format_map
+        float_weights = {name: model.get_submodule(name).weight for name in format_map}
         replace_with_mx_linear(model, format_map, **_mx_options(config))
+        if config.weight_rounding == "gptq":
+            from ..calibration.gptq import round_weights_by_gptq
+
+            round_weights_by_gptq(model, float_weights, input_ids, config.batch_size)
+        del float_weights
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
         return config.with_result(

@@ -1,0 +1,241 @@
+"""GPTQ rounding of MX weights: each weight rounded in its own MX format with second-order error feedback.
+
+Round-to-nearest rounds every weight of a layer independently. GPTQ (Frantar et al., 2023) rounds the columns of
+a weight (its input features) one after another and spreads each column's rounding error over the columns not yet
+rounded, weighted by the inverse Hessian of the layer's squared output error, ``H = X^T X / n`` over the
+calibration tokens' inputs ``X``; the layer's output on those inputs moves much less than with independent
+rounding. In an MX format the columns come in blocks of 32 that share one E8M0 scale: a block's scale is fixed
+when its first column is reached, from the block's weights as the earlier columns' errors left them, by the same
+rule as round-to-nearest's scales (``scale_rule``). The result is ordinary MX codes and scales, stored as they are
+(``formats.packing.pack_blocks``): saving, loading and export read them like any other.
+
+`round_weights_by_gptq` rounds a quantized model decoder layer by decoder layer, as sequential GPTQ does: each
+layer's Hessians come from inputs computed by the layers before it already rounded, and quantized in the layer's
+own format, as the served model quantizes them.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from ..formats.blocks import block_max, block_max_exponent, block_scale, pow2, shared_exponent, to_blocks
+from ..formats.cast import round_elements
+from ..formats.packing import MXPackedTensor, pack_blocks
+from ..formats.spec import SCALE_EXPONENT_MAX, MXFormat, scale_rounding_bits
+from ..nn.mx_linear import MXLinear
+from .checkpointing import decoder_layers as find_decoder_layers
+from .sensitivity import replaying
+
+GPTQ_DAMPING = 0.01  # of the Hessian's mean diagonal, added to its diagonal (GPTQ's default)
+COLUMNS_PER_UPDATE = 128  # columns rounded between two updates of the remaining columns (GPTQ's lazy batch)
+
+
+class SingularHessianError(ValueError):
+    """The dampened Hessian of a layer has no Cholesky factor: its inputs are degenerate."""
+
+
+def gptq_pack(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    fmt: MXFormat,
+    block_size: int = 32,
+    scale_rule: str = "ocp",
+    damping: float = GPTQ_DAMPING,
+) -> MXPackedTensor:
+    """``weight`` (``[out, in]``) rounded to ``fmt`` by GPTQ with ``hessian`` (``[in, in]``), in storage form.
+
+    Input features whose Hessian diagonal is zero (never active on the calibration data) get weight zero, as in
+    GPTQ. Raises `SingularHessianError` when the dampened Hessian is not positive definite.
+    """
+    out_features, in_features = weight.shape
+    rows = to_blocks(weight.detach(), block_size).reshape(out_features, -1).clone()  # float32, zero-padded
+    padded = rows.shape[1]
+    h = torch.zeros(padded, padded, dtype=torch.float32, device=weight.device)
+    h[:in_features, :in_features] = hessian.float()
+    dead = h.diagonal() == 0
+    h[dead, dead] = 1.0
+    rows[:, dead] = 0.0
+    h.diagonal().add_(damping * h.diagonal().mean())
+    factor, info = torch.linalg.cholesky_ex(h)
+    if info.item() == 0:
+        factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
+    if info.item() != 0:
+        raise SingularHessianError("the dampened Hessian is not positive definite")
+    rounding_bits = scale_rounding_bits(scale_rule, fmt.ebits, fmt.mbits)
+    elements, exponents = _round_columns(rows, factor, fmt, block_size, rounding_bits)
+    return pack_blocks(elements.view(out_features, -1, block_size), exponents.unsqueeze(-1), fmt, weight.shape)
+
+
+def _round_columns(
+    rows: torch.Tensor, inverse_factor: torch.Tensor, fmt: MXFormat, block_size: int, rounding_bits: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop on ``rows`` (modified in place): the elements (in units of their block's ``2^k``) and
+    the blocks' exponents ``k``. ``inverse_factor`` is the upper Cholesky factor of the inverse Hessian."""
+    out_features, columns = rows.shape
+    elements = torch.empty_like(rows)
+    exponents = torch.empty(out_features, columns // block_size, dtype=torch.int32, device=rows.device)
+    step = max(block_size, COLUMNS_PER_UPDATE // block_size * block_size)
+    for start in range(0, columns, step):
+        end = min(start + step, columns)
+        chunk = rows[:, start:end]  # a view: updates within the chunk land in `rows`
+        errors = torch.empty_like(chunk)
+        u = inverse_factor[start:end, start:end]
+        for i in range(end - start):
+            column = start + i
+            if column % block_size == 0:
+                block = chunk[:, i : i + block_size].unsqueeze(1)
+                k = shared_exponent(*block_max_exponent(block_max(block), rounding_bits), fmt.emax).view(-1)
+                exponents[:, column // block_size] = k
+                scale, inverse_scale = block_scale(k), pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 1))
+            element = round_elements(chunk[:, i] * inverse_scale, fmt)
+            elements[:, column] = element
+            error = (chunk[:, i] - element * scale) / u[i, i]
+            chunk[:, i:].sub_(error.unsqueeze(1) * u[i, i:].unsqueeze(0))
+            errors[:, i] = error
+        rows[:, end:].sub_(errors @ inverse_factor[start:end, end:])
+    return elements, exponents
+
+
+class _Stop(Exception):
+    """Raised by a hook to end a forward pass once the layers of interest have run."""
+
+
+@torch.no_grad()
+def round_weights_by_gptq(
+    model: nn.Module,
+    float_weights: Mapping[str, torch.Tensor],
+    input_ids: torch.LongTensor,
+    batch_size: int,
+    damping: float = GPTQ_DAMPING,
+    progress: bool = True,
+) -> list[str]:
+    """Re-round, in place, the weights of the `MXLinear`s named in `float_weights` by GPTQ from their float weights.
+
+    `model` holds the `MXLinear`s (round-to-nearest weights, as `replace_with_mx_linear` or `emulate_format_map`
+    left them). Decoder layer by decoder layer, one pass over `input_ids` (in batches of `batch_size`) gathers the
+    Hessians of the layer's linears from their quantized inputs, their weights are rounded, and a second pass
+    records the rounded layer's output, which the next layer's passes start from (the decoder layers before a
+    layer are replayed, not recomputed). The linears of one decoder layer are rounded together, from inputs that
+    the layer's round-to-nearest weights computed. Linears outside every decoder layer are rounded last, from whole
+    passes.
+
+    Returns the names of the layers whose Hessian was singular: they keep round-to-nearest (one warning names
+    them).
+    """
+    modules = {name: model.get_submodule(name) for name in float_weights}
+    for name, module in modules.items():
+        if not isinstance(module, MXLinear):
+            raise TypeError(f"GPTQ rounds MXLinear modules; {name!r} is a {type(module).__name__}")
+    decoder_layers = find_decoder_layers(model)
+    groups = _groups(list(modules), decoder_layers)
+    device = next(model.parameters()).device
+    batches = [b.to(device) for b in input_ids.split(batch_size)]
+    recorded: list[Any] = [None] * len(batches)  # each batch's output of the last decoder layer rounded so far
+    done: list[nn.Module] = []
+    singular = []
+    for layer_name, names in tqdm(groups, desc="GPTQ", disable=not progress):
+        layer = decoder_layers.get(layer_name)
+        hessians = _hessians(model, {n: modules[n] for n in names}, batches, done, recorded, layer)
+        for name in names:
+            module = modules[name]
+            try:
+                weight = float_weights[name].to(hessians[name].device)
+                packed = gptq_pack(weight, hessians[name], module.fmt, module.block_size, module.scale_rule, damping)
+            except SingularHessianError:
+                singular.append(name)
+                continue
+            module.weight_packed.copy_(packed.codes)
+            module.weight_scale.copy_(packed.scales)
+        if layer is not None:
+            recorded = [_output_of(model, layer, batch, done, out) for batch, out in zip(batches, recorded)]
+            done.append(layer)
+    if singular:
+        warnings.warn(
+            f"optimum-dmx: GPTQ kept round-to-nearest for {len(singular)} layer(s) whose inputs give a singular "
+            f"Hessian even after dampening: {', '.join(singular)}",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return singular
+
+
+def _groups(names: list[str], decoder_layers: dict[str, nn.Module]) -> list[tuple[str | None, list[str]]]:
+    """The linears by decoder layer, in model order, then those outside every decoder layer (layer `None`)."""
+    groups: dict[str | None, list[str]] = {layer_name: [] for layer_name in decoder_layers}
+    groups[None] = []
+    for name in names:
+        owner = next((layer_name for layer_name in decoder_layers if name.startswith(layer_name + ".")), None)
+        groups[owner].append(name)
+    return [(layer_name, members) for layer_name, members in groups.items() if members]
+
+
+def _hessians(
+    model: nn.Module,
+    modules: dict[str, MXLinear],
+    batches: list[torch.Tensor],
+    replayed: list[nn.Module],
+    recorded: list[Any],
+    layer: nn.Module | None,
+) -> dict[str, torch.Tensor]:
+    """``X^T X / n`` of each module's matmul input (transformed and quantized as its forward does) over
+    `batches`; the pass stops after `layer` (or runs the whole model when it is `None`)."""
+    sums = {
+        name: torch.zeros(m.in_features, m.in_features, device=m.weight_packed.device) for name, m in modules.items()
+    }
+    counts = dict.fromkeys(modules, 0)
+
+    def gather(name: str):
+        def hook(module: MXLinear, args: tuple, output: Any) -> None:
+            x = args[0]
+            if module.input_transform is not None:
+                x = module.input_transform(x)
+            if module.quantize_activations:
+                x = module.quantized_input(x)
+            x = x.reshape(-1, x.shape[-1]).float()
+            sums[name].addmm_(x.T, x)
+            counts[name] += x.shape[0]
+
+        return hook
+
+    handles = [module.register_forward_hook(gather(name)) for name, module in modules.items()]
+    try:
+        for batch, output in zip(batches, recorded):
+            _run(model, batch, replayed, output, layer)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {name: sums[name] / max(counts[name], 1) for name in modules}
+
+
+def _output_of(model: nn.Module, layer: nn.Module, batch: torch.Tensor, replayed: list[nn.Module], output: Any) -> Any:
+    """`layer`'s output on `batch`, the decoder layers before it replayed."""
+    kept: list[Any] = []
+    handle = layer.register_forward_hook(lambda module, args, out: kept.append(out))
+    try:
+        _run(model, batch, replayed, output, layer)
+    finally:
+        handle.remove()
+    return kept[0]
+
+
+def _run(model: nn.Module, batch: torch.Tensor, replayed: list[nn.Module], output: Any, stop: nn.Module | None) -> None:
+    """A forward pass of `batch` in which the `replayed` layers return `output` and which ends after `stop`."""
+
+    def end(module: nn.Module, args: Any, out: Any) -> None:
+        raise _Stop
+
+    handle = stop.register_forward_hook(end) if stop is not None else None
+    try:
+        with replaying(replayed, [output] * len(replayed)):
+            model(input_ids=batch, use_cache=False)
+    except _Stop:
+        pass
+    finally:
+        if handle is not None:
+            handle.remove()

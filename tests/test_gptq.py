@@ -1,0 +1,201 @@
+"""GPTQ rounding inside the chosen MX formats: the algorithm on one weight, the sequential pass over a model, and
+the checkpoints it makes (saved, reloaded, exported and read back by compressed-tensors' own code)."""
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from optimum_dmx import DMXConfig, MXLinear
+from optimum_dmx.calibration import build_calibration_batches, gptq_pack, round_weights_by_gptq
+from optimum_dmx.calibration.checkpointing import decoder_layers
+from optimum_dmx.calibration.gptq import SingularHessianError
+from optimum_dmx.export import export_checkpoint
+from optimum_dmx.formats import get_format, pack_mx, quantize_mx, unpack_mx
+from optimum_dmx.nn import emulate_format_map
+
+from .helpers import FORMATS, linear_names
+
+SIZES = {"num_samples": 8, "seq_len": 16, "batch_size": 4}
+
+
+def _problem(seed: int, out_features: int = 48, in_features: int = 96, tokens: int = 512):
+    """A weight and correlated inputs (GPTQ's gain comes from the correlations)."""
+    g = torch.Generator().manual_seed(seed)
+    mixing = torch.randn(in_features, in_features, generator=g) * 0.3 + torch.eye(in_features)
+    x = torch.randn(tokens, in_features, generator=g) @ mixing
+    return torch.randn(out_features, in_features, generator=g) * 0.05, x
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_gptq_halves_the_output_error_of_round_to_nearest_on_correlated_inputs(name):
+    fmt = get_format(name)
+    weight, x = _problem(seed=FORMATS.index(name))
+    xq = quantize_mx(x, fmt)
+    packed = gptq_pack(weight, xq.T @ xq / len(xq), fmt)
+    assert packed.codes.shape == pack_mx(weight, fmt).codes.shape and packed.scales.shape == (48, 3)
+    gptq_error = (xq @ (weight - unpack_mx(packed)).T).pow(2).mean()
+    rtn_error = (xq @ (weight - quantize_mx(weight, fmt)).T).pow(2).mean()
+    assert gptq_error < 0.7 * rtn_error
+
+
+@pytest.mark.parametrize("scale_rule", ["ocp", "compressed-tensors", "quark"])
+@pytest.mark.parametrize("name", FORMATS)
+def test_with_uncorrelated_inputs_gptq_is_round_to_nearest_bit_for_bit(name, scale_rule):
+    """With a diagonal Hessian no error is fed forward: every code and scale is round-to-nearest's."""
+    weight, _ = _problem(seed=1, in_features=80)  # a ragged last block
+    hessian = torch.diag(torch.linspace(0.5, 2.0, 80))
+    packed, expected = (
+        gptq_pack(weight, hessian, get_format(name), scale_rule=scale_rule),
+        pack_mx(weight, name, 32, scale_rule),
+    )
+    assert torch.equal(packed.codes, expected.codes) and torch.equal(packed.scales, expected.scales)
+
+
+def test_inputs_never_active_get_weight_zero():
+    weight, x = _problem(seed=2)
+    x[:, 5] = 0
+    packed = gptq_pack(weight, x.T @ x / len(x), get_format("mxfp8_e4m3"))
+    values = unpack_mx(packed)
+    assert torch.all(values[:, 5] == 0) and torch.count_nonzero(values[:, 6]) > 0
+
+
+def test_a_hessian_without_a_cholesky_factor_is_refused():
+    weight, _ = _problem(seed=3)
+    with pytest.raises(SingularHessianError):
+        gptq_pack(weight, -torch.eye(96), get_format("mxfp4_e2m1"))
+
+
+@pytest.fixture(scope="module")
+def text_model(tiny_text_model_dir):
+    model_dir = tiny_text_model_dir / "model"
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    text = (tiny_text_model_dir / "calibration.txt").read_text()
+    ids = build_calibration_batches([text], tokenizer, SIZES["seq_len"], SIZES["num_samples"], 0)
+    return model_dir, tokenizer, text, ids
+
+
+def _hessians_from_whole_passes(model, modules, ids, batch_size):
+    """Each module's X^T X / n from ordinary forward passes (no replay), as the served model computes X."""
+    sums, counts = {}, {}
+
+    def gather(name):
+        def hook(module, args, output):
+            x = module.quantized_input(args[0]).reshape(-1, module.in_features).float()
+            sums[name] = sums.get(name, 0) + x.T @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(gather(n)) for n in modules]
+    with torch.no_grad():
+        for batch in ids.split(batch_size):
+            model(input_ids=batch, use_cache=False)
+    for handle in handles:
+        handle.remove()
+    return {n: sums[n] / counts[n] for n in modules}
+
+
+def test_each_layer_is_rounded_from_inputs_the_rounded_layers_before_it_computed(text_model):
+    """Sequential GPTQ: the last decoder layer's weights are exactly what GPTQ gives from Hessians that a whole
+    forward pass measures with every earlier layer rounded and the layer itself still at round-to-nearest (so the
+    replayed passes computed the same inputs); and every layer's rounding differs from round-to-nearest."""
+    model_dir, _, _, ids = text_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = linear_names(model)
+    format_map = {name: FORMATS[i % len(FORMATS)] for i, name in enumerate(names)}
+    float_weights = {name: model.get_submodule(name).weight for name in names}
+    last = [n for n in names if n.startswith(list(decoder_layers(model))[-1] + ".")]
+    with emulate_format_map(model, format_map):
+        modules = {name: model.get_submodule(name) for name in names}
+        rtn = {name: (m.weight_packed.clone(), m.weight_scale.clone()) for name, m in modules.items()}
+        assert round_weights_by_gptq(model, float_weights, ids, SIZES["batch_size"], progress=False) == []
+        gptq = {name: (m.weight_packed.clone(), m.weight_scale.clone()) for name, m in modules.items()}
+        assert all(not torch.equal(gptq[n][0], rtn[n][0]) for n in names)
+        for name in last:
+            modules[name].weight_packed.copy_(rtn[name][0])
+            modules[name].weight_scale.copy_(rtn[name][1])
+        hessians = _hessians_from_whole_passes(model, last, ids, SIZES["batch_size"])
+    for name in last:
+        expected = gptq_pack(float_weights[name], hessians[name], get_format(format_map[name]))
+        assert torch.equal(gptq[name][0], expected.codes) and torch.equal(gptq[name][1], expected.scales), name
+
+
+def test_only_mx_linears_are_rounded(text_model):
+    model_dir, _, _, ids = text_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    name = linear_names(model)[0]
+    with pytest.raises(TypeError, match=name):
+        round_weights_by_gptq(model, {name: model.get_submodule(name).weight}, ids, 4, progress=False)
+
+
+def _logit_error(model, reference, ids):
+    with torch.no_grad():
+        return (model(input_ids=ids).logits - reference).pow(2).mean().item()
+
+
+@pytest.fixture(scope="module")
+def gptq_dir(text_model, tmp_path_factory):
+    """Uniform MXFP4 by GPTQ through from_pretrained with a given map, saved."""
+    model_dir, tokenizer, text, _ = text_model
+    names = linear_names(AutoModelForCausalLM.from_pretrained(model_dir))
+    config = DMXConfig(
+        format_map=dict.fromkeys(names, "mxfp4_e2m1"),
+        weight_rounding="gptq",
+        dataset=[text],
+        tokenizer=tokenizer,
+        scale_rule="compressed-tensors",
+        **SIZES,
+    )
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config)
+    out = tmp_path_factory.mktemp("gptq") / "model"
+    model.save_pretrained(out)
+    return out
+
+
+def test_gptq_through_from_pretrained_is_closer_to_the_float_model_and_reloads_exactly(text_model, gptq_dir):
+    model_dir, _, _, ids = text_model
+    reference = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.no_grad():
+        float_logits = reference(input_ids=ids).logits
+    names = linear_names(reference)
+    rtn = AutoModelForCausalLM.from_pretrained(
+        model_dir,
+        dtype=torch.float32,
+        quantization_config=DMXConfig(format_map=dict.fromkeys(names, "mxfp4_e2m1"), scale_rule="compressed-tensors"),
+    )
+    gptq = AutoModelForCausalLM.from_pretrained(gptq_dir, dtype=torch.float32)
+    assert all(isinstance(gptq.get_submodule(n), MXLinear) for n in names)
+    assert _logit_error(gptq, float_logits, ids) < 0.8 * _logit_error(rtn, float_logits, ids)
+
+    saved = json.loads((gptq_dir / "config.json").read_text())["quantization_config"]
+    assert saved["weight_rounding"] == "gptq" and saved["format_map"] == dict.fromkeys(names, "mxfp4_e2m1")
+    again = AutoModelForCausalLM.from_pretrained(gptq_dir, dtype=torch.float32)
+    for name in names:
+        assert torch.equal(again.get_submodule(name).weight_packed, gptq.get_submodule(name).weight_packed)
+
+
+def test_a_gptq_checkpoint_exported_to_compressed_tensors_gives_our_logits_through_the_real_loader(
+    gptq_dir, text_model, tmp_path
+):
+    ids = text_model[3][:2]
+    exported = export_checkpoint(gptq_dir, tmp_path / "ct")
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(gptq_dir, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=ids).logits, ours(input_ids=ids).logits)
+
+
+def test_gptq_with_a_given_map_and_no_data_is_refused_by_name(text_model):
+    model_dir = text_model[0]
+    with pytest.raises(ValueError, match="weight_rounding='gptq'.*dataset"):
+        AutoModelForCausalLM.from_pretrained(
+            model_dir,
+            quantization_config=DMXConfig(format_map={"model.layers.0.mlp.up_proj": "mxfp4"}, weight_rounding="gptq"),
+        )
+
+
+def test_an_unknown_weight_rounding_is_refused_with_the_choices():
+    with pytest.raises(ValueError, match="weight_rounding='awq'.*'rtn', 'gptq'"):
+        DMXConfig(weight_rounding="awq")
