@@ -62,6 +62,7 @@ def test_quantize_saves_model_tokenizer_and_card_and_prints_a_summary(quantized)
         assert f.get_tensor("model.embed_tokens.weight").dtype == torch.bfloat16
     card = (out / "README.md").read_text()
     assert "calibration.txt" in card and "heldout.txt" in card and "## Format per layer" in card
+    assert "| Weight rounding | GPTQ in each layer's format" in card
     for line in ("average bits", "storage bits", "checkpoint", "perplexity", f"saved to       {out}"):
         assert line in result.stdout, result.stdout
 

@@ -181,6 +181,12 @@ _ROTATION_TEXT = {
 }
 
 
+_WEIGHT_ROUNDING_TEXT = {
+    "rtn": "round to nearest",
+    "gptq": "GPTQ in each layer's format (second-order error feedback from the calibration data)",
+}
+
+
 def _rotation_text(config: Mapping[str, Any]) -> str:
     rotation = config.get("rotation") or "none"
     text = _ROTATION_TEXT.get(rotation, rotation)
@@ -248,6 +254,7 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         "format_table": _format_table(config["format_map"]),
         "block_size": MX_BLOCK_SIZE,
         "rotation": _rotation_text(config),
+        "weight_rounding": _WEIGHT_ROUNDING_TEXT.get(config.get("weight_rounding") or "rtn"),
     }
     template = resources.files("optimum_dmx.model_cards").joinpath(TEMPLATE_NAME).read_text(encoding="utf-8")
     return Template(template).substitute(values)
