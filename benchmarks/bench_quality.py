@@ -14,6 +14,13 @@ Rows, for every format pair, target and seed:
 * `paper`: the dMX paper's procedure (`method="paper"`, the preset's `PaperRecipe`);
 * `kl`: KL pre-selection (`method="kl"`), the cheap baseline.
 
+With `--weight-rounding gptq` every map's weights are rounded by GPTQ in their formats (`calibration.gptq`, on the
+seed's calibration sequences at the preset's sizes) instead of to nearest; a GPTQ row takes the map of the same
+cell's round-to-nearest row when `--runs` holds it, and the report compares the two:
+
+    python benchmarks/bench_quality.py --methods uniform --uniform-formats mxfp4_e2m1 --weight-rounding gptq
+    python benchmarks/bench_quality.py --methods dmx --seeds 0,1 --weight-rounding gptq
+
 Every method calibrates at the `--preset` sizes (default `cpu-bench`: 80 steps of 4 x 128 tokens) on the seed's
 sequences, with the same `--rotation`, `--offset-groups` and `--bit-average`; every map is evaluated with weights
 and input activations of each decoder linear MX-quantized, lm_head in float. Each finished run is appended at once

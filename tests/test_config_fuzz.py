@@ -10,7 +10,8 @@ from optimum_dmx import DMXConfig
 
 FIELDS = [
     "target_bits", "format_pair", "method", "preset", "num_samples", "seq_len", "batch_size", "steps", "bit_average",
-    "rotation", "learn_rotations", "offset_groups", "scale_rule", "quantize_activations", "gradient_checkpointing",
+    "rotation", "learn_rotations", "offset_groups", "scale_rule", "weight_rounding", "quantize_activations",
+    "gradient_checkpointing",
     "modules_to_not_convert", "seed", "paper", "format_map", "input_transforms", "achieved_bits",
 ]  # fmt: skip
 GOOD = {
@@ -27,6 +28,7 @@ GOOD = {
     "learn_rotations": st.booleans(),
     "offset_groups": st.sampled_from(["none", "fused", [["a", "b"], ["c"]]]),
     "scale_rule": st.sampled_from(["ocp", "compressed-tensors", "quark"]),
+    "weight_rounding": st.sampled_from(["rtn", "gptq"]),
     "quantize_activations": st.booleans(),
     "gradient_checkpointing": st.booleans(),
     "modules_to_not_convert": st.lists(st.sampled_from(["lm_head", "mlp.down_proj"]), max_size=2),
@@ -71,6 +73,7 @@ VALID = DMXConfig(
     method="paper",
     preset="cpu-bench",
     rotation="online_block_hadamard",
+    weight_rounding="gptq",
     format_map={"m.a": "mxfp4", "m.b": "mxfp8"},
     achieved_bits={"bits_simple": 6.0, "bits_weighted": 6.0, "storage_bits": 6.25},
     input_transforms={"m.a": {"type": "randomized_hadamard", "size": 32, "block_size": 32, "seed": 0}},
