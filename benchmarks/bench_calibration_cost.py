@@ -14,7 +14,8 @@ Everything is measured in one run on the same model and batch, so the ratios com
   are the samples; the first step pays the kernels' compilation ("first step s"). Rows: the default method, the
   same with activation checkpointing, the paper's method.
 * **Run**: one whole default-method calibration at `--preset` sizes, split into its steps, its KL scan (what
-  `method="kl"` costs) and its setup, in seconds and in units of unquantized steps of the preset's batch.
+  `method="kl"` costs) and its setup, in seconds and in units of unquantized steps of the preset's batch; then the
+  GPTQ rounding of its map on the preset's sequences (what `weight_rounding="gptq"` adds).
 * **Memory** (`--memory`): peak resident memory (CPU, Linux) or allocated GPU memory of one unquantized step and
   of `--steps` dMX steps, each in a process of its own with glibc's `MALLOC_MMAP_THRESHOLD_=65536` (freed buffers
   go back to the system, so the resident set follows the live tensors), after an untimed warm-up.
@@ -28,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 
 import torch
 
@@ -36,7 +38,9 @@ from optimum_dmx.calibration import (
     Preset,
     calibrate,
     get_preset,
+    round_weights_by_gptq,
 )
+from optimum_dmx.nn import emulate_format_map
 
 from common import (
     MODEL_DTYPES,
@@ -130,6 +134,7 @@ def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
     result = calibrate(model, ids, settings, progress=False)
     steps = sum(result.step_seconds)
     setup = result.seconds - steps - result.scan_seconds
+    gptq = gptq_seconds(model, result.format_map, ids, preset.batch_size)
     lines = [
         "## Run",
         "",
@@ -146,13 +151,27 @@ def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
         ("whole default-method run", result.seconds),
     ]:
         lines.append(f"| {what} | {seconds:.1f} | {seconds / reference:.0f} | {seconds / result.seconds:.0%} |")
+    lines.append(
+        f'| then GPTQ rounding of the map (`weight_rounding="gptq"`, {len(ids)} sequences) | {gptq:.1f} | '
+        f"{gptq / reference:.0f} | +{gptq / result.seconds:.0%} |"
+    )
     lines.append("")
     lines.append(
         f"The KL scan costs {result.scan_seconds / steps:.0%} of the steps' time "
-        f"({result.scan_seconds / (steps / preset.steps):.1f} steps)."
+        f"({result.scan_seconds / (steps / preset.steps):.1f} steps); GPTQ rounding costs "
+        f"{gptq / result.scan_seconds:.2f}x the KL scan."
     )
-    print("\n".join(lines[-7:]), file=sys.stderr, flush=True)
+    print("\n".join(lines[-8:]), file=sys.stderr, flush=True)
     return lines
+
+
+def gptq_seconds(model: torch.nn.Module, format_map: dict[str, str], ids: torch.Tensor, batch_size: int) -> float:
+    """Seconds to round `format_map`'s weights by GPTQ on `ids`, the map installed as a saved model has it."""
+    float_weights = {name: model.get_submodule(name).weight for name in format_map}
+    with emulate_format_map(model, format_map):
+        start = time.perf_counter()
+        round_weights_by_gptq(model, float_weights, ids, batch_size, progress=False)
+        return time.perf_counter() - start
 
 
 def resident_kib(field: str) -> int:
@@ -270,6 +289,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--preset", default="cpu-demo", help="sizes of the whole run (optimum_dmx.calibration.presets)")
     p.add_argument("--memory", action="store_true", help="add the memory table")
+    p.add_argument("--no-steps", action="store_true", help="leave out the step table")
     p.add_argument("--no-run", action="store_true", help="leave out the whole run")
     p.add_argument("--measure-memory", choices=MEMORY_WORKLOADS, help=argparse.SUPPRESS)  # internal: one process
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
@@ -283,9 +303,9 @@ def main() -> None:
     model, description, ids = load(a, a.seq_len, max(batch_sizes))
     lines = [
         f"Model {description} ({a.dtype}), pair {a.pair}, {device_description(a.device)}, torch {torch.__version__}.",
-        "",
-        *step_table(model, ids, a),
     ]
+    if not a.no_steps:
+        lines += ["", *step_table(model, ids, a)]
     if not a.no_run:
         lines += ["", *run_table(model, a)]
     if a.memory:

@@ -106,8 +106,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument(
         "--weight-rounding",
         choices=["rtn", "gptq"],
-        help="how each weight is rounded in its chosen format (default rtn: to nearest; gptq: GPTQ's error "
-        "feedback from the calibration data's inputs)",
+        help="how each weight is rounded in its chosen format (default gptq: GPTQ's error feedback from the "
+        "calibration data's inputs; rtn: to nearest, faster)",
     )
     quantize.add_argument(
         "--gradient-checkpointing",

@@ -199,3 +199,11 @@ def test_gptq_with_a_given_map_and_no_data_is_refused_by_name(text_model):
 def test_an_unknown_weight_rounding_is_refused_with_the_choices():
     with pytest.raises(ValueError, match="weight_rounding='awq'.*'rtn', 'gptq'"):
         DMXConfig(weight_rounding="awq")
+
+
+def test_gptq_is_the_default_when_calibrating_and_rtn_for_a_given_map():
+    assert DMXConfig().weight_rounding == "gptq"
+    assert DMXConfig(format_map={"m.a": "mxfp4"}).weight_rounding == "rtn"
+    assert DMXConfig(format_map={"m.a": "mxfp4"}).to_dict()["weight_rounding"] == "rtn"
+    legacy = {"quant_method": "dmx", "format_map": {"m.a": "mxfp4_e2m1"}}  # written before weight_rounding existed
+    assert DMXConfig.from_dict(legacy).weight_rounding == "rtn"

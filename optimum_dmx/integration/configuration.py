@@ -68,9 +68,10 @@ _SETTINGS_FIELDS = (
     "gradient_checkpointing",
     "paper",
 )
-# How each weight is rounded in its format once the map is fixed (`calibration.gptq`).
+# How each weight is rounded in its format once the map is fixed (`calibration.gptq`). By default GPTQ when the
+# config calibrates (it has the data; GPTQ had lower held-out perplexity than round-to-nearest on every map of
+# benchmarks/results/quality.md), round-to-nearest for a given map (which needs no data).
 WEIGHT_ROUNDINGS = ("rtn", "gptq")
-DEFAULT_WEIGHT_ROUNDING = "rtn"
 _ACHIEVED_BITS = ("bits_simple", "bits_weighted", "storage_bits")
 # Runtime-only inputs: shared on deepcopy, never serialized.
 _RUNTIME_FIELDS = ("dataset", "tokenizer")
@@ -114,11 +115,12 @@ class DMXConfig(QuantizationConfigMixin):
         scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
             export: `"ocp"` (default: the specification's floor), `"compressed-tensors"` or `"quark"` (those
             loaders' rounding, so that a served model computes what was calibrated).
-        weight_rounding: how each weight is rounded in its layer's format once the map is fixed: `"rtn"`
-            (default: to nearest) or `"gptq"` (GPTQ: columns in order, each one's error spread over the others
-            by the inverse Hessian of the layer's inputs on the calibration data, decoder layer by decoder
-            layer; `calibration.gptq`). With a given `format_map`, `"gptq"` needs `dataset` and `tokenizer`
-            too (the map is kept, only its rounding is computed). Loading reads the stored codes either way.
+        weight_rounding: how each weight is rounded in its layer's format once the map is fixed: `"gptq"`
+            (GPTQ: columns in order, each one's error spread over the others by the inverse Hessian of the
+            layer's inputs on the calibration data, decoder layer by decoder layer; `calibration.gptq`) or
+            `"rtn"` (to nearest). Default: `"gptq"` when the map is calibrated, `"rtn"` with a given
+            `format_map`; with a given map, `"gptq"` needs `dataset` and `tokenizer` too (the map is kept, only
+            its rounding is computed). Loading reads the stored codes either way.
         quantize_activations: also quantize each layer's input activations (dynamically, in its format).
         gradient_checkpointing: recompute each decoder layer's activations in the backward pass of calibration
             (less memory, about one more forward pass per step, the same result).
@@ -196,17 +198,19 @@ class DMXConfig(QuantizationConfigMixin):
         self.dataset = dataset
         self.tokenizer = tokenizer
         self.rotation = validate_rotation("none" if rotation is None else rotation)
-        self.weight_rounding = DEFAULT_WEIGHT_ROUNDING if weight_rounding is None else weight_rounding
-        if self.weight_rounding not in WEIGHT_ROUNDINGS:
-            raise ValueError(
-                f"weight_rounding={self.weight_rounding!r}; allowed: {', '.join(map(repr, WEIGHT_ROUNDINGS))}"
-            )
         if self.learn_rotations and self.rotation not in LEARNABLE_ROTATIONS:
             raise ValueError(
                 f"learn_rotations=True trains merged rotations: it needs rotation="
                 f"{' or '.join(map(repr, LEARNABLE_ROTATIONS))}, got rotation={self.rotation!r}."
             )
         self.format_map = _validate_format_map(format_map)
+        if weight_rounding is None:
+            weight_rounding = "gptq" if self.format_map is None else "rtn"
+        self.weight_rounding = weight_rounding
+        if self.weight_rounding not in WEIGHT_ROUNDINGS:
+            raise ValueError(
+                f"weight_rounding={self.weight_rounding!r}; allowed: {', '.join(map(repr, WEIGHT_ROUNDINGS))}"
+            )
         self.input_transforms = _validate_input_transforms(input_transforms)
         self.achieved_bits = _validate_achieved_bits(achieved_bits)
         self.quant_method = QUANT_METHOD
