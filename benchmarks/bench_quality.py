@@ -400,7 +400,8 @@ def main(argv: list[str] | None = None) -> None:
         f"{preset.seq_len} tokens, paper lr {preset.paper.lr:g}); evaluation: the first {sweep.eval_tokens} "
         f"tokens from {sweep.eval_offset:.0%} into each held-out text, non-overlapping {sweep.eval_seq_len}-token "
         "windows, exp(mean NLL); weights and input activations of every decoder linear MX-quantized (block 32), "
-        "lm_head in float. Times: wall-clock seconds on the machine that ran the row.\n\n"
+        "lm_head in float. Times: wall-clock seconds on the machine that ran the row (`GPTQ s`: the rounding, "
+        "`rounding` gptq rows, on the calibration sequences at the preset's sizes).\n\n"
     )
     write_report(header + report(read_json_lines(a.runs)), a.output, "Quality: held-out perplexity against bits")
 

@@ -207,3 +207,30 @@ def test_gptq_is_the_default_when_calibrating_and_rtn_for_a_given_map():
     assert DMXConfig(format_map={"m.a": "mxfp4"}).to_dict()["weight_rounding"] == "rtn"
     legacy = {"quant_method": "dmx", "format_map": {"m.a": "mxfp4_e2m1"}}  # written before weight_rounding existed
     assert DMXConfig.from_dict(legacy).weight_rounding == "rtn"
+
+
+def test_gptq_rounds_the_weights_of_online_rotated_layers_from_their_transformed_inputs(text_model, tmp_path):
+    """With online input transforms the Hessian is that of the transformed, quantized input: the model ends closer
+    to the float logits than round-to-nearest with the same rotation, and reloads to the same logits."""
+    model_dir, tokenizer, text, ids = text_model
+    with torch.no_grad():
+        float_logits = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)(input_ids=ids).logits
+    names = linear_names(AutoModelForCausalLM.from_pretrained(model_dir))
+    errors = {}
+    for rounding in ("rtn", "gptq"):
+        config = DMXConfig(
+            format_map=dict.fromkeys(names, "mxfp4_e2m1"),
+            rotation="online_block_hadamard",
+            weight_rounding=rounding,
+            dataset=[text],
+            tokenizer=tokenizer,
+            **SIZES,
+        )
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config)
+        assert all(model.get_submodule(n).input_transform is not None for n in names)
+        errors[rounding] = _logit_error(model, float_logits, ids)
+    model.save_pretrained(tmp_path / "dmx")
+    again = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.float32)
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert errors["gptq"] < 0.8 * errors["rtn"], errors

@@ -10,7 +10,7 @@ overrides its preset's value. The default is `"paper"`.
   2.3x an unquantized one, so 400 steps take about 30 minutes and the KL scan (224 forward passes of 8,192
   tokens) about 2. Memory: 16 GB of bf16 weights, two bf16 copies of them quantized at the format endpoints
   (32 GB), one decoder layer's activations per sequence kept by checkpointing.
-* `"cpu-demo"`: what the CLI's default run uses, about 6 minutes for a 135M model on 2 idle CPU cores: 40 steps of
+* `"cpu-demo"`: what the CLI's default run uses, about 8.5 minutes for a 135M model on 2 idle CPU cores: 40 steps of
   4 x 128 tokens.
 * `"cpu-bench"`: the quality benchmark's runs on a 135M model on a CPU: 80 steps of 4 x 128 tokens; the paper's
   procedure then needs a larger step than the paper's lr of 1 to move its offsets in so few steps (20).
