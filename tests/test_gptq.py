@@ -234,3 +234,21 @@ def test_gptq_rounds_the_weights_of_online_rotated_layers_from_their_transformed
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
     assert errors["gptq"] < 0.8 * errors["rtn"], errors
+
+
+def test_gptq_reads_at_most_its_token_budget(text_model, monkeypatch):
+    """Only the first sequences that fit `GPTQ_MAX_TOKENS` are read (their hidden states are kept): the result
+    equals rounding on those sequences alone."""
+    from optimum_dmx.calibration import gptq
+
+    model_dir, _, _, ids = text_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = linear_names(model)
+    float_weights = {name: model.get_submodule(name).weight for name in names}
+    results = []
+    for budget, sequences in ((3 * ids.shape[1], len(ids)), (10**9, 3)):
+        monkeypatch.setattr(gptq, "GPTQ_MAX_TOKENS", budget)
+        with emulate_format_map(model, dict.fromkeys(names, "mxfp4_e2m1")):
+            round_weights_by_gptq(model, float_weights, ids[:sequences], 2, progress=False)
+            results.append([model.get_submodule(n).weight_packed.clone() for n in names])
+    assert all(torch.equal(a, b) for a, b in zip(*results))

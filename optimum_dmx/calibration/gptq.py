@@ -34,6 +34,9 @@ from .sensitivity import replaying
 
 GPTQ_DAMPING = 0.01  # of the Hessian's mean diagonal, added to its diagonal (GPTQ's default)
 COLUMNS_PER_UPDATE = 128  # columns rounded between two updates of the remaining columns (GPTQ's lazy batch)
+# Calibration tokens GPTQ reads at most (its first sequences): twice GPTQ's usual 128 x 2048. It keeps one hidden
+# state per sequence, so this bounds that memory (4 GiB for a 4096-wide bfloat16 model) at any preset.
+GPTQ_MAX_TOKENS = 2**19
 
 
 class SingularHessianError(ValueError):
@@ -125,6 +128,8 @@ def round_weights_by_gptq(
     the layer's round-to-nearest weights computed. Linears outside every decoder layer are rounded last, from whole
     passes.
 
+    At most `GPTQ_MAX_TOKENS` tokens are read: the first sequences of `input_ids` that fit.
+
     Returns the names of the layers whose Hessian was singular: they keep round-to-nearest (one warning names
     them).
     """
@@ -135,6 +140,7 @@ def round_weights_by_gptq(
     decoder_layers = find_decoder_layers(model)
     groups = _groups(list(modules), decoder_layers)
     device = next(model.parameters()).device
+    input_ids = input_ids[: max(1, GPTQ_MAX_TOKENS // input_ids.shape[1])]
     batches = [b.to(device) for b in input_ids.split(batch_size)]
     recorded: list[Any] = [None] * len(batches)  # each batch's output of the last decoder layer rounded so far
     done: list[nn.Module] = []
