@@ -24,10 +24,10 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from ..formats.blocks import block_max, block_max_exponent, block_scale, pow2, shared_exponent, to_blocks
-from ..formats.cast import round_elements
+from ..formats.blocks import block_scale, pow2, to_blocks
+from ..formats.cast import block_exponents, round_elements
 from ..formats.packing import MXPackedTensor, pack_blocks
-from ..formats.spec import SCALE_EXPONENT_MAX, MXFormat, scale_rounding_bits
+from ..formats.spec import SCALE_EXPONENT_MAX, MXFormat
 from ..nn.mx_linear import MXLinear
 from .checkpointing import decoder_layers as find_decoder_layers
 from .sensitivity import replaying
@@ -70,13 +70,12 @@ def gptq_pack(
         factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
     if info.item() != 0:
         raise SingularHessianError("the dampened Hessian is not positive definite")
-    rounding_bits = scale_rounding_bits(scale_rule, fmt.ebits, fmt.mbits)
-    elements, exponents = _round_columns(rows, factor, fmt, block_size, rounding_bits)
+    elements, exponents = _round_columns(rows, factor, fmt, block_size, scale_rule)
     return pack_blocks(elements.view(out_features, -1, block_size), exponents.unsqueeze(-1), fmt, weight.shape)
 
 
 def _round_columns(
-    rows: torch.Tensor, inverse_factor: torch.Tensor, fmt: MXFormat, block_size: int, rounding_bits: Any
+    rows: torch.Tensor, inverse_factor: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's column loop on ``rows`` (modified in place): the elements (in units of their block's ``2^k``) and
     the blocks' exponents ``k``. ``inverse_factor`` is the upper Cholesky factor of the inverse Hessian."""
@@ -92,8 +91,7 @@ def _round_columns(
         for i in range(end - start):
             column = start + i
             if column % block_size == 0:
-                block = chunk[:, i : i + block_size].unsqueeze(1)
-                k = shared_exponent(*block_max_exponent(block_max(block), rounding_bits), fmt.emax).view(-1)
+                k = block_exponents(chunk[:, i : i + block_size].unsqueeze(1), fmt, scale_rule).view(-1)
                 exponents[:, column // block_size] = k
                 scale, inverse_scale = block_scale(k), pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 1))
             element = round_elements(chunk[:, i] * inverse_scale, fmt)

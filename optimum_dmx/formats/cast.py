@@ -64,6 +64,12 @@ def round_elements(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     return v.div_(step).round_().mul_(step).clamp_(-fmt.max_normal, fmt.max_normal)
 
 
+def block_exponents(blocks: torch.Tensor, fmt: MXFormat, scale_rule: str = "ocp") -> torch.Tensor:
+    """The shared exponents ``k`` (int32, ``[..., n_blocks, 1]``) that ``scale_rule`` gives ``fmt``'s blocks."""
+    rounding_bits = scale_rounding_bits(scale_rule, fmt.ebits, fmt.mbits)
+    return shared_exponent(*block_max_exponent(block_max(blocks), rounding_bits), fmt.emax)
+
+
 def quantize_blocks(
     blocks: torch.Tensor, fmt: MXFormat, scale_rule: str = "ocp", native_cast: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -73,8 +79,7 @@ def quantize_blocks(
     (``shift`` may be non-zero) the rounding is one native cast; otherwise it is done on the float32 bit pattern
     (``shift`` 0), which never synchronises with the host.
     """
-    rounding_bits = scale_rounding_bits(scale_rule, fmt.ebits, fmt.mbits)
-    k = shared_exponent(*block_max_exponent(block_max(blocks), rounding_bits), fmt.emax)
+    k = block_exponents(blocks, fmt, scale_rule)
     carrier = float8_carrier(fmt) if native_cast else None
     if carrier is not None:
         # The carrier's output scale 2^(k + shift) must stay a finite float32: true unless amax >= ~2^120. NaN

@@ -109,13 +109,14 @@ class DMXHfQuantizer(HfQuantizer):
             format_map = calibrate(model, input_ids, settings).format_map
         else:
             format_map = config.format_map
-        float_weights = {name: model.get_submodule(name).weight for name in format_map}
+        # GPTQ rounds from the float weights, which the MX modules replace: keep them until it has run.
+        gptq = config.weight_rounding == "gptq"
+        gptq_weights = {n: model.get_submodule(n).weight for n in format_map} if gptq else {}
         replace_with_mx_linear(model, format_map, **_mx_options(config))
-        if config.weight_rounding == "gptq":
+        if gptq_weights:
             from ..calibration.gptq import round_weights_by_gptq
 
-            round_weights_by_gptq(model, float_weights, input_ids, config.batch_size)
-        del float_weights
+            round_weights_by_gptq(model, gptq_weights, input_ids, config.batch_size)
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
         return config.with_result(
