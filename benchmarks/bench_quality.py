@@ -21,6 +21,16 @@ cell's round-to-nearest row when `--runs` holds it, and the report compares the 
     python benchmarks/bench_quality.py --methods uniform --uniform-formats mxfp4_e2m1 --weight-rounding gptq
     python benchmarks/bench_quality.py --methods dmx --seeds 0,1 --weight-rounding gptq
 
+With `--learn-rotations` (and `--rotation hadamard` or `block_hadamard`) the calibrated methods train the merged
+rotations with the offsets (`learn_rotations=True`); each cell calibrates a copy of the rotated model, whose learned
+weights are kept under the benchmark cache so that the cell's GPTQ row rounds the same model. Uniform MXFP4 with the
+learned rotation is the `dmx` map at 4 bits (every layer low):
+
+    python benchmarks/bench_quality.py --methods dmx --pairs mxfp8-mxfp4 --targets 4 --rotation hadamard \
+        --learn-rotations
+    python benchmarks/bench_quality.py --methods dmx --pairs mxfp8-mxfp4 --targets 4 --rotation hadamard \
+        --learn-rotations --weight-rounding gptq
+
 Every method calibrates at the `--preset` sizes (default `cpu-bench`: 80 steps of 4 x 128 tokens) on the seed's
 sequences, with the same `--rotation`, `--offset-groups` and `--bit-average`; every map is evaluated with weights
 and input activations of each decoder linear MX-quantized, lm_head in float. Each finished run is appended at once
@@ -37,7 +47,10 @@ Pass `--model`, `--calibration` and `--eval NAME=FILE` for any other model and t
 from __future__ import annotations
 
 import argparse
+import copy
 import dataclasses
+import hashlib
+import json
 import math
 import sys
 import time
@@ -85,6 +98,7 @@ class Sweep:
     offset_groups: str = "none"
     bit_average: str = "simple"
     weight_rounding: str = "rtn"
+    learn_rotations: bool = False
     eval_tokens: int = 16384
     eval_seq_len: int = 512
     eval_offset: float = 0.1
@@ -116,6 +130,8 @@ class Sweep:
         }
         if method in CALIBRATED:
             key.update(preset=self.preset, offset_groups=self.offset_groups, bit_average=self.bit_average)
+            if self.learn_rotations:
+                key.update(learn_rotations=True)
         if self.weight_rounding != "rtn" and method != "float":
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
         return key
@@ -145,12 +161,14 @@ class Runner:
         preset = get_preset(self.sweep.preset)
         return build_calibration_batches(self.calibration, self.tokenizer, preset.seq_len, preset.num_samples, seed)
 
-    def format_map(self, method: str, pair: str, target: str, seed: int) -> tuple[dict[str, str], float]:
-        """The method's format map for the cell, and the seconds it took."""
+    def format_map(
+        self, model: torch.nn.Module, method: str, pair: str, target: str, seed: int
+    ) -> tuple[dict[str, str], float]:
+        """The method's format map for the cell (calibrated on `model`), and the seconds it took."""
         if method == "float":
             return {}, 0.0
         if method == "uniform":
-            return uniform_format_map(self.model, target, SKIPPED), 0.0
+            return uniform_format_map(model, target, SKIPPED), 0.0
         s = self.sweep
         settings = CalibrationSettings(
             method=method,
@@ -159,32 +177,54 @@ class Runner:
             seed=seed,
             offset_groups=s.offset_groups,
             bit_average=s.bit_average,
+            learn_rotations=s.learn_rotations,
             **get_preset(s.preset).settings(),
         )
-        result = calibrate(self.model, self.calibration_ids(seed), settings)
+        result = calibrate(model, self.calibration_ids(seed), settings)
         return result.format_map, result.seconds
+
+    def learned_weights(self, method: str, pair: str, target: str, seed: int) -> Path:
+        """Where the cell's model with its learned rotations is kept (one file per cell, rounding aside)."""
+        key = dataclasses.replace(self.sweep, weight_rounding="rtn").key(method, pair, target, seed)
+        digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
+        return cache_dir() / "learned_rotations" / f"{digest}.safetensors"
 
     def run(self, method: str, pair: str, target: str, seed: int, known: dict | None = None) -> dict:
         """Evaluate the cell's map: `known`'s (a finished run of the same cell rounded to nearest) when given,
         else the method's, computed now."""
+        from safetensors.torch import load_model, save_model
+
+        model = self.model
+        learned = self.sweep.learn_rotations and method in CALIBRATED
+        if learned:  # the rotations are learned on (or loaded into) a copy: the next cell starts from the same model
+            model = copy.deepcopy(self.model)
+            weights = self.learned_weights(method, pair, target, seed)
+            if known is not None and not weights.exists():
+                known = None  # the map's learned weights are gone: calibrate again
         if known is not None:
             format_map, seconds = known["format_map"], known["calibration_seconds"]
+            if learned:
+                load_model(model, weights)
         else:
-            format_map, seconds = self.format_map(method, pair, target, seed)
+            format_map, seconds = self.format_map(model, method, pair, target, seed)
+            if learned:
+                weights.parent.mkdir(parents=True, exist_ok=True)
+                save_model(model, weights)
         row = {**self.sweep.key(method, pair, target, seed), "calibration_seconds": round(seconds, 1)}
         if format_map:
             shapes = {name: tuple(self.targets[name].weight.shape) for name in format_map}
             row.update({k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()})
-        with emulate_format_map(self.model, format_map):
+        float_linears = self.targets if model is self.model else linear_modules_to_quantize(model, SKIPPED)
+        with emulate_format_map(model, format_map):
             if format_map and self.sweep.weight_rounding == "gptq":
                 start = time.perf_counter()
-                float_weights = {name: self.targets[name].weight for name in format_map}
+                float_weights = {name: float_linears[name].weight for name in format_map}
                 batch_size = get_preset(self.sweep.preset).batch_size
-                round_weights_by_gptq(self.model, float_weights, self.calibration_ids(seed), batch_size)
+                round_weights_by_gptq(model, float_weights, self.calibration_ids(seed), batch_size)
                 row["gptq_seconds"] = round(time.perf_counter() - start, 1)
             for name, text in self.texts.items():
                 result = evaluate_perplexity(
-                    self.model, self.tokenizer, text, self.sweep.eval_seq_len, self.sweep.eval_tokens, batch_size=4
+                    model, self.tokenizer, text, self.sweep.eval_seq_len, self.sweep.eval_tokens, batch_size=4
                 )
                 row[f"ppl_{name}"] = round(result.perplexity, 4)
         row["format_map"] = format_map
@@ -226,8 +266,14 @@ def _identity(row: dict) -> tuple:
         "offset_groups",
         "bit_average",
         "weight_rounding",
+        "learn_rotations",
     )
     return tuple(str(row.get(k, "")) for k in keys)
+
+
+def rotation_label(row: dict) -> str:
+    """The row's rotation, marked when the calibration learned it."""
+    return f"{row['rotation']} (learned)" if row.get("learn_rotations") else row["rotation"]
 
 
 def report(rows: list[dict]) -> str:
@@ -240,7 +286,7 @@ def report(rows: list[dict]) -> str:
         rows,
         key=lambda r: (
             r["model"],
-            r["rotation"],
+            rotation_label(r),
             r.get("offset_groups", ""),
             r.get("weight_rounding", "rtn"),
             r["pair"],
@@ -256,8 +302,8 @@ def report(rows: list[dict]) -> str:
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {r['rotation']} | {r.get('offset_groups', '-')} | {r.get('weight_rounding', 'rtn')} | "
-            f"{r['method']} | {r['pair'] or '-'} | "
+            f"| {r['model']} | {rotation_label(r)} | {r.get('offset_groups', '-')} | "
+            f"{r.get('weight_rounding', 'rtn')} | {r['method']} | {r['pair'] or '-'} | "
             f"{r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | {r.get('bits_simple', '-')} | "
             f"{r.get('bits_weighted', '-')} | {r.get('storage_bits', '-')} | "
             + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts)
@@ -272,7 +318,7 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
     by_cell = {
         (
             r["model"],
-            r["rotation"],
+            rotation_label(r),
             (r.get("offset_groups"), r.get("weight_rounding")),
             r["pair"],
             r["target"],
@@ -311,7 +357,18 @@ def rounding_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     def cell(r: dict) -> tuple:
         return tuple(
             str(r.get(k, ""))
-            for k in ("method", "pair", "target", "seed", "rotation", "model", "eval", "offset_groups", "bit_average")
+            for k in (
+                "method",
+                "pair",
+                "target",
+                "seed",
+                "rotation",
+                "learn_rotations",
+                "model",
+                "eval",
+                "offset_groups",
+                "bit_average",
+            )
         )
 
     rtn = {cell(r): r for r in rows if r.get("weight_rounding", "rtn") == "rtn"}
@@ -345,6 +402,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
     p.add_argument("--seeds", default="0", help="comma list of seeds (calibration sample and order)")
     p.add_argument("--preset", default=d.preset, help="calibration sizes (optimum_dmx.calibration.presets)")
     p.add_argument("--rotation", default=d.rotation, choices=list(ROTATIONS), help="rotate the model first")
+    p.add_argument(
+        "--learn-rotations",
+        action="store_true",
+        help="calibrated methods train the merged rotations with the offsets (needs --rotation hadamard or "
+        "block_hadamard)",
+    )
     p.add_argument("--offset-groups", default=d.offset_groups, choices=["none", "fused"])
     p.add_argument("--bit-average", default=d.bit_average, choices=["simple", "weighted"])
     p.add_argument(
@@ -368,6 +431,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         if bad:
             p.error(f"unknown {what} {bad}; allowed: {', '.join(allowed)}")
     get_preset(a.preset)
+    if a.learn_rotations and a.rotation not in ("hadamard", "block_hadamard"):
+        p.error(
+            f"--learn-rotations trains merged rotations; --rotation {a.rotation} has none (use hadamard or "
+            "block_hadamard)"
+        )
     sweep = Sweep(
         model=a.model,
         calibration=a.calibration,
@@ -382,6 +450,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         offset_groups=a.offset_groups,
         bit_average=a.bit_average,
         weight_rounding=a.weight_rounding,
+        learn_rotations=a.learn_rotations,
         eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,
     )

@@ -13,13 +13,14 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def run_benchmark(script: str, *args) -> str:
+def run_benchmark(script: str, *args, env: dict | None = None) -> str:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=ROOT,
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -150,6 +151,39 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     table = output.read_text()
     assert table.startswith("# Quality: held-out perplexity against bits\n\nCommand: `python benchmarks/bench_quality")
     assert "- vs `kl`: lower in" in table
+
+
+def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_text_model_dir, tmp_path):
+    """The GPTQ row of a learned-rotation cell rounds the weights that cell's calibration learned (kept in the
+    benchmark cache), not the unlearned model: same map, no second calibration, and GPTQ beats rounding to
+    nearest on it."""
+    root = tiny_text_model_dir
+    runs, cache = tmp_path / "runs.jsonl", tmp_path / "cache"
+    args = [
+        *("--model", root / "model", "--calibration", root / "calibration.txt"),
+        *("--eval", f"heldout={root / 'heldout.txt'}", "--runs", runs, "--eval-tokens", 256, "--eval-seq-len", 16),
+        *("--methods", "dmx", "--pairs", "mxfp8-mxfp4", "--targets", "4", "--preset", "cpu-demo"),
+        *("--rotation", "hadamard", "--learn-rotations", "--threads", 1),
+    ]
+    run_benchmark("bench_quality.py", *args, env={"OPTIMUM_DMX_CACHE": str(cache)})
+    stored = list((cache / "bench" / "learned_rotations").glob("*.safetensors"))
+    assert len(stored) == 1
+    before = stored[0].stat().st_mtime_ns
+    run_benchmark("bench_quality.py", *args, "--weight-rounding", "gptq", env={"OPTIMUM_DMX_CACHE": str(cache)})
+    rtn, gptq = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert rtn["learn_rotations"] and gptq["learn_rotations"] and gptq["weight_rounding"] == "gptq"
+    assert set(rtn["format_map"].values()) == {"mxfp4_e2m1"} and gptq["format_map"] == rtn["format_map"]
+    assert gptq["calibration_seconds"] == rtn["calibration_seconds"]  # the map and weights were reused
+    assert stored[0].stat().st_mtime_ns == before
+    assert gptq["ppl_heldout"] < rtn["ppl_heldout"]
+    # Without a learnable rotation the flag is refused by name.
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_quality.py"), "--learn-rotations"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2 and "--rotation none has none" in result.stderr
 
 
 HELP_OF_EVERY_SCRIPT = """
