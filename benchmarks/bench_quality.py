@@ -12,7 +12,12 @@ Rows, for every format pair, target and seed:
 * `float`, `uniform` (MXFP4, MXFP6 E2M3, MXFP8 E4M3): references;
 * `dmx`: the default method (`DMXConfig()`);
 * `paper`: the dMX paper's procedure (`method="paper"`, the preset's `PaperRecipe`);
-* `kl`: KL pre-selection (`method="kl"`), the cheap baseline.
+* `kl`: KL pre-selection (`method="kl"`), the cheap baseline;
+* `llmcompressor`: a peer, llm-compressor's GPTQ with its `MXFP4` scheme (uniform MXFP4 W4A4), run by its own
+  `oneshot` in its own environment (`peers/`, created under the benchmark cache on first use) on the seed's
+  calibration sequences; its weights are evaluated by this benchmark's evaluation, like every other row:
+
+    python benchmarks/bench_quality.py --methods llmcompressor
 
 With `--weight-rounding gptq` every map's weights are rounded by GPTQ in their formats (`calibration.gptq`, on the
 seed's calibration sequences at the preset's sizes) instead of to nearest; a GPTQ row takes the map of the same
@@ -69,15 +74,25 @@ from optimum_dmx.calibration import (
 )
 from optimum_dmx.continuous import FORMAT_PAIRS
 from optimum_dmx.evaluation import evaluate_perplexity
+from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn import emulate_format_map, format_map_bits, linear_modules_to_quantize
 from optimum_dmx.nn.rotation import ROTATIONS, rotate_model
 
-from common import append_json_line, benchmark_model, benchmark_texts, cache_dir, read_json_lines, write_report
+from common import (
+    append_json_line,
+    benchmark_model,
+    benchmark_texts,
+    cache_dir,
+    peer_python,
+    read_json_lines,
+    write_report,
+)
 
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
 CALIBRATED = ["dmx", "paper", "kl"]
-METHODS = ["float", "uniform", *CALIBRATED]
+PEERS = {"llmcompressor": ("mxfp4_e2m1", "MXFP4")}  # peer: (the uniform format it makes, its scheme's name)
+METHODS = ["float", "uniform", *CALIBRATED, *PEERS]
 SKIPPED = ["lm_head"]  # kept in float by every method, as DMXConfig does
 
 
@@ -111,6 +126,8 @@ class Sweep:
                 cells.append((method, "", "", 0))
             elif method == "uniform":
                 cells.extend((method, "", fmt, 0) for fmt in self.uniform_formats)
+            elif method in PEERS:
+                cells.append((method, "", PEERS[method][0], 0))
             else:
                 for seed in self.seeds:
                     for pair in self.pairs:
@@ -134,6 +151,8 @@ class Sweep:
                 key.update(learn_rotations=True)
         if self.weight_rounding != "rtn" and method != "float":
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
+        if method in PEERS:
+            key.update(weight_rounding="gptq", preset=self.preset)
         return key
 
 
@@ -167,7 +186,7 @@ class Runner:
         """The method's format map for the cell (calibrated on `model`), and the seconds it took."""
         if method == "float":
             return {}, 0.0
-        if method == "uniform":
+        if method == "uniform" or method in PEERS:
             return uniform_format_map(model, target, SKIPPED), 0.0
         s = self.sweep
         settings = CalibrationSettings(
@@ -183,6 +202,39 @@ class Runner:
         result = calibrate(model, self.calibration_ids(seed), settings)
         return result.format_map, result.seconds
 
+    def peer_model(self, method: str, seed: int) -> tuple[torch.nn.Module, float]:
+        """A copy of the model holding the weights the peer made on the seed's calibration sequences, and the
+        seconds the peer's own entry point took."""
+        import subprocess
+        import tempfile
+
+        from safetensors.torch import load_file, save_file
+
+        fmt, scheme = PEERS[method]
+        if self.sweep.rotation not in ("none", "hadamard", "block_hadamard"):
+            raise ValueError(f"peers get the model as a folder: --rotation {self.sweep.rotation} is not merged")
+        script = Path(__file__).parent / "peers" / f"{method}_gptq.py"
+        with tempfile.TemporaryDirectory() as work:
+            work = Path(work)
+            self.model.save_pretrained(work / "model")  # rotated as the sweep asks, like every other row's model
+            self.tokenizer.save_pretrained(work / "model")  # oneshot wants a processor with a dataset
+            save_file({"input_ids": self.calibration_ids(seed).contiguous()}, work / "tokens.safetensors")
+            command = [str(peer_python(method)), str(script), "--model", str(work / "model")]
+            command += ["--tokens", str(work / "tokens.safetensors"), "--output", str(work / "out")]
+            command += ["--scheme", scheme, "--threads", str(torch.get_num_threads())]
+            subprocess.run(command, check=True)
+            weights = load_file(work / "out" / "weights.safetensors")
+            seconds = json.loads((work / "out" / "run.json").read_text())["seconds"]
+        model = copy.deepcopy(self.model)
+        linears = linear_modules_to_quantize(model, SKIPPED)
+        if set(weights) != set(linears):
+            raise RuntimeError(f"{method} quantized {sorted(set(weights) ^ set(linears))} differently from dMX")
+        for name, weight in weights.items():
+            if not torch.equal(quantize_mx(weight, fmt), weight):  # so that our evaluation keeps its rounding
+                raise RuntimeError(f"{method}'s {name} is not on the {fmt} grid of the OCP scale rule")
+            linears[name].weight.data.copy_(weight)
+        return model, seconds
+
     def learned_weights(self, method: str, pair: str, target: str, seed: int) -> Path:
         """Where the cell's model with its learned rotations is kept (one file per cell, rounding aside)."""
         key = dataclasses.replace(self.sweep, weight_rounding="rtn").key(method, pair, target, seed)
@@ -195,6 +247,9 @@ class Runner:
         from safetensors.torch import load_model, save_model
 
         model = self.model
+        peer_seconds = None
+        if method in PEERS:
+            model, peer_seconds = self.peer_model(method, seed)
         learned = self.sweep.learn_rotations and method in CALIBRATED
         if learned:  # the rotations are learned on (or loaded into) a copy: the next cell starts from the same model
             model = copy.deepcopy(self.model)
@@ -215,8 +270,10 @@ class Runner:
             shapes = {name: tuple(self.targets[name].weight.shape) for name in format_map}
             row.update({k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()})
         float_linears = self.targets if model is self.model else linear_modules_to_quantize(model, SKIPPED)
+        if peer_seconds is not None:
+            row["gptq_seconds"] = peer_seconds
         with emulate_format_map(model, format_map):
-            if format_map and self.sweep.weight_rounding == "gptq":
+            if format_map and self.sweep.weight_rounding == "gptq" and method not in PEERS:
                 start = time.perf_counter()
                 float_weights = {name: float_linears[name].weight for name in format_map}
                 batch_size = get_preset(self.sweep.preset).batch_size
@@ -309,7 +366,7 @@ def report(rows: list[dict]) -> str:
             + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts)
             + f" | {r['calibration_seconds']} | {r.get('gptq_seconds', '-')} |"
         )
-    sections = [comparison(rows, texts), rounding_comparison(rows, texts)]
+    sections = [comparison(rows, texts), rounding_comparison(rows, texts), peer_comparison(rows, texts)]
     return "\n".join(lines) + "\n\n" + "\n\n".join("\n".join(s) for s in sections if s) + "\n"
 
 
@@ -387,6 +444,28 @@ def rounding_comparison(rows: list[dict], texts: list[str]) -> list[str]:
             f"perplexity ratio {mean:.3f}"
         )
     return lines
+
+
+def peer_comparison(rows: list[dict], texts: list[str]) -> list[str]:
+    """Each peer's row against this package's uniform row of the same format, rotation and rounding."""
+
+    def cell(r: dict) -> tuple:
+        return r["model"], rotation_label(r), r["target"], r.get("weight_rounding", "rtn"), r["eval"]
+
+    ours = {cell(r): r for r in rows if r["method"] == "uniform"}
+    lines = []
+    for r in rows:
+        if r["method"] in PEERS and cell(r) in ours:
+            mine = ours[cell(r)]
+            ratios = ", ".join(f"{t} {mine[f'ppl_{t}'] / r[f'ppl_{t}']:.3f}" for t in texts)
+            lines.append(
+                f"- `{r['method']}` ({rotation_label(r)}, {r['target']}, {cell(r)[3]}): this package's perplexity "
+                f"over the peer's: {ratios}; {r.get('gptq_seconds', '-')} s the peer, "
+                f"{mine.get('gptq_seconds', '-')} s ours"
+            )
+    if not lines:
+        return []
+    return ["Peers against this package, the same uniform format, rotation and rounding:", "", *lines]
 
 
 def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace]:

@@ -24,6 +24,7 @@ import json
 import platform
 import shlex
 import statistics
+import subprocess
 import sys
 import tarfile
 import time
@@ -209,6 +210,24 @@ def benchmark_texts() -> BenchmarkTexts:
         calibration=[folder / f"austen_{book}.txt" for book in CALIBRATION_BOOKS],
         evaluation={"pride_prejudice": folder / "austen_prideprejudice.txt", "moby_dick": folder / "mobydick.txt"},
     )
+
+
+# --- peers ----------------------------------------------------------------------------------------------
+
+
+def peer_python(peer: str) -> Path:
+    """The Python of `peer`'s own virtual environment, created on first use (minutes) from
+    `peers/requirements-<peer>.txt`: peers pin library versions that cannot share optimum-dmx's environment."""
+    requirements = Path(__file__).parent / "peers" / f"requirements-{peer}.txt"
+    if not requirements.exists():
+        raise ValueError(f"no peer {peer!r}: {requirements} does not exist")
+
+    def build(out: Path, work: Path) -> None:
+        subprocess.run([sys.executable, "-m", "venv", str(out)], check=True)
+        pip = [str(out / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+        subprocess.run([*pip, "-r", str(requirements)], check=True)
+
+    return defaults.build_once(cache_dir() / "peers" / peer, build) / "bin" / "python"
 
 
 # --- timing ---------------------------------------------------------------------------------------------

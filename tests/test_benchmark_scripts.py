@@ -186,6 +186,29 @@ def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_te
     assert result.returncode == 2 and "--rotation none has none" in result.stderr
 
 
+@pytest.mark.slow
+def test_llmcompressor_peer_row_is_its_gptq_evaluated_by_our_evaluation(tiny_text_model_dir, tmp_path):
+    """llm-compressor runs in the environment the benchmark builds for it (minutes: it is installed from PyPI),
+    on the same calibration sequences; its MXFP4 GPTQ weights come back on our grid (the runner refuses them
+    otherwise) and are not the round-to-nearest ones (a random tiny model gains nothing measurable from GPTQ, so
+    the perplexities are only told apart)."""
+    root = tiny_text_model_dir
+    runs, output = tmp_path / "runs.jsonl", tmp_path / "quality.md"
+    env = {"OPTIMUM_DMX_CACHE": str(tmp_path / "cache")}
+    args = [
+        *("--model", root / "model", "--calibration", root / "calibration.txt"),
+        *("--eval", f"heldout={root / 'heldout.txt'}", "--runs", runs, "--eval-tokens", 256, "--eval-seq-len", 16),
+        *("--uniform-formats", "mxfp4_e2m1", "--preset", "cpu-demo", "--threads", 1, "--output", output),
+    ]
+    run_benchmark("bench_quality.py", *args, "--methods", "uniform,llmcompressor", env=env)
+    run_benchmark("bench_quality.py", *args, "--methods", "uniform", "--weight-rounding", "gptq", env=env)
+    rtn, peer, ours = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert peer["method"] == "llmcompressor" and peer["weight_rounding"] == "gptq" and peer["gptq_seconds"] > 0
+    assert set(peer["format_map"].values()) == {"mxfp4_e2m1"}
+    assert peer["ppl_heldout"] != rtn["ppl_heldout"] and ours["weight_rounding"] == "gptq"
+    assert "Peers against this package" in output.read_text()
+
+
 HELP_OF_EVERY_SCRIPT = """
 import contextlib, io, json, runpy, sys, traceback
 scripts = sys.argv[1:]
