@@ -114,6 +114,7 @@ class Sweep:
     bit_average: str = "simple"
     weight_rounding: str = "rtn"
     learn_rotations: bool = False
+    gptq_samples: int | None = None  # None: every calibration sequence of the preset
     eval_tokens: int = 16384
     eval_seq_len: int = 512
     eval_offset: float = 0.1
@@ -151,6 +152,8 @@ class Sweep:
                 key.update(learn_rotations=True)
         if self.weight_rounding != "rtn" and method != "float":
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
+            if self.gptq_samples is not None:
+                key.update(gptq_samples=self.gptq_samples)
         if method in PEERS:
             key.update(weight_rounding="gptq", preset=self.preset)
         return key
@@ -277,7 +280,8 @@ class Runner:
                 start = time.perf_counter()
                 float_weights = {name: float_linears[name].weight for name in format_map}
                 batch_size = get_preset(self.sweep.preset).batch_size
-                round_weights_by_gptq(model, float_weights, self.calibration_ids(seed), batch_size)
+                sequences = self.calibration_ids(seed)[: self.sweep.gptq_samples]
+                round_weights_by_gptq(model, float_weights, sequences, batch_size)
                 row["gptq_seconds"] = round(time.perf_counter() - start, 1)
             for name, text in self.texts.items():
                 result = evaluate_perplexity(
@@ -324,8 +328,15 @@ def _identity(row: dict) -> tuple:
         "bit_average",
         "weight_rounding",
         "learn_rotations",
+        "gptq_samples",
     )
     return tuple(str(row.get(k, "")) for k in keys)
+
+
+def rounding_label(row: dict) -> str:
+    """The row's weight rounding, with the number of sequences GPTQ read when it was limited."""
+    rounding = row.get("weight_rounding", "rtn")
+    return f"{rounding} ({row['gptq_samples']} seq)" if row.get("gptq_samples") else rounding
 
 
 def rotation_label(row: dict) -> str:
@@ -345,7 +356,7 @@ def report(rows: list[dict]) -> str:
             r["model"],
             rotation_label(r),
             r.get("offset_groups", ""),
-            r.get("weight_rounding", "rtn"),
+            rounding_label(r),
             r["pair"],
             float(r["target"]) if r["pair"] else 0,
             order.get(r["method"], 99),
@@ -360,7 +371,7 @@ def report(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['model']} | {rotation_label(r)} | {r.get('offset_groups', '-')} | "
-            f"{r.get('weight_rounding', 'rtn')} | {r['method']} | {r['pair'] or '-'} | "
+            f"{rounding_label(r)} | {r['method']} | {r['pair'] or '-'} | "
             f"{r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | {r.get('bits_simple', '-')} | "
             f"{r.get('bits_weighted', '-')} | {r.get('storage_bits', '-')} | "
             + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts)
@@ -376,7 +387,7 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
         (
             r["model"],
             rotation_label(r),
-            (r.get("offset_groups"), r.get("weight_rounding")),
+            (r.get("offset_groups"), rounding_label(r)),
             r["pair"],
             r["target"],
             r["seed"],
@@ -433,14 +444,16 @@ def rounding_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     for r in rows:
         if r.get("weight_rounding") == "gptq" and cell(r) in rtn:
             for t in texts:
-                ratios.setdefault(r["method"], []).append(r[f"ppl_{t}"] / rtn[cell(r)][f"ppl_{t}"])
+                ratios.setdefault(f"`{r['method']}`, {rounding_label(r)}", []).append(
+                    r[f"ppl_{t}"] / rtn[cell(r)][f"ppl_{t}"]
+                )
     if not ratios:
         return []
     lines = ["GPTQ against round-to-nearest, the same map (same cell and seed), on each held-out text:", ""]
     for method, values in ratios.items():
         mean = math.exp(sum(map(math.log, values)) / len(values))
         lines.append(
-            f"- `{method}`: GPTQ lower in {sum(v < 1 for v in values)} of {len(values)} comparisons; geometric mean "
+            f"- {method}: GPTQ lower in {sum(v < 1 for v in values)} of {len(values)} comparisons; geometric mean "
             f"perplexity ratio {mean:.3f}"
         )
     return lines
@@ -450,7 +463,7 @@ def peer_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     """Each peer's row against this package's uniform row of the same format, rotation and rounding."""
 
     def cell(r: dict) -> tuple:
-        return r["model"], rotation_label(r), r["target"], r.get("weight_rounding", "rtn"), r["eval"]
+        return r["model"], rotation_label(r), r["target"], rounding_label(r), r["eval"]
 
     ours = {cell(r): r for r in rows if r["method"] == "uniform"}
     lines = []
@@ -495,6 +508,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         choices=["rtn", "gptq"],
         help="how each map's weights are rounded",
     )
+    p.add_argument("--gptq-samples", type=int, help="GPTQ reads only the first N calibration sequences")
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
     p.add_argument("--eval-seq-len", type=int, default=d.eval_seq_len)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -530,6 +544,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         bit_average=a.bit_average,
         weight_rounding=a.weight_rounding,
         learn_rotations=a.learn_rotations,
+        gptq_samples=a.gptq_samples,
         eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,
     )
