@@ -69,10 +69,12 @@ from optimum_dmx.calibration import (
     build_calibration_batches,
     calibrate,
     get_preset,
+    kl_preselection,
+    kl_sensitivities,
     round_weights_by_gptq,
     uniform_format_map,
 )
-from optimum_dmx.continuous import FORMAT_PAIRS
+from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn import emulate_format_map, format_map_bits, linear_modules_to_quantize
@@ -115,6 +117,7 @@ class Sweep:
     weight_rounding: str = "rtn"
     learn_rotations: bool = False
     gptq_samples: int | None = None  # None: every calibration sequence of the preset
+    sensitivity_rounding: str = "rtn"  # how `kl`'s scan rounds a layer in the low format: "rtn" or "gptq"
     eval_tokens: int = 16384
     eval_seq_len: int = 512
     eval_offset: float = 0.1
@@ -150,6 +153,8 @@ class Sweep:
             key.update(preset=self.preset, offset_groups=self.offset_groups, bit_average=self.bit_average)
             if self.learn_rotations:
                 key.update(learn_rotations=True)
+        if method == "kl" and self.sensitivity_rounding != "rtn":
+            key.update(sensitivity_rounding=self.sensitivity_rounding)
         if self.weight_rounding != "rtn" and method != "float":
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
             if self.gptq_samples is not None:
@@ -202,8 +207,25 @@ class Runner:
             learn_rotations=s.learn_rotations,
             **get_preset(s.preset).settings(),
         )
+        if method == "kl" and s.sensitivity_rounding == "gptq":
+            start = time.perf_counter()
+            low_weights = self.gptq_weights(model, get_format_pair(pair).low.name, seed)
+            sensitivities = kl_sensitivities(model, self.calibration_ids(seed), settings, low_weights=low_weights)
+            result = kl_preselection(model, self.calibration_ids(seed), settings, sensitivities=sensitivities)
+            return result.format_map, time.perf_counter() - start
         result = calibrate(model, self.calibration_ids(seed), settings)
         return result.format_map, result.seconds
+
+    def gptq_weights(self, model: torch.nn.Module, fmt: str, seed: int) -> dict[str, torch.Tensor]:
+        """Every quantized layer's weight rounded by GPTQ in `fmt` (all layers in it, the seed's sequences),
+        dequantized: what `--sensitivity-rounding gptq` scans each layer with."""
+        float_linears = linear_modules_to_quantize(model, SKIPPED)
+        format_map = dict.fromkeys(float_linears, fmt)
+        with emulate_format_map(model, format_map):
+            float_weights = {name: linear.weight for name, linear in float_linears.items()}
+            batch_size = get_preset(self.sweep.preset).batch_size
+            round_weights_by_gptq(model, float_weights, self.calibration_ids(seed), batch_size)
+            return {name: model.get_submodule(name).dequantized_weight(torch.float32) for name in format_map}
 
     def peer_model(self, method: str, seed: int) -> tuple[torch.nn.Module, float]:
         """A copy of the model holding the weights the peer made on the seed's calibration sequences, and the
@@ -329,6 +351,7 @@ def _identity(row: dict) -> tuple:
         "weight_rounding",
         "learn_rotations",
         "gptq_samples",
+        "sensitivity_rounding",
     )
     return tuple(str(row.get(k, "")) for k in keys)
 
@@ -337,6 +360,11 @@ def rounding_label(row: dict) -> str:
     """The row's weight rounding, with the number of sequences GPTQ read when it was limited."""
     rounding = row.get("weight_rounding", "rtn")
     return f"{rounding} ({row['gptq_samples']} seq)" if row.get("gptq_samples") else rounding
+
+
+def method_label(row: dict) -> str:
+    """The row's method, marked when `kl`'s scan rounded by GPTQ."""
+    return f"{row['method']} (GPTQ scan)" if row.get("sensitivity_rounding") == "gptq" else row["method"]
 
 
 def rotation_label(row: dict) -> str:
@@ -371,7 +399,7 @@ def report(rows: list[dict]) -> str:
     for r in rows:
         lines.append(
             f"| {r['model']} | {rotation_label(r)} | {r.get('offset_groups', '-')} | "
-            f"{rounding_label(r)} | {r['method']} | {r['pair'] or '-'} | "
+            f"{rounding_label(r)} | {method_label(r)} | {r['pair'] or '-'} | "
             f"{r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | {r.get('bits_simple', '-')} | "
             f"{r.get('bits_weighted', '-')} | {r.get('storage_bits', '-')} | "
             + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts)
@@ -391,7 +419,7 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
             r["pair"],
             r["target"],
             r["seed"],
-            r["method"],
+            method_label(r),
         ): r
         for r in rows
         if r["pair"]
@@ -400,7 +428,7 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
     for (model, rotation, groups, pair, target, seed, method), ours in by_cell.items():
         if method != "dmx":
             continue
-        for other in CALIBRATED[1:]:
+        for other in [*CALIBRATED[1:], "kl (GPTQ scan)"]:
             theirs = by_cell.get((model, rotation, groups, pair, target, seed, other))
             for t in texts if theirs else []:
                 ratio = ours[f"ppl_{t}"] / theirs[f"ppl_{t}"]
@@ -432,6 +460,7 @@ def rounding_comparison(rows: list[dict], texts: list[str]) -> list[str]:
                 "seed",
                 "rotation",
                 "learn_rotations",
+                "sensitivity_rounding",
                 "model",
                 "eval",
                 "offset_groups",
@@ -444,7 +473,7 @@ def rounding_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     for r in rows:
         if r.get("weight_rounding") == "gptq" and cell(r) in rtn:
             for t in texts:
-                ratios.setdefault(f"`{r['method']}`, {rounding_label(r)}", []).append(
+                ratios.setdefault(f"`{method_label(r)}`, {rounding_label(r)}", []).append(
                     r[f"ppl_{t}"] / rtn[cell(r)][f"ppl_{t}"]
                 )
     if not ratios:
@@ -509,6 +538,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         help="how each map's weights are rounded",
     )
     p.add_argument("--gptq-samples", type=int, help="GPTQ reads only the first N calibration sequences")
+    p.add_argument(
+        "--sensitivity-rounding",
+        default=d.sensitivity_rounding,
+        choices=["rtn", "gptq"],
+        help="`kl`'s scan puts each layer in the low format rounded to nearest (default) or by GPTQ",
+    )
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
     p.add_argument("--eval-seq-len", type=int, default=d.eval_seq_len)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -545,6 +580,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         weight_rounding=a.weight_rounding,
         learn_rotations=a.learn_rotations,
         gptq_samples=a.gptq_samples,
+        sensitivity_rounding=a.sensitivity_rounding,
         eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,
     )

@@ -64,6 +64,22 @@ def test_kl_sensitivities_cover_every_layer_and_are_positive(sensitive, sensitiv
     assert len({round(v, 8) for v in sensitivities.values()}) > 1
 
 
+def test_low_weights_replace_round_to_nearest_in_the_scan_and_only_for_their_layer(sensitive, sensitivities):
+    """Weights on the MXFP4 grid are scanned as given: the float weights rounded to nearest change nothing; one
+    layer given other weights (its own, doubled) moves that layer's sensitivity and no other's."""
+    model, ids = sensitive
+    s = CalibrationSettings(batch_size=4)
+    targets = linear_modules_to_quantize(model, ["lm_head"])
+    rounded = {name: quantize_mx(linear.weight, "mxfp4_e2m1") for name, linear in targets.items()}
+    assert kl_sensitivities(model, ids, s, progress=False, low_weights=rounded) == sensitivities
+    name = "model.layers.0.mlp.down_proj"
+    weights_before = {n: t.weight.clone() for n, t in targets.items()}
+    doubled = kl_sensitivities(model, ids, s, progress=False, low_weights={name: 2 * rounded[name]})
+    assert doubled[name] > 2 * sensitivities[name]
+    assert {n: v for n, v in doubled.items() if n != name} == {n: v for n, v in sensitivities.items() if n != name}
+    assert all(torch.equal(t.weight, weights_before[n]) for n, t in targets.items())  # every weight restored
+
+
 @pytest.mark.parametrize("bit_average", ["simple", "weighted"])
 @pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 5.5), ("mxfp8-mxfp4", 6.0)])
 def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target, bit_average):

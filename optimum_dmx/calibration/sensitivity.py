@@ -11,7 +11,7 @@ the same result as a whole pass.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from typing import Any
 
@@ -30,7 +30,11 @@ KL_SAMPLES = 4  # calibration sequences the scan reads (the first ones): its ran
 
 @torch.no_grad()
 def kl_sensitivities(
-    model: nn.Module, input_ids: torch.LongTensor, settings: CalibrationSettings, progress: bool = True
+    model: nn.Module,
+    input_ids: torch.LongTensor,
+    settings: CalibrationSettings,
+    progress: bool = True,
+    low_weights: Mapping[str, torch.Tensor] | None = None,
 ) -> dict[str, float]:
     """Per-layer KL(float || only this layer in the pair's low format), in nats per token.
 
@@ -38,6 +42,9 @@ def kl_sensitivities(
     distributions and the decoder layers' outputs, then one pass per layer from its own decoder layer on, in
     batches of `settings.batch_size`. The low format is the same for both pairs (MXFP4), so the result can be
     reused across pairs and targets.
+
+    `low_weights` (by layer name, optional) are weights already on the low format's grid, e.g. rounded by GPTQ,
+    that a layer's pass uses instead of its float weight rounded to nearest.
     """
     input_ids = input_ids[:KL_SAMPLES]
     low = get_format_pair(settings.format_pair).low.name
@@ -52,8 +59,11 @@ def kl_sensitivities(
     sensitivities = {}
     for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
         replayed = _layers_before(name, decoder_layers)
-        with emulate_format_map(
-            model, {name: low}, settings.block_size, settings.quantize_activations, settings.scale_rule
+        with (
+            _weight_swapped(targets[name], (low_weights or {}).get(name)),
+            emulate_format_map(
+                model, {name: low}, settings.block_size, settings.quantize_activations, settings.scale_rule
+            ),
         ):
             kl = 0.0
             for batch, (reference, outputs) in zip(batches, references):
@@ -61,6 +71,20 @@ def kl_sensitivities(
                     kl += next_token_kl(reference, next_token_log_probs(model, batch)).item()
         sensitivities[name] = kl / tokens
     return sensitivities
+
+
+@contextmanager
+def _weight_swapped(linear: nn.Linear, weight: torch.Tensor | None) -> Iterator[None]:
+    """`linear` holding `weight` instead of its own (nothing changes when it is None)."""
+    if weight is None:
+        yield
+        return
+    own = linear.weight.data
+    linear.weight.data = weight.to(own)
+    try:
+        yield
+    finally:
+        linear.weight.data = own
 
 
 def next_token_log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
