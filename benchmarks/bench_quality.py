@@ -178,6 +178,7 @@ class Runner:
         self.targets = linear_modules_to_quantize(self.model, SKIPPED)
         rotate_model(self.model, sweep.rotation, self.targets, seed=0)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.post_gptq_sensitivities: dict[tuple[str, int], tuple[dict[str, float], float]] = {}
         self.texts = {}
         for name, path in (sweep.eval_texts or texts.evaluation).items():
             text = Path(path).read_text(encoding="utf-8")
@@ -208,11 +209,15 @@ class Runner:
             **get_preset(s.preset).settings(),
         )
         if method == "kl" and s.sensitivity_rounding == "gptq":
-            start = time.perf_counter()
-            low_weights = self.gptq_weights(model, get_format_pair(pair).low.name, seed)
-            sensitivities = kl_sensitivities(model, self.calibration_ids(seed), settings, low_weights=low_weights)
+            low = get_format_pair(pair).low.name
+            if (low, seed) not in self.post_gptq_sensitivities:  # the same for every pair and target
+                start = time.perf_counter()
+                low_weights = self.gptq_weights(model, low, seed)
+                scan = kl_sensitivities(model, self.calibration_ids(seed), settings, low_weights=low_weights)
+                self.post_gptq_sensitivities[low, seed] = scan, time.perf_counter() - start
+            sensitivities, seconds = self.post_gptq_sensitivities[low, seed]
             result = kl_preselection(model, self.calibration_ids(seed), settings, sensitivities=sensitivities)
-            return result.format_map, time.perf_counter() - start
+            return result.format_map, seconds + result.seconds
         result = calibrate(model, self.calibration_ids(seed), settings)
         return result.format_map, result.seconds
 
