@@ -97,14 +97,16 @@ def _hessians_from_whole_passes(model, modules, ids, batch_size):
     return {n: sums[n] / counts[n] for n in modules}
 
 
-def test_each_layer_is_rounded_from_inputs_the_rounded_layers_before_it_computed(text_model):
+@pytest.mark.parametrize("formats", [FORMATS, ["mxfp4_e2m1"]], ids=["mixed", "one-format"])
+def test_each_layer_is_rounded_from_inputs_the_rounded_layers_before_it_computed(text_model, formats):
     """Sequential GPTQ: the last decoder layer's weights are exactly what GPTQ gives from Hessians that a whole
     forward pass measures with every earlier layer rounded and the layer itself still at round-to-nearest (so the
-    replayed passes computed the same inputs); and every layer's rounding differs from round-to-nearest."""
+    replayed passes computed the same inputs); and every layer's rounding differs from round-to-nearest. In one
+    format, q/k/v and gate/up share their Hessians: the result is the same as each computing its own."""
     model_dir, _, _, ids = text_model
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     names = linear_names(model)
-    format_map = {name: FORMATS[i % len(FORMATS)] for i, name in enumerate(names)}
+    format_map = {name: formats[i % len(formats)] for i, name in enumerate(names)}
     float_weights = {name: model.get_submodule(name).weight for name in names}
     last = [n for n in names if n.startswith(list(decoder_layers(model))[-1] + ".")]
     with emulate_format_map(model, format_map):
@@ -120,6 +122,20 @@ def test_each_layer_is_rounded_from_inputs_the_rounded_layers_before_it_computed
     for name in last:
         expected = gptq_pack(float_weights[name], hessians[name], get_format(format_map[name]))
         assert torch.equal(gptq[name][0], expected.codes) and torch.equal(gptq[name][1], expected.scales), name
+
+
+def test_a_layer_the_calibration_never_reaches_keeps_round_to_nearest_with_one_warning(text_model):
+    model_dir, _, _, ids = text_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model.model.layers[0].mlp.unused = torch.nn.Linear(64, 32, bias=False)  # never called by the forward pass
+    names = [*linear_names(model), "model.layers.0.mlp.unused"]
+    float_weights = {name: model.get_submodule(name).weight for name in names}
+    with emulate_format_map(model, dict.fromkeys(names, "mxfp4_e2m1")):
+        unused = model.get_submodule("model.layers.0.mlp.unused")
+        rtn = unused.weight_packed.clone()
+        with pytest.warns(RuntimeWarning, match="never reached .*: model.layers.0.mlp.unused$"):
+            singular = round_weights_by_gptq(model, float_weights, ids, SIZES["batch_size"], progress=False)
+        assert singular == ["model.layers.0.mlp.unused"] and torch.equal(unused.weight_packed, rtn)
 
 
 def test_only_mx_linears_are_rounded(text_model):

@@ -128,8 +128,8 @@ def round_weights_by_gptq(
 
     At most `GPTQ_MAX_TOKENS` tokens are read: the first sequences of `input_ids` that fit.
 
-    Returns the names of the layers whose Hessian was singular: they keep round-to-nearest (one warning names
-    them).
+    Returns the names of the layers whose Hessian was singular, or that no calibration token reached: they keep
+    round-to-nearest (one warning names them).
     """
     modules = {name: model.get_submodule(name) for name in float_weights}
     for name, module in modules.items():
@@ -148,6 +148,9 @@ def round_weights_by_gptq(
         hessians = _hessians(model, {n: modules[n] for n in names}, batches, done, recorded, layer)
         for name in names:
             module = modules[name]
+            if name not in hessians:  # never called on the calibration data
+                singular.append(name)
+                continue
             try:
                 weight = float_weights[name].to(hessians[name].device)
                 packed = gptq_pack(weight, hessians[name], module.fmt, module.block_size, module.scale_rule, damping)
@@ -161,8 +164,8 @@ def round_weights_by_gptq(
             done.append(layer)
     if singular:
         warnings.warn(
-            f"optimum-dmx: GPTQ kept round-to-nearest for {len(singular)} layer(s) whose inputs give a singular "
-            f"Hessian even after dampening: {', '.join(singular)}",
+            f"optimum-dmx: GPTQ kept round-to-nearest for {len(singular)} layer(s) that the calibration data never "
+            f"reached or whose inputs give a singular Hessian even after dampening: {', '.join(singular)}",
             RuntimeWarning,
             stacklevel=2,
         )
@@ -188,20 +191,33 @@ def _hessians(
     layer: nn.Module | None,
 ) -> dict[str, torch.Tensor]:
     """``X^T X / n`` of each module's matmul input (transformed and quantized as its forward does) over
-    `batches`; the pass stops after `layer` (or runs the whole model when it is `None`)."""
-    sums = {
-        name: torch.zeros(m.in_features, m.in_features, device=m.weight_packed.device) for name, m in modules.items()
-    }
-    counts = dict.fromkeys(modules, 0)
+    `batches`; the pass stops after `layer` (or runs the whole model when it is `None`).
+
+    Modules that read the same input tensor and transform and quantize it alike (q/k/v, gate/up in one format)
+    get the same matrix, computed and stored once. A module the pass never reached has none."""
+    sums: dict[str, torch.Tensor] = {}  # by the name of the first module whose input it sums
+    counts: dict[str, int] = {}
+    owners: dict[str, str] = {}  # module name -> the name its Hessian is summed under
+    inputs: list[tuple[torch.Tensor, tuple, str]] = []  # the current batch's inputs: (tensor, how read, owner)
 
     def gather(name: str):
         def hook(module: MXLinear, args: tuple, output: Any) -> None:
             x = args[0]
+            how = (id(module.input_transform), module.quantize_activations, module.fmt.name, module.scale_rule)
+            owner = next((o for seen, h, o in inputs if seen is x and h == how), name)
+            if owners.setdefault(name, owner) != owner:
+                raise RuntimeError(f"GPTQ: {name!r} shared its input differently from one batch to the next")
+            if owner != name:
+                return
+            inputs.append((x, how, name))  # kept alive until the batch ends, so `is` cannot meet a reused id
             if module.input_transform is not None:
                 x = module.input_transform(x)
             if module.quantize_activations:
                 x = module.quantized_input(x)
             x = x.reshape(-1, x.shape[-1]).float()
+            if name not in sums:
+                sums[name] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+                counts[name] = 0
             sums[name].addmm_(x.T, x)
             counts[name] += x.shape[0]
 
@@ -211,10 +227,11 @@ def _hessians(
     try:
         for batch, output in zip(batches, recorded):
             _run(model, batch, replayed, output, layer)
+            inputs.clear()
     finally:
         for handle in handles:
             handle.remove()
-    return {name: sums[name] / max(counts[name], 1) for name in modules}
+    return {name: sums[owner] / counts[owner] for name, owner in owners.items()}
 
 
 def _output_of(model: nn.Module, layer: nn.Module, batch: torch.Tensor, replayed: list[nn.Module], output: Any) -> Any:
