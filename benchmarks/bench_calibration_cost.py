@@ -134,7 +134,8 @@ def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
     result = calibrate(model, ids, settings, progress=False)
     steps = sum(result.step_seconds)
     setup = result.seconds - steps - result.scan_seconds
-    gptq = gptq_seconds(model, result.format_map, ids, preset.batch_size)
+    gptq_ids = ids[: preset.gptq_samples]  # the sequences `weight_rounding="gptq"` reads at this preset
+    gptq = gptq_seconds(model, result.format_map, gptq_ids, preset.batch_size)
     lines = [
         "## Run",
         "",
@@ -152,7 +153,7 @@ def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
     ]:
         lines.append(f"| {what} | {seconds:.1f} | {seconds / reference:.0f} | {seconds / result.seconds:.0%} |")
     lines.append(
-        f'| then GPTQ rounding of the map (`weight_rounding="gptq"`, {len(ids)} sequences) | {gptq:.1f} | '
+        f'| then GPTQ rounding of the map (`weight_rounding="gptq"`, {len(gptq_ids)} sequences) | {gptq:.1f} | '
         f"{gptq / reference:.0f} | +{gptq / result.seconds:.0%} |"
     )
     lines.append("")

@@ -40,6 +40,23 @@ def test_gptq_halves_the_output_error_of_round_to_nearest_on_correlated_inputs(n
     assert gptq_error < 0.7 * rtn_error
 
 
+@pytest.mark.parametrize("name", FORMATS)
+def test_scale_search_picks_neighbouring_exponents_that_lower_the_output_error(name):
+    """With `scale_search` some blocks take the rule's exponent plus or minus one, never further, and the layer's
+    output error on its inputs is lower than with the rule's exponents."""
+    fmt = get_format(name)
+    weight, x = _problem(seed=10 + FORMATS.index(name))
+    weight[:, ::7] *= 4  # a few large weights per block, which the rule's exponent must cover
+    xq = quantize_mx(x, fmt)
+    hessian = xq.T @ xq / len(xq)
+    rule, searched = gptq_pack(weight, hessian, fmt), gptq_pack(weight, hessian, fmt, scale_search=True)
+    moved = searched.scales.int() - rule.scales.int()
+    assert moved.abs().max() == 1 and moved.ne(0).float().mean() < 0.5
+    rule_error = (xq @ (weight - unpack_mx(rule)).T).pow(2).mean()
+    searched_error = (xq @ (weight - unpack_mx(searched)).T).pow(2).mean()
+    assert searched_error < rule_error
+
+
 @pytest.mark.parametrize("scale_rule", ["ocp", "compressed-tensors", "quark"])
 @pytest.mark.parametrize("name", FORMATS)
 def test_with_uncorrelated_inputs_gptq_is_round_to_nearest_bit_for_bit(name, scale_rule):
@@ -268,3 +285,30 @@ def test_gptq_reads_at_most_its_token_budget(text_model, monkeypatch):
             round_weights_by_gptq(model, float_weights, ids[:sequences], 2, progress=False)
             results.append([model.get_submodule(n).weight_packed.clone() for n in names])
     assert all(torch.equal(a, b) for a, b in zip(*results))
+
+
+def test_gptq_reads_the_first_sequences_its_preset_names(text_model, monkeypatch):
+    """A preset's `gptq_samples` (the CLI's `cpu-demo`: 64 of 160) limits GPTQ through `from_pretrained` to the
+    first calibration sequences: the stored codes are those of rounding on those sequences alone."""
+    import dataclasses
+
+    from optimum_dmx.calibration import presets
+
+    model_dir, tokenizer, text, ids = text_model
+    monkeypatch.setitem(presets.PRESETS, "cpu-demo", dataclasses.replace(presets.PRESETS["cpu-demo"], gptq_samples=3))
+    names = linear_names(AutoModelForCausalLM.from_pretrained(model_dir))
+    format_map = dict.fromkeys(names, "mxfp4_e2m1")
+    config = DMXConfig(
+        format_map=format_map, weight_rounding="gptq", dataset=[text], tokenizer=tokenizer, preset="cpu-demo", **SIZES
+    )
+    quantized = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    float_weights = {name: model.get_submodule(name).weight for name in names}
+    with emulate_format_map(model, format_map):
+        for sequences, same in ((3, True), (len(ids), False)):
+            round_weights_by_gptq(model, float_weights, ids[:sequences], SIZES["batch_size"], progress=False)
+            codes = [
+                torch.equal(model.get_submodule(n).weight_packed, quantized.get_submodule(n).weight_packed)
+                for n in names
+            ]
+            assert all(codes) if same else not all(codes)

@@ -10,8 +10,9 @@ overrides its preset's value. The default is `"paper"`.
   2.3x an unquantized one, so 400 steps take about 30 minutes and the KL scan (224 forward passes of 8,192
   tokens) about 2. Memory: 16 GB of bf16 weights, two bf16 copies of them quantized at the format endpoints
   (32 GB), one decoder layer's activations per sequence kept by checkpointing.
-* `"cpu-demo"`: what the CLI's default run uses, about 8.5 minutes for a 135M model on 2 idle CPU cores: 40 steps of
-  4 x 128 tokens.
+* `"cpu-demo"`: what the CLI's default run uses, for a 135M model on 2 idle CPU cores: 40 steps of 4 x 128 tokens;
+  GPTQ reads the first 64 of its 160 sequences (on the benchmark's 5-bit map, 64 sequences kept all but 0.3% of
+  the held-out perplexity gain of 320, in 40% of the time: `benchmarks/results/quality.md`).
 * `"cpu-bench"`: the quality benchmark's runs on a 135M model on a CPU: 80 steps of 4 x 128 tokens; the paper's
   procedure then needs a larger step than the paper's lr of 1 to move its offsets in so few steps (20).
 """
@@ -34,10 +35,11 @@ class Preset:
     steps: int
     gradient_checkpointing: bool = False
     paper: PaperRecipe = field(default_factory=PaperRecipe)
+    gptq_samples: int | None = None  # GPTQ reads the first ones of the calibration sequences (None: all)
 
     def settings(self) -> dict:
-        """The `CalibrationSettings` fields this preset sets."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        """The `CalibrationSettings` fields this preset sets (GPTQ's sequences are not calibration's)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "gptq_samples"}
 
 
 _PAPER = Preset(num_samples=3200, seq_len=2048, batch_size=8, steps=400)
@@ -45,7 +47,7 @@ _PAPER = Preset(num_samples=3200, seq_len=2048, batch_size=8, steps=400)
 PRESETS: dict[str, Preset] = {
     "paper": _PAPER,
     "gpu": dataclasses.replace(_PAPER, gradient_checkpointing=True),
-    "cpu-demo": Preset(num_samples=160, seq_len=128, batch_size=4, steps=40),
+    "cpu-demo": Preset(num_samples=160, seq_len=128, batch_size=4, steps=40, gptq_samples=64),
     "cpu-bench": Preset(num_samples=320, seq_len=128, batch_size=4, steps=80, paper=PaperRecipe(lr=20.0)),
 }
 DEFAULT_PRESET = "paper"

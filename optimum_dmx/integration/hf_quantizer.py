@@ -115,8 +115,10 @@ class DMXHfQuantizer(HfQuantizer):
         replace_with_mx_linear(model, format_map, **_mx_options(config))
         if gptq_weights:
             from ..calibration.gptq import round_weights_by_gptq
+            from ..calibration.presets import get_preset
 
-            round_weights_by_gptq(model, gptq_weights, input_ids, config.batch_size)
+            sequences = input_ids[: get_preset(config.preset).gptq_samples]
+            round_weights_by_gptq(model, gptq_weights, sequences, config.batch_size)
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
         return config.with_result(
