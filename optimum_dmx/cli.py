@@ -123,11 +123,22 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument("--eval-text", type=Path, help="held-out text: report perplexity before and after")
     quantize.set_defaults(handler=run_quantize)
 
-    evaluate = commands.add_parser("eval", help="perplexity of a saved model on a text")
+    evaluate = commands.add_parser(
+        "eval", help="perplexity of a saved model on a text (--text), or its lm-eval task accuracy (--tasks)"
+    )
     evaluate.add_argument("model", type=Path, help="saved model folder")
-    evaluate.add_argument("--text", type=Path, required=True, help="UTF-8 text file")
-    evaluate.add_argument("--seq-len", type=_positive_int, default=EVAL_SEQ_LEN, help="window length")
-    evaluate.add_argument("--max-tokens", type=_positive_int, default=EVAL_MAX_TOKENS, help="tokens evaluated")
+    measure = evaluate.add_mutually_exclusive_group(required=True)
+    measure.add_argument("--text", type=Path, help="UTF-8 text file: report perplexity")
+    measure.add_argument(
+        "--tasks", help="comma list of lm-eval tasks, e.g. arc_easy,hellaswag (needs optimum-dmx[eval])"
+    )
+    evaluate.add_argument("--seq-len", type=_positive_int, default=EVAL_SEQ_LEN, help="window length (--text)")
+    evaluate.add_argument("--max-tokens", type=_positive_int, default=EVAL_MAX_TOKENS, help="tokens evaluated (--text)")
+    evaluate.add_argument("--include-path", type=Path, help="folder of local lm-eval task YAML files (--tasks)")
+    evaluate.add_argument("--num-fewshot", type=int, help="examples before each question (--tasks)")
+    evaluate.add_argument("--limit", type=_positive_int, help="only the first N examples of each task (--tasks)")
+    evaluate.add_argument("--batch-size", type=_positive_int, default=1, help="sequences per forward (--tasks)")
+    evaluate.add_argument("--output", type=Path, help="also write the task metrics as JSON here (--tasks)")
     evaluate.set_defaults(handler=run_eval)
 
     inspect = commands.add_parser("inspect", help="summarize a dMX checkpoint's format map")
@@ -356,15 +367,50 @@ def _print_summary(applied: dict, info, before, after, output: Path) -> None:
 # --- eval and inspect ---------------------------------------------------------------------------------
 
 
+def _run_tasks(args, model, tokenizer) -> int:
+    """`eval --tasks`: lm-eval's metrics, one line per task and metric, and the JSON file if asked."""
+    from .tasks import evaluate_tasks
+
+    tasks = [task for task in args.tasks.split(",") if task]
+    try:
+        results = evaluate_tasks(
+            model,
+            tokenizer,
+            tasks,
+            include_path=args.include_path,
+            num_fewshot=args.num_fewshot,
+            limit=args.limit,
+            batch_size=args.batch_size,
+        )
+    except (ImportError, ValueError) as err:
+        raise UsageError(str(err)) from err
+    for task, metrics in results.items():
+        for metric, value in metrics.items():
+            name, _, _filter = metric.partition(",")
+            if not name.endswith("_stderr") and f"{name}_stderr,{_filter}" in metrics:
+                print(f"{task:<24} {name:<10} {value:.4f} +- {metrics[f'{name}_stderr,{_filter}']:.4f}")
+            elif not name.endswith("_stderr"):
+                print(f"{task:<24} {name:<10} {value:.4f}")
+    if args.limit:
+        print(f"(first {args.limit} examples of each task: a quick check, not a comparable number)")
+    if args.output:
+        args.output.write_text(
+            json.dumps({"model": str(args.model), "limit": args.limit, "results": results}, indent=1)
+        )
+    return 0
+
+
 def run_eval(args) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     import optimum_dmx  # noqa: F401  (registers "dmx" so dMX checkpoints load as MX models)
 
     folder = _require_model_folder(args.model)
-    text = _read_text(args.text)
+    text = _read_text(args.text) if args.text else None
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = AutoModelForCausalLM.from_pretrained(folder)
+    if text is None:
+        return _run_tasks(args, model, tokenizer)
     from .evaluation import evaluate_perplexity
 
     try:

@@ -1,0 +1,121 @@
+"""lm-eval task accuracy (`optimum_dmx.tasks`, `optimum-dmx eval --tasks`) on the repository's offline task.
+
+`tests/lm_eval_tasks/austen_cloze` is a 60-item multiple-choice task from Pride and Prejudice. The model is a tiny
+random Llama over a word tokenizer of the task's own words, so every choice is its own token; lm-eval's accuracy
+is checked against this test's own scoring of the same items (the sum of the choice's token log-probabilities
+after the context, the highest one chosen).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from optimum_dmx import DMXConfig
+
+pytest.importorskip("lm_eval")
+from optimum_dmx.tasks import evaluate_tasks  # noqa: E402
+
+TASKS = Path(__file__).parent / "lm_eval_tasks"
+ITEMS = [json.loads(line) for line in (TASKS / "austen_cloze" / "austen_cloze.jsonl").read_text().splitlines()]
+LIMIT = 24
+
+
+def _tokenizer() -> PreTrainedTokenizerFast:
+    words = sorted({w for item in ITEMS for w in (item["context"].split() + item["choices"])})
+    vocab = {"[UNK]": 0, "</s>": 1, **{w: i + 2 for i, w in enumerate(words)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="[UNK]", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory) -> dict[str, Path]:
+    """The tiny model saved in float, and as a dMX checkpoint (uniform MXFP4, rounded to nearest)."""
+    root = tmp_path_factory.mktemp("cloze")
+    tokenizer = _tokenizer()
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tokenizer),
+        initializer_range=0.2,  # a random model with opinions: choices' scores far apart
+    )
+    LlamaForCausalLM(config).save_pretrained(root / "float")
+    tokenizer.save_pretrained(root / "float")
+    names = [
+        f"model.layers.{i}.{m}"
+        for i in range(2)
+        for m in (
+            "self_attn.q_proj",
+            "self_attn.k_proj",
+            "self_attn.v_proj",
+            "self_attn.o_proj",
+            "mlp.gate_proj",
+            "mlp.up_proj",
+            "mlp.down_proj",
+        )
+    ]
+    dmx = DMXConfig(format_map=dict.fromkeys(names, "mxfp4_e2m1"))
+    AutoModelForCausalLM.from_pretrained(root / "float", quantization_config=dmx).save_pretrained(root / "dmx")
+    tokenizer.save_pretrained(root / "dmx")
+    return {"float": root / "float", "dmx": root / "dmx"}
+
+
+@torch.no_grad()
+def _our_accuracy(model, tokenizer) -> float:
+    correct = 0
+    for item in ITEMS[:LIMIT]:
+        context = tokenizer(item["context"]).input_ids
+        scores = []
+        for choice in item["choices"]:
+            ids = tokenizer(item["context"] + " " + choice).input_ids
+            log_probs = torch.log_softmax(model(torch.tensor([ids[:-1]])).logits[0].float(), -1)
+            scores.append(sum(log_probs[i - 1, ids[i]].item() for i in range(len(context), len(ids))))
+        correct += max(range(len(scores)), key=scores.__getitem__) == item["answer"]
+    return correct / LIMIT
+
+
+def test_lm_eval_accuracy_is_the_choice_scoring_of_the_model(folders):
+    model = AutoModelForCausalLM.from_pretrained(folders["float"]).eval()
+    tokenizer = _tokenizer()
+    results = evaluate_tasks(model, tokenizer, ["austen_cloze"], include_path=TASKS, limit=LIMIT)
+    assert set(results) == {"austen_cloze"}
+    assert results["austen_cloze"]["acc,none"] == pytest.approx(_our_accuracy(model, tokenizer), abs=1e-9)
+    assert 0 < results["austen_cloze"]["acc_stderr,none"] < 1
+
+
+def test_cli_evaluates_a_dmx_checkpoint_on_a_local_task(folders, tmp_path):
+    """A real `optimum-dmx eval --tasks` process on a saved dMX checkpoint: its MX layers compute the scores."""
+    output = tmp_path / "tasks.json"
+    command = [sys.executable, "-m", "optimum_dmx", "eval", str(folders["dmx"]), "--tasks", "austen_cloze"]
+    command += ["--include-path", str(TASKS), "--limit", str(LIMIT), "--output", str(output)]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "austen_cloze" in result.stdout and "acc" in result.stdout and f"first {LIMIT} examples" in result.stdout
+    metrics = json.loads(output.read_text())["results"]["austen_cloze"]
+    model = AutoModelForCausalLM.from_pretrained(folders["dmx"]).eval()
+    assert type(model.model.layers[0].mlp.down_proj).__name__ == "MXLinear"
+    assert metrics["acc,none"] == pytest.approx(_our_accuracy(model, _tokenizer()), abs=1e-9)
+
+
+def test_unknown_tasks_and_tokenizers_without_an_end_token_are_refused_by_name(folders):
+    model = AutoModelForCausalLM.from_pretrained(folders["float"]).eval()
+    with pytest.raises(ValueError, match="no task 'austen_clozee'"):
+        evaluate_tasks(model, _tokenizer(), ["austen_clozee"], include_path=TASKS)
+    bare = PreTrainedTokenizerFast(tokenizer_object=_tokenizer()._tokenizer, unk_token="[UNK]")
+    with pytest.raises(ValueError, match="end-of-text or BOS"):
+        evaluate_tasks(model, bare, ["austen_cloze"], include_path=TASKS)
+    command = [sys.executable, "-m", "optimum_dmx", "eval", str(folders["float"])]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2 and "one of the arguments --text --tasks is required" in result.stderr
