@@ -118,7 +118,6 @@ class Sweep:
     learn_rotations: bool = False
     gptq_samples: int | None = None  # None: every calibration sequence of the preset
     sensitivity_rounding: str = "rtn"  # how `kl`'s scan rounds a layer in the low format: "rtn" or "gptq"
-    gptq_scale_search: bool = False  # GPTQ picks each block's exponent among the rule's and its neighbours
     eval_tokens: int = 16384
     eval_seq_len: int = 512
     eval_offset: float = 0.1
@@ -160,8 +159,6 @@ class Sweep:
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
             if self.gptq_samples is not None:
                 key.update(gptq_samples=self.gptq_samples)
-            if self.gptq_scale_search:
-                key.update(gptq_scale_search=True)
         if method in PEERS:
             key.update(weight_rounding="gptq", preset=self.preset)
         return key
@@ -312,9 +309,7 @@ class Runner:
                 preset = get_preset(self.sweep.preset)
                 batch_size = preset.batch_size
                 sequences = self.calibration_ids(seed)[: self.sweep.gptq_samples or preset.gptq_samples]
-                round_weights_by_gptq(
-                    model, float_weights, sequences, batch_size, scale_search=self.sweep.gptq_scale_search
-                )
+                round_weights_by_gptq(model, float_weights, sequences, batch_size)
                 row["gptq_seconds"] = round(time.perf_counter() - start, 1)
             for name, text in self.texts.items():
                 result = evaluate_perplexity(
@@ -363,17 +358,14 @@ def _identity(row: dict) -> tuple:
         "learn_rotations",
         "gptq_samples",
         "sensitivity_rounding",
-        "gptq_scale_search",
     )
     return tuple(str(row.get(k, "")) for k in keys)
 
 
 def rounding_label(row: dict) -> str:
     """The row's weight rounding, with the number of sequences GPTQ read when it was limited."""
-    details = [f"{row['gptq_samples']} seq"] if row.get("gptq_samples") else []
-    details += ["scale search"] if row.get("gptq_scale_search") else []
     rounding = row.get("weight_rounding", "rtn")
-    return f"{rounding} ({', '.join(details)})" if details else rounding
+    return f"{rounding} ({row['gptq_samples']} seq)" if row.get("gptq_samples") else rounding
 
 
 def method_label(row: dict) -> str:
@@ -553,11 +545,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
     )
     p.add_argument("--gptq-samples", type=int, help="GPTQ reads only the first N calibration sequences")
     p.add_argument(
-        "--gptq-scale-search",
-        action="store_true",
-        help="GPTQ picks each block's exponent among the scale rule's and its two neighbours by the error",
-    )
-    p.add_argument(
         "--sensitivity-rounding",
         default=d.sensitivity_rounding,
         choices=["rtn", "gptq"],
@@ -600,7 +587,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         learn_rotations=a.learn_rotations,
         gptq_samples=a.gptq_samples,
         sensitivity_rounding=a.sensitivity_rounding,
-        gptq_scale_search=a.gptq_scale_search,
         eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,
     )

@@ -27,7 +27,7 @@ from tqdm.auto import tqdm
 from ..formats.blocks import block_scale, pow2, to_blocks
 from ..formats.cast import block_exponents, round_elements
 from ..formats.packing import MXPackedTensor, pack_blocks
-from ..formats.spec import SCALE_EXPONENT_MAX, SCALE_EXPONENT_MIN, MXFormat
+from ..formats.spec import SCALE_EXPONENT_MAX, MXFormat
 from ..nn.mx_linear import MXLinear
 from .checkpointing import decoder_layers as find_decoder_layers
 from .sensitivity import replaying
@@ -50,14 +50,11 @@ def gptq_pack(
     block_size: int = 32,
     scale_rule: str = "ocp",
     damping: float = GPTQ_DAMPING,
-    scale_search: bool = False,
 ) -> MXPackedTensor:
     """``weight`` (``[out, in]``) rounded to ``fmt`` by GPTQ with ``hessian`` (``[in, in]``), in storage form.
 
     Input features whose Hessian diagonal is zero (never active on the calibration data) get weight zero, as in
-    GPTQ. Raises `SingularHessianError` when the dampened Hessian is not positive definite. With `scale_search`,
-    each block's exponent is the one among `scale_rule`'s and its two neighbours that rounds the block with the
-    least error (`_searched_exponents`) instead of the rule's own.
+    GPTQ. Raises `SingularHessianError` when the dampened Hessian is not positive definite.
     """
     out_features, in_features = weight.shape
     rows = to_blocks(weight.detach(), block_size).reshape(out_features, -1).clone()  # float32, zero-padded
@@ -73,17 +70,12 @@ def gptq_pack(
         factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
     if info.item() != 0:
         raise SingularHessianError("the dampened Hessian is not positive definite")
-    elements, exponents = _round_columns(rows, factor, fmt, block_size, scale_rule, scale_search)
+    elements, exponents = _round_columns(rows, factor, fmt, block_size, scale_rule)
     return pack_blocks(elements.view(out_features, -1, block_size), exponents.unsqueeze(-1), fmt, weight.shape)
 
 
 def _round_columns(
-    rows: torch.Tensor,
-    inverse_factor: torch.Tensor,
-    fmt: MXFormat,
-    block_size: int,
-    scale_rule: str,
-    scale_search: bool = False,
+    rows: torch.Tensor, inverse_factor: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """GPTQ's column loop on ``rows`` (modified in place): the elements (in units of their block's ``2^k``) and
     the blocks' exponents ``k``. ``inverse_factor`` is the upper Cholesky factor of the inverse Hessian."""
@@ -99,10 +91,7 @@ def _round_columns(
         for i in range(end - start):
             column = start + i
             if column % block_size == 0:
-                block = chunk[:, i : i + block_size]
-                k = block_exponents(block.unsqueeze(1), fmt, scale_rule).view(-1)
-                if scale_search:
-                    k = _searched_exponents(block, k, u.diagonal()[i : i + block_size], fmt)
+                k = block_exponents(chunk[:, i : i + block_size].unsqueeze(1), fmt, scale_rule).view(-1)
                 exponents[:, column // block_size] = k
                 scale, inverse_scale = block_scale(k), pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 1))
             element = round_elements(chunk[:, i] * inverse_scale, fmt)
@@ -112,27 +101,6 @@ def _round_columns(
             errors[:, i] = error
         rows[:, end:].sub_(errors @ inverse_factor[start:end, end:])
     return elements, exponents
-
-
-def _searched_exponents(
-    block: torch.Tensor, k: torch.Tensor, inverse_factor_diagonal: torch.Tensor, fmt: MXFormat
-) -> torch.Tensor:
-    """Per row of `block` (``[out, block_size]``), the exponent among ``k - 1, k, k + 1`` whose round-to-nearest
-    error is least, each column's squared error weighted by ``1 / U_jj^2`` (GPTQ's cost of an error in column ``j``).
-    A smaller exponent clips the block's largest values but refines the rest; a larger one the reverse. NaN blocks
-    keep theirs."""
-    importance = inverse_factor_diagonal.reciprocal().square()
-    best, least = k, None
-    for candidate in (k, k - 1, k + 1):  # k first: ties keep the rule's exponent
-        c = candidate.clamp(SCALE_EXPONENT_MIN, SCALE_EXPONENT_MAX - 1)
-        rounded = round_elements(block * pow2(-c).unsqueeze(1), fmt) * block_scale(c).unsqueeze(1)
-        error = ((block - rounded).square() * importance).sum(1)
-        if least is None:
-            least = error
-            continue
-        better = (error < least) & (k <= SCALE_EXPONENT_MAX)
-        best, least = torch.where(better, c, best), torch.where(better, error, least)
-    return best
 
 
 class _Stop(Exception):
@@ -147,7 +115,6 @@ def round_weights_by_gptq(
     batch_size: int,
     damping: float = GPTQ_DAMPING,
     progress: bool = True,
-    scale_search: bool = False,
 ) -> list[str]:
     """Re-round, in place, the weights of the `MXLinear`s named in `float_weights` by GPTQ from their float weights.
 
@@ -159,8 +126,7 @@ def round_weights_by_gptq(
     the layer's round-to-nearest weights computed. Linears outside every decoder layer are rounded last, from whole
     passes.
 
-    At most `GPTQ_MAX_TOKENS` tokens are read: the first sequences of `input_ids` that fit. `scale_search`: see
-    `gptq_pack`.
+    At most `GPTQ_MAX_TOKENS` tokens are read: the first sequences of `input_ids` that fit.
 
     Returns the names of the layers whose Hessian was singular, or that no calibration token reached: they keep
     round-to-nearest (one warning names them).
@@ -187,9 +153,7 @@ def round_weights_by_gptq(
                 continue
             try:
                 weight = float_weights[name].to(hessians[name].device)
-                packed = gptq_pack(
-                    weight, hessians[name], module.fmt, module.block_size, module.scale_rule, damping, scale_search
-                )
+                packed = gptq_pack(weight, hessians[name], module.fmt, module.block_size, module.scale_rule, damping)
             except SingularHessianError:
                 singular.append(name)
                 continue
