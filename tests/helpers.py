@@ -35,9 +35,14 @@ REPO_ROOT = Path(__file__).resolve().parents[1]
 
 
 def tiny_llama(
-    seed: int = 0, initializer_range: float = 0.02, dtype: torch.dtype = torch.float32, num_hidden_layers: int = 2
+    seed: int = 0,
+    initializer_range: float = 0.02,
+    dtype: torch.dtype = torch.float32,
+    num_hidden_layers: int = 2,
+    vocab_size: int = 128,
 ) -> LlamaForCausalLM:
-    """A randomly initialised Llama with 7 decoder linears per layer (hidden 64, vocab 128; 2 layers by default)."""
+    """A randomly initialised Llama with 7 decoder linears per layer (hidden 64; vocab 128 and 2 layers by
+    default)."""
     torch.manual_seed(seed)
     config = LlamaConfig(
         hidden_size=64,
@@ -45,7 +50,7 @@ def tiny_llama(
         num_hidden_layers=num_hidden_layers,
         num_attention_heads=4,
         num_key_value_heads=2,
-        vocab_size=128,
+        vocab_size=vocab_size,
         initializer_range=initializer_range,
     )
     return LlamaForCausalLM(config).to(dtype).eval()

@@ -16,9 +16,11 @@ from pathlib import Path
 import pytest
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from optimum_dmx import DMXConfig
+
+from .helpers import linear_names, tiny_llama
 
 pytest.importorskip("lm_eval")
 from optimum_dmx.tasks import evaluate_tasks  # noqa: E402
@@ -41,32 +43,11 @@ def folders(tmp_path_factory) -> dict[str, Path]:
     """The tiny model saved in float, and as a dMX checkpoint (uniform MXFP4, rounded to nearest)."""
     root = tmp_path_factory.mktemp("cloze")
     tokenizer = _tokenizer()
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tokenizer),
-        initializer_range=0.2,  # a random model with opinions: choices' scores far apart
-    )
-    LlamaForCausalLM(config).save_pretrained(root / "float")
+    # initializer_range 0.2: a random model with opinions, its choices' scores far apart
+    model = tiny_llama(initializer_range=0.2, vocab_size=len(tokenizer))
+    model.save_pretrained(root / "float")
     tokenizer.save_pretrained(root / "float")
-    names = [
-        f"model.layers.{i}.{m}"
-        for i in range(2)
-        for m in (
-            "self_attn.q_proj",
-            "self_attn.k_proj",
-            "self_attn.v_proj",
-            "self_attn.o_proj",
-            "mlp.gate_proj",
-            "mlp.up_proj",
-            "mlp.down_proj",
-        )
-    ]
-    dmx = DMXConfig(format_map=dict.fromkeys(names, "mxfp4_e2m1"))
+    dmx = DMXConfig(format_map=dict.fromkeys(linear_names(model), "mxfp4_e2m1"))
     AutoModelForCausalLM.from_pretrained(root / "float", quantization_config=dmx).save_pretrained(root / "dmx")
     tokenizer.save_pretrained(root / "dmx")
     return {"float": root / "float", "dmx": root / "dmx"}
@@ -137,11 +118,7 @@ def test_smollm2_answers_the_cloze_task_and_its_mxfp8_checkpoint_nearly_as_well(
         if name == "float":
             model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
         else:
-            names = [
-                n
-                for n, m in AutoModelForCausalLM.from_pretrained(folder).named_modules()
-                if isinstance(m, torch.nn.Linear) and n != "lm_head"
-            ]
+            names = linear_names(AutoModelForCausalLM.from_pretrained(folder))
             config = DMXConfig(format_map=dict.fromkeys(names, name))
             quantized = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=config)
             quantized.save_pretrained(tmp_path / name)
