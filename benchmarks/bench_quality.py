@@ -178,7 +178,7 @@ class Runner:
         self.targets = linear_modules_to_quantize(self.model, SKIPPED)
         rotate_model(self.model, sweep.rotation, self.targets, seed=0)
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
-        self.post_gptq_sensitivities: dict[tuple[str, int], tuple[dict[str, float], float]] = {}
+        self.scans: dict[tuple[str, str, int], tuple[dict[str, float], float]] = {}
         self.texts = {}
         for name, path in (sweep.eval_texts or texts.evaluation).items():
             text = Path(path).read_text(encoding="utf-8")
@@ -208,18 +208,25 @@ class Runner:
             learn_rotations=s.learn_rotations,
             **get_preset(s.preset).settings(),
         )
-        if method == "kl" and s.sensitivity_rounding == "gptq":
-            low = get_format_pair(pair).low.name
-            if (low, seed) not in self.post_gptq_sensitivities:  # the same for every pair and target
-                start = time.perf_counter()
-                low_weights = self.gptq_weights(model, low, seed)
-                scan = kl_sensitivities(model, self.calibration_ids(seed), settings, low_weights=low_weights)
-                self.post_gptq_sensitivities[low, seed] = scan, time.perf_counter() - start
-            sensitivities, seconds = self.post_gptq_sensitivities[low, seed]
+        if method == "kl":
+            sensitivities, seconds = self.sensitivities(model, get_format_pair(pair).low.name, seed, settings)
             result = kl_preselection(model, self.calibration_ids(seed), settings, sensitivities=sensitivities)
             return result.format_map, seconds + result.seconds
         result = calibrate(model, self.calibration_ids(seed), settings)
         return result.format_map, result.seconds
+
+    def sensitivities(
+        self, model: torch.nn.Module, low: str, seed: int, settings: CalibrationSettings
+    ) -> tuple[dict[str, float], float]:
+        """KL pre-selection's scan of every layer in the `low` format (rounded as `--sensitivity-rounding` says) and
+        the seconds it took: the same for every pair with that low format and every target, so scanned once."""
+        key = (self.sweep.sensitivity_rounding, low, seed)
+        if key not in self.scans:
+            start = time.perf_counter()
+            low_weights = self.gptq_weights(model, low, seed) if self.sweep.sensitivity_rounding == "gptq" else None
+            scan = kl_sensitivities(model, self.calibration_ids(seed), settings, low_weights=low_weights)
+            self.scans[key] = scan, time.perf_counter() - start
+        return self.scans[key]
 
     def gptq_weights(self, model: torch.nn.Module, fmt: str, seed: int) -> dict[str, torch.Tensor]:
         """Every quantized layer's weight rounded by GPTQ in `fmt` (all layers in it, the seed's sequences),

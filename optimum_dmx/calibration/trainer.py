@@ -30,7 +30,7 @@ from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .baselines import kl_preselection
-from .budget import blended_priority, budget_format_map
+from .budget import blended_priority, blended_value, budget_format_map, relative_costs
 from .checkpointing import activation_checkpointing
 from .distributed import average_across_processes, process_share, world
 from .dmx_linear import DMXLinear, EndpointProbe, OffsetStrategy, RelaxedOffset, SharedInputs
@@ -164,7 +164,7 @@ def calibrate(
         scan_start = time.perf_counter()
         sensitivities = kl_sensitivities(model, input_ids, settings, progress)
         scan_seconds = time.perf_counter() - scan_start
-    priority = blended_priority(offsets, sensitivities, KL_WEIGHT) if sampled else offsets
+    priority = _blend(offsets, sensitivities, settings.bit_average) if sampled else offsets
     format_map = threshold_map if settings.discretization == "threshold" else _budget_map(priority, shapes, settings)
     result = result_from_format_map(
         format_map,
@@ -196,8 +196,18 @@ def _timed(items: Iterable[T], seconds: list[float]) -> Iterator[T]:
         seconds.append(time.perf_counter() - start)
 
 
+def _blend(offsets: dict[str, float], sensitivities: dict[str, float], bit_average: str) -> dict[str, float]:
+    """The default method's value of each layer: its learned offset blended with its KL sensitivity. In the simple
+    average only the order counts (every layer costs the same bits): ranks, as measured; in the weighted average
+    the knapsack needs values comparable across layers."""
+    if bit_average == "simple":
+        return blended_priority(offsets, sensitivities, KL_WEIGHT)
+    return blended_value(offsets, sensitivities, KL_WEIGHT)
+
+
 def _budget_map(priority: dict[str, float], shapes: dict[str, tuple], settings: CalibrationSettings) -> dict[str, str]:
-    """The budget's highest priorities get the high format (`calibration.budget`), groups moving as one."""
+    """The layers worth most per bit get the high format (`calibration.budget`), groups moving as one; the
+    paper's `beta_hat` is an order, not a gain, and is taken as one."""
     return budget_format_map(
         priority,
         shapes,
@@ -206,6 +216,7 @@ def _budget_map(priority: dict[str, float], shapes: dict[str, tuple], settings: 
         settings.bit_average,
         settings.quantize_activations,
         groups=offset_groups(settings.offset_groups, list(shapes)),
+        per_bit=settings.method != "paper",
     )
 
 
@@ -280,10 +291,11 @@ def _sampled_offsets(
     the running mean of each layer drawn in its low format `-dL/dbeta` at `beta = 0`: the first-order loss decrease
     of leaving the low format, its offset.
 
-    The draw is Gumbel top-k on the standardized offsets scaled by `(T - T_START) / T_START`: uniform over the maps
-    at the budget while `T` stays at its start (the layers' effects are measured in contexts with the budget's
-    share of high layers), then concentrating on the budget's highest offsets as `T` rises (the last decisions are
-    measured in the context of the final map). A layer never measured keeps an infinite offset: nothing said its
+    The draw is Gumbel top-k on the standardized offsets per bit (`calibration.budget.relative_costs`: the offsets
+    themselves in the simple average) scaled by `(T - T_START) / T_START`: uniform over the maps at the budget while
+    `T` stays at its start (the layers' effects are measured in contexts with the budget's share of high layers),
+    then concentrating on the budget's highest offsets per bit as `T` rises (the last decisions are measured in the
+    context of the final map). A layer never measured keeps an infinite offset: nothing said its
     high format could go. The `rotations` being learned, if any, take a Cayley step on the same backward pass (the
     loss of the drawn map).
     """
@@ -294,6 +306,7 @@ def _sampled_offsets(
     pair = get_format_pair(settings.format_pair)
     shapes = {name: tuple(m.weight.shape) for name, m in layers.items()}
     sizes = tensor_sizes(list(shapes.values()), settings.quantize_activations)
+    costs = relative_costs(list(shapes.values()), settings.bit_average, settings.quantize_activations)
     means = _RunningMeans(len(names))
     generator = torch.Generator().manual_seed(settings.seed)
     groups = offset_groups(settings.offset_groups, names)
@@ -302,11 +315,11 @@ def _sampled_offsets(
         for step, batch in enumerate(batches):
             temperature = temperature_at(step, settings.steps, T_START, T_END, T_WARMUP_RATIO)
             sharpness = (temperature - T_START) / T_START
-            offsets = means.offsets(missing=0.0)
-            spread = offsets.std() if len(offsets) > 1 and offsets.std() > 0 else torch.tensor(1.0, dtype=torch.float64)
+            per_bit = means.offsets(missing=0.0) / costs
+            spread = per_bit.std() if len(per_bit) > 1 and per_bit.std() > 0 else torch.tensor(1.0, dtype=torch.float64)
             uniform = torch.rand(len(names), generator=generator, dtype=torch.float64)
             gumbel = -torch.log(-torch.log(uniform.clamp_min(1e-12)))
-            draw = sharpness * (offsets - offsets.mean()) / spread + gumbel
+            draw = sharpness * (per_bit - per_bit.mean()) / spread + gumbel
             drawn = budget_format_map(
                 dict(zip(names, draw.tolist())),
                 shapes,
@@ -315,6 +328,7 @@ def _sampled_offsets(
                 settings.bit_average,
                 settings.quantize_activations,
                 groups=groups,
+                per_bit=False,  # a random order, already per bit
             )
             high = [drawn[n] != pair.low.name for n in names]
             for probe, is_high in zip(probes, high):
