@@ -73,10 +73,10 @@ def budget_format_map(
         [[position[name] for name in group] for group in groups]
         + [[i] for i, name in enumerate(names) if name not in grouped]
     )  # model order
-    costs = relative_costs([weight_shapes[name] for name in names], bit_average, quantize_activations) if per_bit else None
-    unit_priority = [
-        sum(priority[names[i]] for i in unit) / (costs[unit].sum().item() if per_bit else len(unit)) for unit in units
-    ]
+    # An order (per_bit=False) counts every layer as one: a unit's priority is then its members' mean.
+    shapes = [weight_shapes[name] for name in names]
+    costs = relative_costs(shapes, bit_average if per_bit else "simple", quantize_activations)
+    unit_priority = [sum(priority[names[i]] for i in unit) / costs[unit].sum().item() for unit in units]
     order = sorted(range(len(units)), key=lambda u: -unit_priority[u])  # stable: ties keep model order
     bits = torch.full((len(names),), float(pair.low.bits), dtype=torch.float64)
 
@@ -118,7 +118,9 @@ def blended_priority(
     return {name: (1 - kl_weight) * by_offset[name] + kl_weight * by_sensitivity[name] for name in names}
 
 
-def blended_value(offsets: Mapping[str, float], sensitivities: Mapping[str, float], kl_weight: float) -> dict[str, float]:
+def blended_value(
+    offsets: Mapping[str, float], sensitivities: Mapping[str, float], kl_weight: float
+) -> dict[str, float]:
     """`(1 - kl_weight) * offset / scale(offsets) + kl_weight * sensitivity / scale(sensitivities)` per layer, each
     signal in units of its mean magnitude over the layers (`scale`, finite values only).
 
