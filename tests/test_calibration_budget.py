@@ -1,6 +1,8 @@
 """Budgets are kept: with the default recipe, from 20 steps on, for both pairs and both averages, the achieved
 average bits land within 0.05 of `target_bits`, never above; and the budget rule itself."""
 
+import math
+
 import pytest
 import torch
 
@@ -151,6 +153,55 @@ def test_budget_rule_prefers_priority_and_skips_what_does_not_fit():
     assert fmap == {"big": "mxfp4_e2m1", "small": "mxfp8_e4m3", "rest": "mxfp4_e2m1"}
 
 
+def test_the_weighted_budget_takes_layers_by_value_per_bit():
+    """A knapsack: four small layers worth 0.3 each beat one large layer worth 1.0 that costs as much as all four
+    together; taken as an order (`per_bit=False`) the large one goes first and nothing else fits."""
+    p = FORMAT_PAIRS["mxfp8-mxfp4"]
+    shapes = {"large": (256, 64), **{f"small{i}": (64, 64) for i in range(4)}, "rest": (1024, 64)}
+    values = {"large": 1.0, **{f"small{i}": 0.3 for i in range(4)}, "rest": 0.0}
+    weights = tensor_sizes(list(shapes.values()))
+    target = 4.0 + 4.0 * weights[1:5].sum().item() / weights.sum().item()  # the four small ones, or "large"
+    assert weights[0] < weights[1:5].sum()
+
+    def high(format_map):
+        return {name for name, fmt in format_map.items() if fmt == p.high.name}
+
+    knapsack = budget_format_map(values, shapes, p, target, "weighted", tolerance=0.0)
+    assert high(knapsack) == {f"small{i}" for i in range(4)}
+    by_order = budget_format_map(values, shapes, p, target, "weighted", tolerance=0.0, per_bit=False)
+    assert high(by_order) == {"large"}
+    assert sum(values[n] for n in high(knapsack)) > sum(values[n] for n in high(by_order))
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_in_the_simple_average_value_per_bit_is_the_order_of_the_values(grouped):
+    """Every layer costs the same bits in the simple average: the knapsack is the old rule, groups included."""
+    generator = torch.Generator().manual_seed(1)
+    shapes = shapes_of(torch.randint(16, 512, (30,), generator=generator).tolist())
+    values = dict(zip(shapes, torch.randn(30, generator=generator, dtype=torch.float64).tolist()))
+    groups = [["l0", "l1", "l2"], ["l10", "l11"]] if grouped else []
+    for target in (4.5, 5.0, 6.0, 7.3):
+        p = FORMAT_PAIRS["mxfp8-mxfp4"]
+        by_value = budget_format_map(values, shapes, p, target, groups=groups)
+        assert by_value == budget_format_map(values, shapes, p, target, groups=groups, per_bit=False)
+
+
+def test_a_group_is_worth_its_summed_value_over_its_summed_cost():
+    """q/k/v-like group: a large member worth 2.0 and a small one worth 0 (0.5 per unit of cost over the group's
+    4 units) loses to a single small layer worth 0.6 (0.6 per unit), which wins the one place the budget has;
+    by mean priority (an order) the group's 1.0 would have won."""
+    p = FORMAT_PAIRS["mxfp8-mxfp4"]
+    shapes = {"q": (192, 64), "k": (64, 64), "single": (64, 64), "rest": (1024, 64)}
+    values = {"q": 2.0, "k": 0.0, "single": 0.6, "rest": 0.0}
+    weights = tensor_sizes(list(shapes.values()))
+    target = 4.0 + 4.0 * (weights[0] + weights[1]).item() / weights.sum().item()  # the group, or the single
+    groups = [["q", "k"]]
+    knapsack = budget_format_map(values, shapes, p, target, "weighted", tolerance=0.0, groups=groups)
+    assert [n for n, f in knapsack.items() if f == p.high.name] == ["single"]
+    by_order = budget_format_map(values, shapes, p, target, "weighted", tolerance=0.0, groups=groups, per_bit=False)
+    assert [n for n, f in by_order.items() if f == p.high.name] == ["q", "k"]
+
+
 # --- blending the learned ranking with KL pre-selection's --------------------------------------------------
 
 
@@ -166,20 +217,43 @@ def test_blended_priority_averages_ranks():
         blended_priority(offsets, {"a": 1.0}, 0.5)
 
 
-def test_the_default_method_ranks_by_its_offsets_blended_with_the_kl_scan(deep):
+def test_blended_value_adds_the_signals_in_units_of_their_mean_magnitude():
+    from optimum_dmx.calibration.budget import blended_value
+
+    offsets = {"a": 2.0, "b": -1.0, "c": 3.0, "d": math.inf}
+    sensitivities = {"a": 0.001, "b": 0.003, "c": 0.002, "d": 0.002}
+    blend = blended_value(offsets, sensitivities, 0.5)
+    # mean |offset| over the finite ones: 2.0; mean sensitivity: 0.002
+    assert blend["a"] == pytest.approx(0.5 * 1.0 + 0.5 * 0.5)
+    assert blend["b"] == pytest.approx(0.5 * -0.5 + 0.5 * 1.5)
+    assert blend["c"] == pytest.approx(0.5 * 1.5 + 0.5 * 1.0)
+    assert blend["d"] == math.inf  # never measured: nothing said its high format could go
+    rescaled = blended_value(offsets, {n: 1000.0 * v for n, v in sensitivities.items()}, 0.5)
+    assert rescaled == pytest.approx(blend)  # units do not matter, unlike adding the raw values
+    assert blended_value(offsets, sensitivities, 0.0)["c"] == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="same layers"):
+        blended_value(offsets, {"a": 1.0}, 0.5)
+
+
+@pytest.mark.parametrize("bit_average", ["simple", "weighted"])
+def test_the_default_method_ranks_by_its_offsets_blended_with_the_kl_scan(deep, bit_average):
     """The map is the budget rule on `blended_priority(offsets, KL scan, KL_WEIGHT)`; `method="kl"` ranks by the
     same scan alone (KL pre-selection)."""
     from optimum_dmx.calibration import kl_preselection, kl_sensitivities
-    from optimum_dmx.calibration.budget import blended_priority
+    from optimum_dmx.calibration.budget import blended_priority, blended_value
     from optimum_dmx.calibration.trainer import KL_WEIGHT
 
     model, ids = deep
-    settings = CalibrationSettings(target_bits=5.5, steps=20, batch_size=2, seq_len=16, num_samples=40)
+    settings = CalibrationSettings(
+        target_bits=5.5, steps=20, batch_size=2, seq_len=16, num_samples=40, bit_average=bit_average
+    )
     result = calibrate(model, ids, settings, progress=False)
     assert result.kl_sensitivities == kl_sensitivities(model, ids, settings, progress=False)
     shapes = {n: tuple(model.get_submodule(n).weight.shape) for n in result.format_map}
-    priority = blended_priority(result.beta_hat, result.kl_sensitivities, KL_WEIGHT)
-    assert result.format_map == budget_format_map(priority, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 5.5)
-    assert abs(result.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
-    kl_only = budget_format_map(result.kl_sensitivities, shapes, FORMAT_PAIRS["mxfp8-mxfp4"], 5.5)
+    blend = blended_priority if bit_average == "simple" else blended_value  # ranks suffice for equal costs
+    priority = blend(result.beta_hat, result.kl_sensitivities, KL_WEIGHT)
+    pair = FORMAT_PAIRS["mxfp8-mxfp4"]
+    assert result.format_map == budget_format_map(priority, shapes, pair, 5.5, bit_average)
+    assert abs(achieved(result, bit_average) - 5.5) <= BUDGET_TOLERANCE + 1e-9
+    kl_only = budget_format_map(result.kl_sensitivities, shapes, pair, 5.5, bit_average)
     assert kl_preselection(model, ids, settings, progress=False).format_map == kl_only
