@@ -19,6 +19,13 @@ Rows, for every format pair, target and seed:
 
     python benchmarks/bench_quality.py --methods llmcompressor
 
+* `autoscheme`: a peer, auto-round's AutoScheme choosing between the pair's two formats at the target, in
+  parameter-weighted element bits (this benchmark's `--bit-average weighted`, which it requires), by its own code
+  in its own environment; its map is evaluated like every other (`--peer-samples N`: it reads only the first N
+  calibration sequences, its search being slow on a CPU):
+
+    python benchmarks/bench_quality.py --methods dmx,kl,autoscheme --bit-average weighted --peer-samples 80
+
 With `--weight-rounding gptq` every map's weights are rounded by GPTQ in their formats (`calibration.gptq`, on the
 seed's calibration sequences at the preset's sizes) instead of to nearest; a GPTQ row takes the map of the same
 cell's round-to-nearest row when `--runs` holds it, and the report compares the two:
@@ -52,6 +59,7 @@ Pass `--model`, `--calibration` and `--eval NAME=FILE` for any other model and t
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import dataclasses
 import hashlib
@@ -59,6 +67,7 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -93,8 +102,13 @@ from common import (
 DEFAULT_TARGETS = {"mxfp8-mxfp4": [4.5, 5.0, 6.0], "mxfp6-mxfp4": [4.5, 5.0, 5.5]}
 UNIFORM_FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3"]
 CALIBRATED = ["dmx", "paper", "kl"]
-PEERS = {"llmcompressor": ("mxfp4_e2m1", "MXFP4")}  # peer: (the uniform format it makes, its scheme's name)
-METHODS = ["float", "uniform", *CALIBRATED, *PEERS]
+WEIGHT_PEERS = {"llmcompressor": ("mxfp4_e2m1", "MXFP4")}  # peer: (the uniform format it makes, its scheme's name)
+MAP_PEERS = {"autoscheme": {"mxfp8-mxfp4": "MXFP4,MXFP8", "mxfp6-mxfp4": "MXFP4,MXFP6"}}  # peer: options per pair
+PEER_SCRIPTS = {  # peer: (its environment, `peers/requirements-<environment>.txt`; its script in `peers/`)
+    "llmcompressor": ("llmcompressor", "llmcompressor_gptq.py"),
+    "autoscheme": ("autoround", "autoround_autoscheme.py"),
+}
+METHODS = ["float", "uniform", *CALIBRATED, *WEIGHT_PEERS, *MAP_PEERS]
 SKIPPED = ["lm_head"]  # kept in float by every method, as DMXConfig does
 
 
@@ -105,7 +119,7 @@ class Sweep:
     model: Path | None = None  # None: the de-gridded SmolLM2-135M (common.benchmark_model)
     calibration: list[Path] | None = None  # None: five Austen novels
     eval_texts: dict[str, Path] | None = None  # None: Pride and Prejudice, Moby Dick
-    methods: list[str] = field(default_factory=lambda: list(METHODS))
+    methods: list[str] = field(default_factory=lambda: [m for m in METHODS if m not in MAP_PEERS])
     uniform_formats: list[str] = field(default_factory=lambda: list(UNIFORM_FORMATS))
     pairs: list[str] = field(default_factory=lambda: list(FORMAT_PAIRS))
     targets: list[float] | None = None  # None: DEFAULT_TARGETS per pair
@@ -118,6 +132,7 @@ class Sweep:
     learn_rotations: bool = False
     gptq_samples: int | None = None  # None: every calibration sequence of the preset
     sensitivity_rounding: str = "rtn"  # how `kl`'s scan rounds a layer in the low format: "rtn" or "gptq"
+    peer_samples: int | None = None  # None: map peers read every calibration sequence of the preset
     eval_tokens: int = 16384
     eval_seq_len: int = 512
     eval_offset: float = 0.1
@@ -130,8 +145,8 @@ class Sweep:
                 cells.append((method, "", "", 0))
             elif method == "uniform":
                 cells.extend((method, "", fmt, 0) for fmt in self.uniform_formats)
-            elif method in PEERS:
-                cells.append((method, "", PEERS[method][0], 0))
+            elif method in WEIGHT_PEERS:
+                cells.append((method, "", WEIGHT_PEERS[method][0], 0))
             else:
                 for seed in self.seeds:
                     for pair in self.pairs:
@@ -149,8 +164,10 @@ class Sweep:
             "model": self.model.name if self.model else "smollm2-135m-degridded",
             "eval": f"{self.eval_tokens}x{self.eval_seq_len}@{self.eval_offset:g}",
         }
-        if method in CALIBRATED:
+        if method in CALIBRATED or method in MAP_PEERS:
             key.update(preset=self.preset, offset_groups=self.offset_groups, bit_average=self.bit_average)
+        if method in MAP_PEERS and self.peer_samples is not None:
+            key.update(peer_samples=self.peer_samples)
             if self.learn_rotations:
                 key.update(learn_rotations=True)
         if method == "kl" and self.sensitivity_rounding != "rtn":
@@ -159,7 +176,7 @@ class Sweep:
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
             if self.gptq_samples is not None:
                 key.update(gptq_samples=self.gptq_samples)
-        if method in PEERS:
+        if method in WEIGHT_PEERS:
             key.update(weight_rounding="gptq", preset=self.preset)
         return key
 
@@ -195,8 +212,10 @@ class Runner:
         """The method's format map for the cell (calibrated on `model`), and the seconds it took."""
         if method == "float":
             return {}, 0.0
-        if method == "uniform" or method in PEERS:
+        if method == "uniform" or method in WEIGHT_PEERS:
             return uniform_format_map(model, target, SKIPPED), 0.0
+        if method in MAP_PEERS:
+            return self.peer_format_map(method, pair, target, seed)
         s = self.sweep
         settings = CalibrationSettings(
             method=method,
@@ -239,29 +258,42 @@ class Runner:
             round_weights_by_gptq(model, float_weights, self.calibration_ids(seed), batch_size)
             return {name: model.get_submodule(name).dequantized_weight(torch.float32) for name in format_map}
 
-    def peer_model(self, method: str, seed: int) -> tuple[torch.nn.Module, float]:
-        """A copy of the model holding the weights the peer made on the seed's calibration sequences, and the
-        seconds the peer's own entry point took."""
+    @contextlib.contextmanager
+    def peer_run(self, method: str, seed: int, *args: str | float) -> Iterator[Path]:
+        """Run the peer's script in its own environment on this sweep's model (saved as a folder, rotated as the
+        sweep asks, like every other row's model) and the seed's calibration sequences (the first
+        `--peer-samples` of them, if given); yields the folder holding what it wrote."""
         import subprocess
         import tempfile
 
-        from safetensors.torch import load_file, save_file
+        from safetensors.torch import save_file
 
-        fmt, scheme = PEERS[method]
         if self.sweep.rotation not in ("none", "hadamard", "block_hadamard"):
             raise ValueError(f"peers get the model as a folder: --rotation {self.sweep.rotation} is not merged")
-        script = Path(__file__).parent / "peers" / f"{method}_gptq.py"
+        environment, script = PEER_SCRIPTS[method]
+        sequences = self.calibration_ids(seed)
+        if method in MAP_PEERS and self.sweep.peer_samples is not None:
+            sequences = sequences[: self.sweep.peer_samples]
         with tempfile.TemporaryDirectory() as work:
             work = Path(work)
-            self.model.save_pretrained(work / "model")  # rotated as the sweep asks, like every other row's model
-            self.tokenizer.save_pretrained(work / "model")  # oneshot wants a processor with a dataset
-            save_file({"input_ids": self.calibration_ids(seed).contiguous()}, work / "tokens.safetensors")
-            command = [str(peer_python(method)), str(script), "--model", str(work / "model")]
-            command += ["--tokens", str(work / "tokens.safetensors"), "--output", str(work / "out")]
-            command += ["--scheme", scheme, "--threads", str(torch.get_num_threads())]
+            self.model.save_pretrained(work / "model")
+            self.tokenizer.save_pretrained(work / "model")  # the peers read text or want a processor
+            save_file({"input_ids": sequences.contiguous()}, work / "tokens.safetensors")
+            command = [str(peer_python(environment)), str(Path(__file__).parent / "peers" / script)]
+            command += ["--model", str(work / "model"), "--tokens", str(work / "tokens.safetensors")]
+            command += ["--output", str(work / "out"), "--threads", str(torch.get_num_threads()), *map(str, args)]
             subprocess.run(command, check=True)
-            weights = load_file(work / "out" / "weights.safetensors")
-            seconds = json.loads((work / "out" / "run.json").read_text())["seconds"]
+            yield work / "out"
+
+    def peer_model(self, method: str, seed: int) -> tuple[torch.nn.Module, float]:
+        """A copy of the model holding the weights the peer made on the seed's calibration sequences, and the
+        seconds the peer's own entry point took."""
+        from safetensors.torch import load_file
+
+        fmt, scheme = WEIGHT_PEERS[method]
+        with self.peer_run(method, seed, "--scheme", scheme) as out:
+            weights = load_file(out / "weights.safetensors")
+            seconds = json.loads((out / "run.json").read_text())["seconds"]
         model = copy.deepcopy(self.model)
         linears = linear_modules_to_quantize(model, SKIPPED)
         if set(weights) != set(linears):
@@ -271,6 +303,18 @@ class Runner:
                 raise RuntimeError(f"{method}'s {name} is not on the {fmt} grid of the OCP scale rule")
             linears[name].weight.data.copy_(weight)
         return model, seconds
+
+    def peer_format_map(self, method: str, pair: str, target: str, seed: int) -> tuple[dict[str, str], float]:
+        """The format map the peer chose for the cell's pair and budget on the seed's calibration sequences, and the
+        seconds its search took (evaluated like every calibrated method's map)."""
+        options = MAP_PEERS[method][pair]
+        with self.peer_run(method, seed, "--options", options, "--avg-bits", float(target)) as out:
+            format_map = json.loads((out / "format_map.json").read_text())
+            seconds = json.loads((out / "run.json").read_text())["seconds"]
+        differing = sorted(set(format_map) ^ set(self.targets))
+        if differing:
+            raise RuntimeError(f"{method} and dMX quantize different layers, e.g. {differing[:3]}")
+        return format_map, seconds
 
     def learned_weights(self, method: str, pair: str, target: str, seed: int) -> Path:
         """Where the cell's model with its learned rotations is kept (one file per cell, rounding aside)."""
@@ -285,7 +329,7 @@ class Runner:
 
         model = self.model
         peer_seconds = None
-        if method in PEERS:
+        if method in WEIGHT_PEERS:
             model, peer_seconds = self.peer_model(method, seed)
         learned = self.sweep.learn_rotations and method in CALIBRATED
         if learned:  # the rotations are learned on (or loaded into) a copy: the next cell starts from the same model
@@ -310,7 +354,7 @@ class Runner:
         if peer_seconds is not None:
             row["gptq_seconds"] = peer_seconds
         with emulate_format_map(model, format_map):
-            if format_map and self.sweep.weight_rounding == "gptq" and method not in PEERS:
+            if format_map and self.sweep.weight_rounding == "gptq" and method not in WEIGHT_PEERS:
                 start = time.perf_counter()
                 float_weights = {name: float_linears[name].weight for name in format_map}
                 preset = get_preset(self.sweep.preset)
@@ -365,6 +409,7 @@ def _identity(row: dict) -> tuple:
         "learn_rotations",
         "gptq_samples",
         "sensitivity_rounding",
+        "peer_samples",
     )
     return tuple(str(row.get(k, "")) for k in keys)
 
@@ -376,8 +421,12 @@ def rounding_label(row: dict) -> str:
 
 
 def method_label(row: dict) -> str:
-    """The row's method, marked when `kl`'s scan rounded by GPTQ."""
-    return f"{row['method']} (GPTQ scan)" if row.get("sensitivity_rounding") == "gptq" else row["method"]
+    """The row's method, marked when `kl`'s scan rounded by GPTQ or a peer read fewer calibration sequences."""
+    if row.get("sensitivity_rounding") == "gptq":
+        return f"{row['method']} (GPTQ scan)"
+    if row.get("peer_samples"):
+        return f"{row['method']} ({row['peer_samples']} seq)"
+    return row["method"]
 
 
 def rotation_label(row: dict) -> str:
@@ -438,10 +487,12 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
         if r["pair"]
     }
     counts: dict[str, list[float]] = {}
+    others = {other for (*_, other) in by_cell} - {"dmx"}  # the other methods and their variants
+    others = sorted(others, key=lambda m: (METHODS.index(m.split(" ")[0]), m))
     for (model, rotation, groups, pair, target, seed, method), ours in by_cell.items():
         if method != "dmx":
             continue
-        for other in [*CALIBRATED[1:], "kl (GPTQ scan)"]:
+        for other in others:
             theirs = by_cell.get((model, rotation, groups, pair, target, seed, other))
             for t in texts if theirs else []:
                 ratio = ours[f"ppl_{t}"] / theirs[f"ppl_{t}"]
@@ -510,7 +561,7 @@ def peer_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     ours = {cell(r): r for r in rows if r["method"] == "uniform"}
     lines = []
     for r in rows:
-        if r["method"] in PEERS and cell(r) in ours:
+        if r["method"] in WEIGHT_PEERS and cell(r) in ours:
             mine = ours[cell(r)]
             ratios = ", ".join(f"{t} {mine[f'ppl_{t}'] / r[f'ppl_{t}']:.3f}" for t in texts)
             lines.append(
@@ -557,6 +608,9 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         choices=["rtn", "gptq"],
         help="`kl`'s scan puts each layer in the low format rounded to nearest (default) or by GPTQ",
     )
+    p.add_argument(
+        "--peer-samples", type=int, help="map peers (autoscheme) read only the first N calibration sequences"
+    )
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
     p.add_argument("--eval-seq-len", type=int, default=d.eval_seq_len)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
@@ -572,6 +626,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         if bad:
             p.error(f"unknown {what} {bad}; allowed: {', '.join(allowed)}")
     get_preset(a.preset)
+    if any(m in MAP_PEERS for m in methods) and (a.bit_average, a.offset_groups) != ("weighted", "none"):
+        p.error(
+            "autoscheme keeps a budget weighted by parameters and chooses each layer alone: pass --bit-average "
+            f"weighted and --offset-groups none (got {a.bit_average}, {a.offset_groups})"
+        )
     if a.learn_rotations and a.rotation not in ("hadamard", "block_hadamard"):
         p.error(
             f"--learn-rotations trains merged rotations; --rotation {a.rotation} has none (use hadamard or "
@@ -594,6 +653,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         learn_rotations=a.learn_rotations,
         gptq_samples=a.gptq_samples,
         sensitivity_rounding=a.sensitivity_rounding,
+        peer_samples=a.peer_samples,
         eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,
     )

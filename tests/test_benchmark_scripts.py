@@ -209,6 +209,45 @@ def test_llmcompressor_peer_row_is_its_gptq_evaluated_by_our_evaluation(tiny_tex
     assert "Peers against this package" in output.read_text()
 
 
+@pytest.mark.slow
+def test_autoscheme_peer_row_is_its_map_evaluated_by_our_evaluation(tiny_text_model_dir, tmp_path):
+    """auto-round's AutoScheme runs in the environment the benchmark builds for it (minutes: it is installed from
+    PyPI) on the same calibration sequences and budget; its map mixes the pair's two formats, lands near the
+    budget in our weighted accounting, and is compared with the default method's map of the same cell."""
+    root = tiny_text_model_dir
+    runs, output = tmp_path / "runs.jsonl", tmp_path / "quality.md"
+    env = {"OPTIMUM_DMX_CACHE": str(tmp_path / "cache")}
+    args = [
+        *("--model", root / "model", "--calibration", root / "calibration.txt"),
+        *("--eval", f"heldout={root / 'heldout.txt'}", "--runs", runs, "--eval-tokens", 256, "--eval-seq-len", 16),
+        *("--pairs", "mxfp8-mxfp4", "--targets", 5, "--bit-average", "weighted", "--peer-samples", 8),
+        *("--preset", "cpu-demo", "--threads", 1, "--output", output),
+    ]
+    run_benchmark("bench_quality.py", *args, "--methods", "dmx,autoscheme", env=env)
+    ours, peer = [json.loads(line) for line in runs.read_text().splitlines()]
+    assert peer["method"] == "autoscheme" and peer["bit_average"] == "weighted" and peer["peer_samples"] == 8
+    assert set(peer["format_map"].values()) == {"mxfp4_e2m1", "mxfp8_e4m3"}
+    assert abs(peer["bits_weighted"] - 5.0) < 0.3 and peer["calibration_seconds"] > 0
+    assert "vs `autoscheme (8 seq)`: lower in" in output.read_text()
+
+
+@pytest.mark.parametrize(
+    "settings", [["--bit-average", "simple"], ["--bit-average", "weighted", "--offset-groups", "fused"]]
+)
+def test_autoscheme_rows_refuse_budgets_it_does_not_keep(settings, tmp_path):
+    """AutoScheme weighs bits by parameters and chooses each layer alone: a simple-average or grouped comparison
+    would not be like for like, so the benchmark refuses it before loading anything."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_quality.py"), "--methods", "autoscheme", *settings],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+        env={**os.environ, "OPTIMUM_DMX_CACHE": str(tmp_path)},
+    )
+    assert result.returncode == 2 and "pass --bit-average weighted and --offset-groups none" in result.stderr
+
+
 HELP_OF_EVERY_SCRIPT = """
 import contextlib, io, json, runpy, sys, traceback
 scripts = sys.argv[1:]
