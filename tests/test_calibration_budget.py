@@ -202,6 +202,75 @@ def test_a_group_is_worth_its_summed_value_over_its_summed_cost():
     assert [n for n, f in by_order.items() if f == p.high.name] == ["q", "k"]
 
 
+# --- what a layer costs is data ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bit_average", ["simple", "weighted"])
+def test_a_table_of_bits_is_the_bit_average(bit_average):
+    """A cost table holding each format's bits (times the weight's size, for the weighted average) gives the map of
+    `bit_average` itself, at every target: the averages are two such tables."""
+    from optimum_dmx.calibration.budget import shape_key
+
+    generator = torch.Generator().manual_seed(2)
+    shapes = {f"l{i}": (64 * int(k), 64) for i, k in enumerate(torch.randint(1, 9, (40,), generator=generator))}
+    values = dict(zip(shapes, torch.rand(40, generator=generator, dtype=torch.float64).tolist()))
+    p = FORMAT_PAIRS["mxfp8-mxfp4"]
+    table = {
+        fmt.name: {shape_key(s): fmt.bits * (s[0] * s[1] if bit_average == "weighted" else 1) for s in shapes.values()}
+        for fmt in (p.low, p.high)
+    }
+    for target in (4.3, 5.0, 6.0, 7.7):
+        by_average = budget_format_map(values, shapes, p, target, bit_average, quantize_activations=False)
+        assert budget_format_map(values, shapes, p, target, cost_table=table) == by_average
+
+
+def test_a_latency_table_buys_the_raises_that_cost_least():
+    """Same shapes' worth: layers of a shape whose high format is slow are raised last, and a shape whose high
+    format is faster than its low one (an emulated low format) is always raised, whatever its value."""
+    p = FORMAT_PAIRS["mxfp6-mxfp4"]
+    shapes = {"fast0": (64, 64), "fast1": (64, 64), "slow0": (64, 128), "slow1": (64, 128), "free": (32, 64)}
+    table = {
+        p.low.name: {"64x64": 1.0, "64x128": 1.0, "32x64": 3.0},
+        p.high.name: {"64x64": 2.0, "64x128": 5.0, "32x64": 2.0},
+    }
+    values = {"fast0": 1.0, "fast1": 1.0, "slow0": 2.0, "slow1": 2.0, "free": -1.0}
+    # costs: all low 7.0, all high 16.0; 5 bits = half way: 11.5 -> free (-1), fast0, fast1 (+1 each) and no slow
+    fmap = budget_format_map(values, shapes, p, 5.0, cost_table=table, tolerance=0.0)
+    assert [n for n, f in fmap.items() if f == p.high.name] == ["fast0", "fast1", "free"]
+    with pytest.raises(ValueError, match=r"no cost for mxfp6_e2m3 at weight shape\(s\) 32x64"):
+        budget_format_map(values, shapes, p, 5.0, cost_table={**table, p.high.name: {"64x64": 2.0, "64x128": 5.0}})
+
+
+def test_the_stored_bytes_table_counts_codes_scales_and_padding():
+    from optimum_dmx.calibration.budget import storage_cost_table
+    from optimum_dmx.nn.bits import storage_bits
+
+    table = storage_cost_table([(64, 96), (16, 40)], ["mxfp4", "mxfp8_e4m3"])
+    assert table["mxfp4_e2m1"]["64x96"] == 64 * (96 * 4 + 3 * 8)  # three blocks a row, one E8M0 scale each
+    assert table["mxfp8_e4m3"]["16x40"] == storage_bits([8], [(16, 40)]) * 16 * 40  # a padded second block
+
+
+def test_calibration_keeps_a_cost_table_budget(deep):
+    """The default method and KL pre-selection meet a cost-table budget (here: the stored bytes) instead of the
+    average bits: the map's total cost lands within the tolerance's share of the table's range."""
+    from optimum_dmx.calibration import kl_preselection
+    from optimum_dmx.calibration.budget import layer_costs, shape_key, storage_cost_table
+
+    model, ids = deep
+    shapes = {n: tuple(m.weight.shape) for n, m in model.named_modules() if n.endswith("_proj")}
+    p = FORMAT_PAIRS["mxfp8-mxfp4"]
+    table = storage_cost_table(shapes.values(), [p.low.name, p.high.name])
+    low, high = layer_costs(list(shapes.values()), p, cost_table=table)
+    common = dict(target_bits=5.0, steps=20, batch_size=2, seq_len=16, num_samples=40, cost_table=table)
+    for result in (
+        calibrate(model, ids, CalibrationSettings(**common), progress=False),
+        kl_preselection(model, ids, CalibrationSettings(method="kl", **common), progress=False),
+    ):
+        cost = sum(table[fmt][shape_key(shapes[name])] for name, fmt in result.format_map.items())
+        share = (cost - low.sum().item()) / (high.sum() - low.sum()).item()
+        assert 0.25 - BUDGET_TOLERANCE / 4 - 1e-9 <= share <= 0.25 + BUDGET_TOLERANCE / 4 + 1e-9, share
+
+
 # --- blending the learned ranking with KL pre-selection's --------------------------------------------------
 
 

@@ -10,8 +10,8 @@ from optimum_dmx import DMXConfig
 
 FIELDS = [
     "target_bits", "format_pair", "method", "preset", "num_samples", "seq_len", "batch_size", "steps", "bit_average",
-    "rotation", "learn_rotations", "offset_groups", "scale_rule", "weight_rounding", "quantize_activations",
-    "gradient_checkpointing",
+    "cost_table", "rotation", "learn_rotations", "offset_groups", "scale_rule", "weight_rounding",
+    "quantize_activations", "gradient_checkpointing",
     "modules_to_not_convert", "seed", "paper", "format_map", "input_transforms", "achieved_bits",
 ]  # fmt: skip
 GOOD = {
@@ -24,6 +24,7 @@ GOOD = {
     "batch_size": st.integers(1, 64),
     "steps": st.integers(1, 1000),
     "bit_average": st.sampled_from(["simple", "weighted"]),
+    "cost_table": st.sampled_from([None, {"mxfp4": {"64x64": 1.0}, "mxfp8_e4m3": {"64x64": 2.5, "32x64": 0.0}}]),
     "rotation": st.sampled_from(["none", "hadamard", "block_hadamard", "online_block_hadamard"]),
     "learn_rotations": st.booleans(),
     "offset_groups": st.sampled_from(["none", "fused", [["a", "b"], ["c"]]]),

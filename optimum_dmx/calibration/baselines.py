@@ -63,6 +63,7 @@ def kl_preselection(
         settings.bit_average,
         settings.quantize_activations,
         groups=offset_groups(settings.offset_groups, list(targets)),
+        cost_table=settings.cost_table,
     )
     return result_from_format_map(
         format_map, targets, settings, method="kl", seconds=time.perf_counter() - start, scan_seconds=scan_seconds

@@ -1,36 +1,89 @@
-"""Meeting a bit budget with a discrete format map: the high format goes to the layers that gain most per bit.
+"""Meeting a budget with a discrete format map: the high format goes to the layers that gain most per unit of cost.
 
 Every method that ends with a value per layer (dMX's learned offsets, KL pre-selection's sensitivities) turns it
 into a format map with `budget_format_map`, so they meet the budget by the same rule: a greedy knapsack that takes
-layers in decreasing value per bit they add to the average. In the simple (per-layer) average every layer adds the
-same bits, so this is the order of the values; in the weighted (per-element) average a small layer costs less than
-a large one, and a large layer must be worth proportionally more to be raised first.
+layers in decreasing value per unit of cost that raising them adds. What a layer costs in a format is data
+(`layer_costs`): its element bits in the simple (per-layer) average, where every layer costs the same and the
+order is that of the values; its element bits times its size in the weighted (per-element) average, where a large
+layer must be worth proportionally more than a small one to go first; or any per-format, per-shape table, such as
+a latency measured on a serving target or the stored bytes (`storage_cost_table`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
 from ..continuous import FormatPair
-from ..nn.bits import average_bits, tensor_sizes
+from ..formats import get_format
+from ..formats.spec import packed_bits
+from ..nn.bits import tensor_sizes
 
 BUDGET_TOLERANCE = 0.05  # bits: how far from the target a budget-exact map may land when layers are coarse
 
+CostTable = Mapping[str, Mapping[str, float]]  # format name -> "OUTxIN" weight shape -> what one such layer costs
 
-def relative_costs(
-    weight_shapes: Sequence[Sequence[int]], bit_average: str = "simple", quantize_activations: bool = True
-) -> torch.Tensor:
-    """What raising each layer to the high format adds to the average bits, relative to the mean layer: 1 for
-    every layer in the simple average, `n_i / mean(n)` in the weighted one (`nn.bits.tensor_sizes`)."""
+
+def shape_key(shape: Sequence[int]) -> str:
+    """A cost table's key for a linear of weight shape `(out_features, in_features)`: `"OUTxIN"`."""
+    out_features, in_features = tuple(shape)[-2:]
+    return f"{out_features}x{in_features}"
+
+
+def storage_cost_table(
+    weight_shapes: Iterable[Sequence[int]], formats: Iterable[str], block_size: int = 32
+) -> dict[str, dict[str, float]]:
+    """The bits each weight shape takes stored in each format (padded codes and E8M0 scales): a budget in bytes."""
+    shapes = {shape_key(shape): tuple(shape)[-2:] for shape in weight_shapes}
+    table = {}
+    for fmt in map(get_format, formats):
+        table[fmt.name] = {key: float(packed_bits(shape, fmt.bits, block_size)) for key, shape in shapes.items()}
+    return table
+
+
+def layer_costs(
+    weight_shapes: Sequence[Sequence[int]],
+    pair: FormatPair,
+    bit_average: str = "simple",
+    quantize_activations: bool = True,
+    cost_table: CostTable | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each layer's cost in the pair's low and in its high format, in the units a budget caps the sum of.
+
+    Without `cost_table`: element bits, times `n_i / mean(n)` in the weighted average (`nn.bits.tensor_sizes`),
+    so that a sum over the layers divided by their count is the average bits. With one: its entry for the format
+    and the layer's shape (`shape_key`); a missing entry is an error that names it.
+    """
+    if cost_table is not None:
+        costs = []
+        for fmt in (pair.low, pair.high):
+            table = cost_table.get(fmt.name, {})
+            keys = [shape_key(shape) for shape in weight_shapes]
+            missing = sorted({key for key in keys if key not in table})
+            if missing:
+                raise ValueError(
+                    f"cost_table has no cost for {fmt.name} at weight shape(s) {', '.join(missing)}: it needs one "
+                    f"for each format of the pair ({pair.low.name}, {pair.high.name}) and every quantized shape"
+                )
+            costs.append(torch.tensor([float(table[key]) for key in keys], dtype=torch.float64))
+        return costs[0], costs[1]
     if bit_average == "simple":
-        return torch.ones(len(weight_shapes), dtype=torch.float64)
-    sizes = tensor_sizes([tuple(shape)[-2:] for shape in weight_shapes], quantize_activations)
-    if bit_average == "weighted":
-        return sizes / sizes.mean()
-    raise ValueError(f"bit average {bit_average!r} is not supported; allowed: simple, weighted.")
+        weights = torch.ones(len(weight_shapes), dtype=torch.float64)
+    elif bit_average == "weighted":
+        sizes = tensor_sizes([tuple(shape)[-2:] for shape in weight_shapes], quantize_activations)
+        weights = sizes / sizes.mean()
+    else:
+        raise ValueError(f"bit average {bit_average!r} is not supported; allowed: simple, weighted.")
+    return weights * pair.low.bits, weights * pair.high.bits
+
+
+def budget_limit(low: torch.Tensor, high: torch.Tensor, pair: FormatPair, bits: float) -> float:
+    """The total cost that `bits` allows: placed between the all-low and the all-high totals as `bits` lies between
+    the pair's element bits (for the bit tables, exactly `bits` times the layer count)."""
+    fraction = (bits - pair.low.bits) / (pair.high.bits - pair.low.bits)
+    return (low.sum() + fraction * (high.sum() - low.sum())).item()
 
 
 def budget_format_map(
@@ -43,61 +96,71 @@ def budget_format_map(
     tolerance: float = BUDGET_TOLERANCE,
     groups: Sequence[Sequence[str]] = (),
     per_bit: bool = True,
+    cost_table: CostTable | None = None,
 ) -> dict[str, str]:
-    """The pair's high format for the layers worth most per bit that fit the budget, the low format elsewhere.
+    """The pair's high format for the layers worth most per unit of cost that fit the budget, the low format
+    elsewhere.
 
-    `priority` is each layer's value: what raising it gains (a loss decrease, comparable across layers). With
-    `per_bit` (default) layers are taken in decreasing value per bit they add to the average (`relative_costs`),
-    a greedy knapsack; with `per_bit=False`, `priority` is only an order (a random draw, the paper's `beta_hat`)
-    and layers are taken in decreasing priority. The two orders are the same in the simple average.
+    The budget: the layers' total cost (`layer_costs`: bits in `bit_average`, or `cost_table`'s) at most
+    `budget_limit(target_bits)`. `priority` is each layer's value: what raising it gains (a loss decrease,
+    comparable across layers). With `per_bit` (default) layers are taken in decreasing value per unit of cost that
+    raising them adds, a greedy knapsack (a raise that costs nothing comes first); with `per_bit=False`,
+    `priority` is only an order (a random draw, the paper's `beta_hat`) and layers are taken in decreasing
+    priority. The two orders are the same in the simple average.
 
-    In that order (ties: model order), a layer takes the high format if the average bits (in
-    `bit_average`) stay at or below `target_bits`; a layer that does not fit is skipped and the next one is
-    tried (a smaller one may fit the size-weighted average). When that leaves the average more than
-    `tolerance` below the target (a model with few, or very unequal, layers), the highest-priority remaining
-    layers that keep it within `target_bits + tolerance` are raised too. The result is the closest map to the
-    target that this order allows, never above `target_bits + tolerance`.
+    In that order (ties: model order), a layer takes the high format if the total stays within the budget; a
+    layer that does not fit is skipped and the next one is tried (a cheaper one may fit). When that leaves the
+    total more than `tolerance` bits' worth below the budget (a model with few, or very unequal, layers), the
+    first remaining layers that keep it within `target_bits + tolerance` are raised too. The result is the closest
+    map to the target that this order allows, never above `target_bits + tolerance`.
 
     `groups` (disjoint sets of layer names, e.g. `calibration.groups.offset_groups`) move as one: a group takes
-    the high format whole or not at all, ranked by its members' summed value over their summed cost (with
+    the high format whole or not at all, worth its members' summed value over their summed cost (with
     `per_bit=False`: their mean priority).
     """
     names = list(priority)
     missing = [name for name in names if name not in weight_shapes]
     if missing:
         raise ValueError(f"no weight shape for {len(missing)} layers, e.g. {missing[:3]}")
-    sizes = tensor_sizes([tuple(weight_shapes[name])[-2:] for name in names], quantize_activations)
     position = {name: i for i, name in enumerate(names)}
     grouped = {name for group in groups for name in group}
     units = sorted(
         [[position[name] for name in group] for group in groups]
         + [[i] for i, name in enumerate(names) if name not in grouped]
     )  # model order
-    # An order (per_bit=False) counts every layer as one: a unit's priority is then its members' mean.
-    shapes = [weight_shapes[name] for name in names]
-    costs = relative_costs(shapes, bit_average if per_bit else "simple", quantize_activations)
-    unit_priority = [sum(priority[names[i]] for i in unit) / costs[unit].sum().item() for unit in units]
-    order = sorted(range(len(units)), key=lambda u: -unit_priority[u])  # stable: ties keep model order
-    bits = torch.full((len(names),), float(pair.low.bits), dtype=torch.float64)
+    low, high = layer_costs([weight_shapes[n] for n in names], pair, bit_average, quantize_activations, cost_table)
+    raise_cost = [(high[unit] - low[unit]).sum().item() for unit in units]
 
-    def fill(limit: float) -> None:
+    def unit_priority(u: int) -> float:
+        value = sum(priority[names[i]] for i in units[u])
+        if not per_bit:
+            return value / len(units[u])  # an order: the members' mean
+        return value / raise_cost[u] if raise_cost[u] > 0 else math.inf
+
+    order = sorted(range(len(units)), key=lambda u: -unit_priority(u))  # stable: ties keep model order
+    limit = budget_limit(low, high, pair, target_bits)
+    band = budget_limit(low, high, pair, target_bits + tolerance) - limit
+    slack = 1e-9 * (high.sum() - low.sum()).item() / (pair.high.bits - pair.low.bits)  # float rounding, in cost
+    raised = [False] * len(units)
+    spent = low.sum().item()
+
+    def fill(cap: float) -> None:
+        nonlocal spent
         for u in order:
-            members = units[u]
-            if bits[members[0]] == pair.high.bits:
+            if raised[u] or spent + raise_cost[u] > cap + slack:
                 continue
-            bits[members] = pair.high.bits
-            if average_bits(bits, bit_average, sizes).item() > limit + 1e-9:
-                bits[members] = pair.low.bits
-            elif limit > target_bits:
+            raised[u], spent = True, spent + raise_cost[u]
+            if cap > limit:
                 return  # beyond the target, one more unit at a time only while still short
 
-    fill(target_bits)
-    while average_bits(bits, bit_average, sizes).item() < target_bits - tolerance:
-        before = bits.clone()
-        fill(target_bits + tolerance)
-        if torch.equal(bits, before):
+    fill(limit)
+    while spent < limit - band:
+        before = list(raised)
+        fill(limit + band)
+        if raised == before:
             break  # nothing more fits in the band
-    return {name: (pair.high if b == pair.high.bits else pair.low).name for name, b in zip(names, bits.tolist())}
+    high_layers = {names[i] for u, unit in enumerate(units) if raised[u] for i in unit}
+    return {name: (pair.high if name in high_layers else pair.low).name for name in names}
 
 
 def blended_priority(

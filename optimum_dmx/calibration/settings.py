@@ -8,10 +8,12 @@ validate its fields, so defaults and validation live here only.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..continuous import get_format_pair
+from ..formats import get_format
 from ..formats.spec import validate_scale_rule
 from ..nn.bits import BIT_AVERAGES
 from .groups import validate_offset_groups
@@ -43,6 +45,35 @@ def require_bool(name: str, value: Any) -> None:
 def require_number(name: str, value: Any) -> None:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise TypeError(f"{name}={value!r} must be a number, got {type(value).__name__}.")
+
+
+def validate_cost_table(table: Any) -> dict[str, dict[str, float]] | None:
+    """A cost table as plain data with canonical format names (`calibration.budget.layer_costs`), or None."""
+    if table is None:
+        return None
+    require(
+        isinstance(table, dict) and all(isinstance(costs, dict) for costs in table.values()),
+        f"cost_table={table!r} must map format names to {{'OUTxIN': cost}} dicts (weight shape -> cost of a layer).",
+    )
+    canonical = {}
+    for fmt, costs in table.items():
+        try:
+            name = get_format(fmt).name
+        except (KeyError, ValueError) as error:
+            raise ValueError(f"cost_table names an unknown format {fmt!r}: {error}") from None
+        for key, cost in costs.items():
+            parts = key.split("x") if isinstance(key, str) else []
+            require(
+                len(parts) == 2 and all(part.isdigit() for part in parts),
+                f"cost_table[{fmt!r}] has key {key!r}; keys are weight shapes 'OUTxIN', e.g. '576x1536'.",
+            )
+            require_number(f"cost_table[{fmt!r}][{key!r}]", cost)
+            require(
+                math.isfinite(cost) and cost >= 0,
+                f"cost_table[{fmt!r}][{key!r}]={cost!r} must be a finite, non-negative cost.",
+            )
+        canonical[name] = {key: float(cost) for key, cost in costs.items()}
+    return canonical
 
 
 @dataclass(frozen=True)
@@ -136,6 +167,10 @@ class CalibrationSettings:
         num_samples, seq_len, batch_size, steps: calibration sequences drawn from the text, tokens per sequence,
             sequences per step, optimization steps.
         bit_average: the average the budget is kept in: `"simple"` (per layer) or `"weighted"` (by tensor size).
+        cost_table: what a layer costs in each format, `{format: {"OUTxIN": cost}}` for every weight shape (e.g.
+            latency measured on the serving target, or `calibration.budget.storage_cost_table`'s bytes): the
+            budget rule then caps the total cost, `target_bits` placing the cap between the all-low and all-high
+            totals as it lies between the pair's bits. None (default): bits in `bit_average`.
         offset_groups: layers sharing one offset, so one format: `"none"`, `"fused"` (q/k/v and gate/up of each
             decoder layer, as serving engines fuse them) or explicit lists of module names.
         quantize_activations: also quantize each layer's input activations (dynamically, in its format).
@@ -158,6 +193,7 @@ class CalibrationSettings:
     batch_size: int = 8
     steps: int = 400
     bit_average: str = "simple"
+    cost_table: dict[str, dict[str, float]] | None = None
     offset_groups: str | list[list[str]] = "none"
     quantize_activations: bool = True
     scale_rule: str = "ocp"
@@ -195,6 +231,7 @@ class CalibrationSettings:
             f"bit_average={self.bit_average!r} is not supported; allowed: {', '.join(BIT_AVERAGES)}.",
         )
         self.offset_groups = validate_offset_groups(self.offset_groups)
+        self.cost_table = validate_cost_table(self.cost_table)
         for name in ("quantize_activations", "learn_rotations", "gradient_checkpointing"):
             require_bool(name, getattr(self, name))
         require(

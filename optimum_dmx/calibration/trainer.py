@@ -30,7 +30,7 @@ from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .baselines import kl_preselection
-from .budget import blended_priority, blended_value, budget_format_map, relative_costs
+from .budget import blended_priority, blended_value, budget_format_map, layer_costs
 from .checkpointing import activation_checkpointing
 from .distributed import average_across_processes, process_share, world
 from .dmx_linear import DMXLinear, EndpointProbe, OffsetStrategy, RelaxedOffset, SharedInputs
@@ -217,6 +217,7 @@ def _budget_map(priority: dict[str, float], shapes: dict[str, tuple], settings: 
         settings.quantize_activations,
         groups=offset_groups(settings.offset_groups, list(shapes)),
         per_bit=settings.method != "paper",
+        cost_table=settings.cost_table,
     )
 
 
@@ -291,13 +292,13 @@ def _sampled_offsets(
     the running mean of each layer drawn in its low format `-dL/dbeta` at `beta = 0`: the first-order loss decrease
     of leaving the low format, its offset.
 
-    The draw is Gumbel top-k on the standardized offsets per bit (`calibration.budget.relative_costs`: the offsets
-    themselves in the simple average) scaled by `(T - T_START) / T_START`: uniform over the maps at the budget while
-    `T` stays at its start (the layers' effects are measured in contexts with the budget's share of high layers),
-    then concentrating on the budget's highest offsets per bit as `T` rises (the last decisions are measured in the
-    context of the final map). A layer never measured keeps an infinite offset: nothing said its
-    high format could go. The `rotations` being learned, if any, take a Cayley step on the same backward pass (the
-    loss of the drawn map).
+    The draw is Gumbel top-k on the standardized offsets per unit of cost (`calibration.budget.layer_costs`: the
+    offsets themselves in the simple average) scaled by `(T - T_START) / T_START`: uniform over the maps at the
+    budget while `T` stays at its start (the layers' effects are measured in contexts with the budget's share of
+    high layers), then concentrating on the budget's highest offsets per unit of cost as `T` rises (the last
+    decisions are measured in the context of the final map). A layer never measured keeps an infinite offset:
+    nothing said its high format could go. The `rotations` being learned, if any, take a Cayley step on the same
+    backward pass (the loss of the drawn map).
     """
     names = list(layers)
     modules = list(layers.values())
@@ -306,7 +307,11 @@ def _sampled_offsets(
     pair = get_format_pair(settings.format_pair)
     shapes = {name: tuple(m.weight.shape) for name, m in layers.items()}
     sizes = tensor_sizes(list(shapes.values()), settings.quantize_activations)
-    costs = relative_costs(list(shapes.values()), settings.bit_average, settings.quantize_activations)
+    low, high = layer_costs(
+        list(shapes.values()), pair, settings.bit_average, settings.quantize_activations, settings.cost_table
+    )
+    raise_costs = (high - low).clamp_min(1e-12 * float((high - low).abs().max()) or 1.0)  # a free raise: ~0
+    costs = raise_costs / raise_costs.mean()  # exactly 1 for every layer in the simple average
     means = _RunningMeans(len(names))
     generator = torch.Generator().manual_seed(settings.seed)
     groups = offset_groups(settings.offset_groups, names)
@@ -328,7 +333,8 @@ def _sampled_offsets(
                 settings.bit_average,
                 settings.quantize_activations,
                 groups=groups,
-                per_bit=False,  # a random order, already per bit
+                per_bit=False,  # a random order, already per unit of cost
+                cost_table=settings.cost_table,
             )
             high = [drawn[n] != pair.low.name for n in names]
             for probe, is_high in zip(probes, high):

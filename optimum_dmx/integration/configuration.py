@@ -41,6 +41,7 @@ _RECORDED_SETTINGS = (
     "batch_size",
     "steps",
     "bit_average",
+    "cost_table",
     "rotation",
     "learn_rotations",
     "offset_groups",
@@ -59,6 +60,7 @@ _SETTINGS_FIELDS = (
     "batch_size",
     "steps",
     "bit_average",
+    "cost_table",
     "offset_groups",
     "quantize_activations",
     "scale_rule",
@@ -104,6 +106,10 @@ class DMXConfig(QuantizationConfigMixin):
             sequences per step, optimization steps.
         bit_average: the average `target_bits` is kept in: `"simple"` (per layer, default) or `"weighted"` (by
             tensor size); both are recorded.
+        cost_table: what a layer costs in each format, `{format: {"OUTxIN": cost}}` for every quantized weight shape
+            (e.g. latency measured on the serving target; `calibration.budget.storage_cost_table` gives bytes):
+            the budget then caps the total cost, `target_bits` placing the cap between the all-low and all-high
+            totals as it lies between the pair's element bits. Default None: bits in `bit_average`.
         rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/rotations.md`):
             `"none"` (default), `"hadamard"`, `"block_hadamard"` or `"online_block_hadamard"`. Merged rotations
             change the saved weights (tied embeddings are untied); online transforms are recorded in
@@ -150,6 +156,7 @@ class DMXConfig(QuantizationConfigMixin):
         batch_size: int | None = None,
         steps: int | None = None,
         bit_average: str | None = None,
+        cost_table: Mapping[str, Mapping[str, float]] | None = None,
         rotation: str | None = None,
         learn_rotations: bool | None = None,
         offset_groups: str | list[list[str]] | None = None,
@@ -182,6 +189,7 @@ class DMXConfig(QuantizationConfigMixin):
             "batch_size": batch_size,
             "steps": steps,
             "bit_average": bit_average,
+            "cost_table": cost_table,
             "offset_groups": offset_groups,
             "quantize_activations": quantize_activations,
             "scale_rule": scale_rule,
