@@ -50,6 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .calibration.settings import METHODS
     from .continuous import FORMAT_PAIRS
     from .export.targets import EXPORT_TARGETS
+    from .nn.bits import BIT_AVERAGES
     from .nn.rotation import ROTATIONS
 
     parser = argparse.ArgumentParser(prog="optimum-dmx", description="dMX mixed-precision MX quantization.")
@@ -97,6 +98,19 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=None,
         help="train the merged rotations (hadamard, block_hadamard) with the formats",
+    )
+    quantize.add_argument(
+        "--bit-average",
+        choices=list(BIT_AVERAGES),
+        help="the average --target-bits is kept in: simple (per layer) or weighted (by tensor size: what the "
+        "model's size follows)",
+    )
+    quantize.add_argument(
+        "--cost-table",
+        type=Path,
+        metavar="JSON",
+        help='budget in what each layer costs instead of bits: {"FORMAT": {"OUTxIN": cost}} for every weight '
+        "shape, e.g. measured serving latency (see docs/calibration.md)",
     )
     quantize.add_argument(
         "--offset-groups",
@@ -247,12 +261,18 @@ def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "preset",
             "rotation",
             "learn_rotations",
+            "bit_average",
             "offset_groups",
             "weight_rounding",
             "gradient_checkpointing",
         )
     }
     given = {key: value for key, value in given.items() if value is not None}
+    if args.cost_table is not None:
+        try:
+            given["cost_table"] = json.loads(_read_text(args.cost_table))
+        except json.JSONDecodeError as err:
+            raise UsageError(f"--cost-table {str(args.cost_table)!r} is not JSON: {err}") from err
     if args.model is None and not args.dataset:
         given.setdefault("preset", DEFAULT_RUN_PRESET)
     return given

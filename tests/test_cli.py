@@ -127,12 +127,31 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
             ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--learn-rotations"],
             ["learn_rotations=True", "rotation='hadamard' or 'block_hadamard'", "rotation='none'"],
         ),
+        (
+            ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--cost-table", "{tmp}/table.csv"],
+            ["--cost-table", "table.csv", "is not JSON"],
+        ),
+        (
+            ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--cost-table", "{tmp}/fp9.json"],
+            ["cost_table names an unknown format 'mxfp9'"],
+        ),
+        (
+            ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--cost-table", "{tmp}/partial.json"],
+            [
+                "cost_table has no cost for mxfp8_e4m3 at weight shape(s) 128x64, 32x64, 64x128",
+                "mxfp4_e2m1, mxfp8_e4m3",
+            ],
+        ),
         (["eval", "{tmp}/nowhere", "--text", "{root}/heldout.txt"], ["model folder", "does not exist"]),
         (["inspect", "{root}/model"], ["is not a dMX checkpoint"]),
     ],
 )
 def test_user_errors_are_one_line_with_exit_status_2(args, fragments, tiny_text_model_dir, tmp_path):
     (tmp_path / "table.csv").write_text("a,b\n1,2\n")
+    (tmp_path / "fp9.json").write_text(json.dumps({"mxfp9": {"32x32": 1.0}}))
+    shapes = ["64x64", "32x64", "128x64", "64x128"]  # the tiny Llama's weights; its high format lacks all but one
+    partial = {"mxfp4_e2m1": dict.fromkeys(shapes, 1.0), "mxfp8_e4m3": {"64x64": 2.0}}
+    (tmp_path / "partial.json").write_text(json.dumps(partial))
     filled = [a.format(root=tiny_text_model_dir, tmp=tmp_path) for a in args]
     assert_one_line_error(
         cli(*filled, "--output", tmp_path / "o") if filled[0] == "quantize" else cli(*filled), *fragments
@@ -160,6 +179,7 @@ def test_console_script_is_installed():
         ),
         (["quantize", "m", "--dataset", "d.txt", "--gradient-checkpointing"], {"gradient_checkpointing": True}),
         (["quantize", "m", "--dataset", "d.txt", "--weight-rounding", "rtn"], {"weight_rounding": "rtn"}),
+        (["quantize", "m", "--dataset", "d.txt", "--bit-average", "weighted"], {"bit_average": "weighted"}),
         (
             ["quantize", "m", "--dataset", "d.txt", "--rotation", "hadamard", "--learn-rotations"],
             {"rotation": "hadamard", "learn_rotations": True},

@@ -124,6 +124,13 @@ def calibrate(
         raise ValueError("input_ids must be a 2-D LongTensor of shape [num_samples, seq_len].")
     if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no sequence of at least 2 tokens.")
+    if settings.cost_table is not None:  # a table that lacks a shape fails now, not after the steps or the scan
+        linears = linear_modules_to_quantize(model, settings.modules_to_not_convert).values()
+        layer_costs(
+            [tuple(linear.weight.shape) for linear in linears],
+            get_format_pair(settings.format_pair),
+            cost_table=settings.cost_table,
+        )
     if settings.method == "kl":
         return kl_preselection(model, input_ids, settings, progress)
 
