@@ -446,6 +446,7 @@ def report(rows: list[dict]) -> str:
             r["model"],
             rotation_label(r),
             r.get("offset_groups", ""),
+            r.get("bit_average", ""),
             rounding_label(r),
             r["pair"],
             float(r["target"]) if r["pair"] else 0,
@@ -454,20 +455,25 @@ def report(rows: list[dict]) -> str:
         ),
     )
     lines = [
-        "| model | rotation | groups | rounding | method | pair | target | seed | bits (simple) | bits (weighted) "
-        "| storage bits | " + " | ".join(f"PPL {t}" for t in texts) + " | calibration s | GPTQ s |",
-        "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|---|",
+        "| model | rotation | groups | budget | rounding | method | pair | target | seed | bits (simple) "
+        "| bits (weighted) | storage bits | " + " | ".join(f"PPL {t}" for t in texts) + " | calibration s | GPTQ s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(texts) + "---|---|",
     ]
     for r in rows:
         lines.append(
-            f"| {r['model']} | {rotation_label(r)} | {r.get('offset_groups', '-')} | "
+            f"| {r['model']} | {rotation_label(r)} | {r.get('offset_groups', '-')} | {r.get('bit_average', '-')} | "
             f"{rounding_label(r)} | {method_label(r)} | {r['pair'] or '-'} | "
             f"{r['target'] or '-'} | {r['seed'] if r['pair'] else '-'} | {r.get('bits_simple', '-')} | "
             f"{r.get('bits_weighted', '-')} | {r.get('storage_bits', '-')} | "
             + " | ".join(str(r.get(f"ppl_{t}", "-")) for t in texts)
             + f" | {r['calibration_seconds']} | {r.get('gptq_seconds', '-')} |"
         )
-    sections = [comparison(rows, texts), rounding_comparison(rows, texts), peer_comparison(rows, texts)]
+    sections = [
+        comparison(rows, texts),
+        budget_comparison(rows, texts),
+        rounding_comparison(rows, texts),
+        peer_comparison(rows, texts),
+    ]
     return "\n".join(lines) + "\n\n" + "\n\n".join("\n".join(s) for s in sections if s) + "\n"
 
 
@@ -477,7 +483,7 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
         (
             r["model"],
             rotation_label(r),
-            (r.get("offset_groups"), rounding_label(r)),
+            (r.get("offset_groups"), r.get("bit_average"), rounding_label(r)),
             r["pair"],
             r["target"],
             r["seed"],
@@ -498,8 +504,8 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
                 ratio = ours[f"ppl_{t}"] / theirs[f"ppl_{t}"]
                 counts.setdefault(other, []).append(ratio)
     lines = [
-        "Default method (`dmx`) against the others, same model, rotation, groups, rounding, pair, target and seed, "
-        "on each held-out text:",
+        "Default method (`dmx`) against the others, same model, rotation, groups, budget, rounding, pair, target and "
+        "seed, on each held-out text:",
         "",
     ]
     for other, ratios in counts.items():
@@ -507,6 +513,33 @@ def comparison(rows: list[dict], texts: list[str]) -> list[str]:
         mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
         lines.append(
             f"- vs `{other}`: lower in {lower} of {len(ratios)} comparisons; geometric mean perplexity ratio {mean:.3f}"
+        )
+    return lines
+
+
+def budget_comparison(rows: list[dict], texts: list[str]) -> list[str]:
+    """Each method's map at the weighted budget against its map at the simple budget of the same target (same cell,
+    settings and seed): the weighted one is smaller (the simple average lets large layers go high)."""
+
+    def cell(r: dict) -> tuple:
+        keys = ("method", "pair", "target", "seed", "rotation", "model", "eval", "offset_groups", "preset")
+        return (*(str(r.get(k, "")) for k in keys), rounding_label(r), rotation_label(r))
+
+    simple = {cell(r): r for r in rows if r.get("bit_average") == "simple"}
+    pairs: dict[str, list[tuple[dict, dict]]] = {}
+    for r in rows:
+        if r.get("bit_average") == "weighted" and cell(r) in simple:
+            pairs.setdefault(f"`{method_label(r)}`, {rounding_label(r)}", []).append((r, simple[cell(r)]))
+    if not pairs:
+        return []
+    lines = ["Weighted budget against simple, the same method, cell and seed, on each held-out text:", ""]
+    for method, matched in pairs.items():
+        ratios = [w[f"ppl_{t}"] / s[f"ppl_{t}"] for w, s in matched for t in texts]
+        mean = math.exp(sum(map(math.log, ratios)) / len(ratios))
+        extra = sum(s["bits_weighted"] - w["bits_weighted"] for w, s in matched) / len(matched)
+        lines.append(
+            f"- {method}: weighted lower in {sum(v < 1 for v in ratios)} of {len(ratios)} comparisons; geometric "
+            f"mean perplexity ratio {mean:.3f}, with {extra:.3f} fewer weighted bits on average"
         )
     return lines
 

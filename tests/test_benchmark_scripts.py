@@ -141,6 +141,8 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     assert "0 runs to do, 6 already" in run_benchmark("bench_quality.py", *args)
     assert [json.loads(line) for line in runs.read_text().splitlines()] == rows
     assert "2 runs to do, 4 already" in run_benchmark("bench_quality.py", *args, "--offset-groups", "fused")
+    weighted = run_benchmark("bench_quality.py", *args, "--methods", "kl", "--bit-average", "weighted")
+    assert "1 runs to do, 0 already" in weighted
     # A rotated model is a new set of runs; its float perplexity is the float model's (the rotation preserves it).
     assert "1 runs to do, 0 already" in run_benchmark(
         "bench_quality.py", *inputs, "--methods", "float", "--rotation", "block_hadamard"
@@ -151,6 +153,7 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     table = output.read_text()
     assert table.startswith("# Quality: held-out perplexity against bits\n\nCommand: `python benchmarks/bench_quality")
     assert "- vs `kl`: lower in" in table
+    assert "- `kl`, rtn: weighted lower in" in table and "fewer weighted bits on average" in table
 
 
 def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_text_model_dir, tmp_path):
