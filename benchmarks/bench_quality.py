@@ -127,7 +127,7 @@ class Sweep:
     preset: str = "cpu-bench"
     rotation: str = "none"
     offset_groups: str = "none"
-    bit_average: str = "simple"
+    bit_average: str = "weighted"  # the library's default; "simple": per layer, the paper's own average
     weight_rounding: str = "rtn"
     learn_rotations: bool = False
     gptq_samples: int | None = None  # None: every calibration sequence of the preset

@@ -136,13 +136,13 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     run_benchmark("bench_quality.py", *args, "--threads", 1)
     rows = [json.loads(line) for line in runs.read_text().splitlines()]
     assert [r["method"] for r in rows] == ["float", "uniform", "uniform", "uniform", "dmx", "kl"]
-    assert all(r["ppl_heldout"] > 1 for r in rows) and abs(rows[4]["bits_simple"] - 5) <= 0.3
+    assert all(r["ppl_heldout"] > 1 for r in rows) and abs(rows[4]["bits_weighted"] - 5) <= 0.3
     # A repeated sweep finds every run and adds nothing; a changed setting is a new run.
     assert "0 runs to do, 6 already" in run_benchmark("bench_quality.py", *args)
     assert [json.loads(line) for line in runs.read_text().splitlines()] == rows
     assert "2 runs to do, 4 already" in run_benchmark("bench_quality.py", *args, "--offset-groups", "fused")
-    weighted = run_benchmark("bench_quality.py", *args, "--methods", "kl", "--bit-average", "weighted")
-    assert "1 runs to do, 0 already" in weighted
+    simple = run_benchmark("bench_quality.py", *args, "--methods", "kl", "--bit-average", "simple")
+    assert "1 runs to do, 0 already" in simple
     # A rotated model is a new set of runs; its float perplexity is the float model's (the rotation preserves it).
     assert "1 runs to do, 0 already" in run_benchmark(
         "bench_quality.py", *inputs, "--methods", "float", "--rotation", "block_hadamard"

@@ -49,8 +49,9 @@ def test_every_method_gives_fused_projections_one_format(deep, method):
     assert len(fused_projection_groups(result.format_map)) == 14  # 7 layers x (q/k/v, gate/up)
     assert mixed_groups(result.format_map) == []
     assert len(set(result.format_map.values())) == 2  # the budget is met with both formats, not by a corner
-    if method != "paper_threshold":
-        assert abs(result.bits_simple - 5.5) <= BUDGET_TOLERANCE + 1e-9
+    if method != "paper_threshold":  # the paper's procedure averages per layer, the others by size
+        achieved = result.bits_simple if method.startswith("paper") else result.bits_weighted
+        assert abs(achieved - 5.5) <= BUDGET_TOLERANCE + 1e-9
 
 
 def test_grouped_layers_share_one_learned_offset_in_the_papers_trainer(deep):

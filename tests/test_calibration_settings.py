@@ -6,12 +6,20 @@ from optimum_dmx.calibration import PRESETS, CalibrationSettings, PaperRecipe, g
 def test_defaults_are_the_papers():
     s = CalibrationSettings()
     assert (s.method, s.target_bits, s.format_pair, s.batch_size, s.steps) == ("dmx", 5.0, "mxfp8-mxfp4", 8, 400)
-    assert s.num_samples == 3200 and s.seq_len == 2048 and s.bit_average == "simple" and s.block_size == 32
+    assert s.num_samples == 3200 and s.seq_len == 2048 and s.block_size == 32
     assert s.quantize_activations and s.modules_to_not_convert == ["lm_head"]
     assert CalibrationSettings().modules_to_not_convert is not s.modules_to_not_convert
     paper = s.paper
     assert (paper.lr, paper.regularizer, paper.reg_lambda, paper.discretization) == (1.0, "target", 5.0, "threshold")
     assert (paper.t_start, paper.t_end, paper.t_warmup_ratio) == (8.0, 400.0, 0.6)
+
+
+def test_the_budget_is_weighted_by_size_but_the_papers_procedure_averages_per_layer():
+    """A 5-bit model is the size of 5 bits per element; the paper's procedure keeps its own per-layer average."""
+    assert CalibrationSettings().bit_average == "weighted"
+    assert CalibrationSettings(method="kl").bit_average == "weighted"
+    assert CalibrationSettings(method="paper").bit_average == "simple"
+    assert CalibrationSettings(method="paper", bit_average="weighted").bit_average == "weighted"
 
 
 def test_the_paper_preset_is_the_settings_default():

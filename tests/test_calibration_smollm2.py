@@ -91,8 +91,8 @@ def test_short_paper_calibration_on_austen_raises_offsets_below_the_target(smoll
 def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts, pair, target):
     model, tokenizer = smollm2
     ids = build_calibration_batches(texts.calibration, tokenizer, seq_len=128, num_samples=40, seed=0)
-    settings = CalibrationSettings(
-        format_pair=pair, target_bits=target, num_samples=40, seq_len=128, batch_size=2, steps=20
+    settings = CalibrationSettings(  # the 0.1.0.dev0 default budget: per layer
+        format_pair=pair, target_bits=target, num_samples=40, seq_len=128, batch_size=2, steps=20, bit_average="simple"
     )
     result = calibrate(model, ids, settings, progress=False)
     assert target - 0.05 <= result.bits_simple <= target + 0.05

@@ -167,7 +167,7 @@ def test_calibrating_a_rotated_model_runs_with_the_online_transforms():
     result = calibrate(
         model, ids, CalibrationSettings(target_bits=5, num_samples=8, seq_len=16, batch_size=2, steps=4), progress=False
     )
-    assert abs(result.bits_simple - 5) <= 0.3
+    assert abs(result.bits_weighted - 5) <= 0.3
     assert isinstance(model.model.layers[0].mlp.down_proj, TransformedLinear)  # put back after calibration
 
 

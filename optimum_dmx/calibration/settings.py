@@ -166,7 +166,9 @@ class CalibrationSettings:
             4 to 6 bits).
         num_samples, seq_len, batch_size, steps: calibration sequences drawn from the text, tokens per sequence,
             sequences per step, optimization steps.
-        bit_average: the average the budget is kept in: `"simple"` (per layer) or `"weighted"` (by tensor size).
+        bit_average: the average the budget is kept in: `"weighted"` (by tensor size: what the model's size, memory
+            traffic and matmul work follow) or `"simple"` (per layer). Default: weighted, but for
+            `method="paper"`, whose procedure averages per layer.
         cost_table: what a layer costs in each format, `{format: {"OUTxIN": cost}}` for every weight shape (e.g.
             latency measured on the serving target, or `calibration.budget.storage_cost_table`'s bytes): the
             budget rule then caps the total cost, `target_bits` placing the cap between the all-low and all-high
@@ -192,7 +194,7 @@ class CalibrationSettings:
     seq_len: int = 2048
     batch_size: int = 8
     steps: int = 400
-    bit_average: str = "simple"
+    bit_average: str | None = None
     cost_table: dict[str, dict[str, float]] | None = None
     offset_groups: str | list[list[str]] = "none"
     quantize_activations: bool = True
@@ -226,6 +228,8 @@ class CalibrationSettings:
             f"seed={self.seed!r} must be a non-negative integer.",
         )
         validate_scale_rule(self.scale_rule)
+        if self.bit_average is None:
+            self.bit_average = "simple" if self.method == "paper" else "weighted"
         require(
             self.bit_average in BIT_AVERAGES,
             f"bit_average={self.bit_average!r} is not supported; allowed: {', '.join(BIT_AVERAGES)}.",

@@ -104,8 +104,9 @@ class DMXConfig(QuantizationConfigMixin):
         tokenizer: tokenizer used to build the calibration batches. Never serialized.
         num_samples, seq_len, batch_size, steps: calibration sequences drawn from the text, tokens per sequence,
             sequences per step, optimization steps.
-        bit_average: the average `target_bits` is kept in: `"simple"` (per layer, default) or `"weighted"` (by
-            tensor size); both are recorded.
+        bit_average: the average `target_bits` is kept in: `"weighted"` (by tensor size, so the model's size
+            follows `target_bits`; default) or `"simple"` (per layer; the default of `method="paper"`, whose
+            procedure averages per layer); both are recorded.
         cost_table: what a layer costs in each format, `{format: {"OUTxIN": cost}}` for every quantized weight shape
             (e.g. latency measured on the serving target; `calibration.budget.storage_cost_table` gives bytes):
             the budget then caps the total cost, `target_bits` placing the cap between the all-low and all-high
