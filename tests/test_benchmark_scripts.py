@@ -156,6 +156,7 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     assert "- `kl`, rtn: weighted lower in" in table and "fewer weighted bits on average" in table
 
 
+@pytest.mark.slow  # two calibrations learning rotations and GPTQ: a minute or two
 def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_text_model_dir, tmp_path):
     """The GPTQ row of a learned-rotation cell rounds the weights that cell's calibration learned (kept in the
     benchmark cache), not the unlearned model: same map, no second calibration, and GPTQ beats rounding to
