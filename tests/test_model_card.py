@@ -69,7 +69,7 @@ def test_card_states_bits_size_calibration_evaluation_and_loading():
     text = render_model_card(quantization_config(), INFO)
     for expected in [
         "mxfp8-mxfp4",
-        "| Target average bits | 5.0 |",
+        "| Target average bits | 5.0 (weighted by tensor size) |",
         "| 5.714 |",
         "| 5.900 |",
         "| 6.150 |",
@@ -143,3 +143,14 @@ def test_card_states_the_rotation_and_whether_it_was_learned(learned):
     text = render_model_card(config, INFO)
     assert "full-size randomized Hadamard (merged into the weights" in text
     assert ("trained with the formats (Cayley SGD)" in text) is learned
+
+
+@pytest.mark.parametrize(
+    "method, title_bits, budget",
+    [("dmx", "5.900", "weighted by tensor size"), ("paper", "5.714", "simple mean over layers")],
+)
+def test_title_and_target_state_the_average_the_budget_was_kept_in(method, title_bits, budget):
+    """The default budget is weighted by tensor size, the paper's per layer: the card's headline follows it."""
+    text = render_model_card(quantization_config(method=method), INFO)
+    assert f"SmolLM2-135M-Instruct dMX ({title_bits} bits)" in text
+    assert f"| Target average bits | 5.0 ({budget}) |" in text

@@ -229,10 +229,12 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
     pair = get_format_pair(config.get("format_pair") or "mxfp8-mxfp4")
     counts = Counter(config["format_map"].values())
     bits = config.get("achieved_bits") or {}
+    bit_average = config.get("bit_average") or "simple"  # checkpoints before the setting kept the simple average
+    budget_bits = "bits_weighted" if bit_average == "weighted" else "bits_simple"  # what the title states
     base = info.base_model or "a transformers model"
     values = {
         "metadata": _metadata(config, info),
-        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(bits.get('bits_simple'))} bits)"
+        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(bits.get(budget_bits))} bits)"
         if info.base_model
         else "dMX mixed-precision MX model",
         "base_model_label": f"[{info.base_model}](https://huggingface.co/{info.base_model})"
@@ -243,6 +245,7 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         "low_format": pair.low.name,
         "high_format": pair.high.name,
         "target_bits": "n/a" if config.get("target_bits") is None else f"{config['target_bits']}",
+        "budget": "weighted by tensor size" if bit_average == "weighted" else "simple mean over layers",
         "bits_simple": _fmt_bits(bits.get("bits_simple")),
         "bits_weighted": _fmt_bits(bits.get("bits_weighted")),
         "storage_bits": _fmt_bits(bits.get("storage_bits")),
