@@ -47,7 +47,8 @@ def main() -> None:
     applied = model.config.quantization_config
     bits = applied.achieved_bits
     print(
-        f"average bits {bits['bits_simple']:.3f} (target {applied.target_bits}), "
+        f"average bits {bits['bits_weighted']:.3f} by tensor size (target {applied.target_bits}), "
+        f"{bits['bits_simple']:.3f} per layer, "
         f"storage {bits['storage_bits']:.3f} bits per weight"
     )
     model.save_pretrained(args.output)  # packed MX weights, the format map, and the model card
