@@ -57,10 +57,10 @@ def layer_costs(
     and the layer's shape (`shape_key`); a missing entry is an error that names it.
     """
     if cost_table is not None:
+        keys = [shape_key(shape) for shape in weight_shapes]
         costs = []
         for fmt in (pair.low, pair.high):
             table = cost_table.get(fmt.name, {})
-            keys = [shape_key(shape) for shape in weight_shapes]
             missing = sorted({key for key in keys if key not in table})
             if missing:
                 raise ValueError(
