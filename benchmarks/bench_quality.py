@@ -166,10 +166,10 @@ class Sweep:
         }
         if method in CALIBRATED or method in MAP_PEERS:
             key.update(preset=self.preset, offset_groups=self.offset_groups, bit_average=self.bit_average)
+        if method in CALIBRATED and self.learn_rotations:
+            key.update(learn_rotations=True)
         if method in MAP_PEERS and self.peer_samples is not None:
             key.update(peer_samples=self.peer_samples)
-            if self.learn_rotations:
-                key.update(learn_rotations=True)
         if method == "kl" and self.sensitivity_rounding != "rtn":
             key.update(sensitivity_rounding=self.sensitivity_rounding)
         if self.weight_rounding != "rtn" and method != "float":

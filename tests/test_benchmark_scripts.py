@@ -252,6 +252,34 @@ def test_autoscheme_rows_refuse_budgets_it_does_not_keep(settings, tmp_path):
     assert result.returncode == 2 and "pass --bit-average weighted and --offset-groups none" in result.stderr
 
 
+RUN_KEYS = """
+import json, sys
+sys.path.insert(0, "benchmarks")
+from bench_quality import Sweep
+learned = Sweep(rotation="hadamard", learn_rotations=True, peer_samples=80)
+plain = Sweep()
+print(json.dumps({
+    "dmx learned": learned.key("dmx", "mxfp8-mxfp4", "4", 0),
+    "autoscheme": learned.key("autoscheme", "mxfp8-mxfp4", "5", 0),
+    "uniform learned": learned.key("uniform", "", "mxfp4_e2m1", 0),
+    "dmx": plain.key("dmx", "mxfp8-mxfp4", "5", 0),
+}))
+"""
+
+
+def test_quality_run_keys_hold_the_settings_each_row_depends_on():
+    """A run is found again by its key: a calibrated row learned its rotations or not, a map peer read N sequences,
+    every calibrated row and map peer kept one budget; a uniform row depends on none of these."""
+    result = subprocess.run([sys.executable, "-c", RUN_KEYS], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    keys = json.loads(result.stdout.splitlines()[-1])
+    assert keys["dmx learned"]["learn_rotations"] is True and "peer_samples" not in keys["dmx learned"]
+    assert keys["autoscheme"]["peer_samples"] == 80 and "learn_rotations" not in keys["autoscheme"]
+    assert keys["autoscheme"]["bit_average"] == keys["dmx"]["bit_average"] == "weighted"
+    assert not {"learn_rotations", "peer_samples", "bit_average"} & set(keys["uniform learned"])
+    assert "learn_rotations" not in keys["dmx"]
+
+
 HELP_OF_EVERY_SCRIPT = """
 import contextlib, io, json, runpy, sys, traceback
 scripts = sys.argv[1:]
