@@ -707,6 +707,10 @@ def main(argv: list[str] | None = None) -> None:
         "windows, exp(mean NLL); weights and input activations of every decoder linear MX-quantized (block 32), "
         "lm_head in float. Times: wall-clock seconds on the machine that ran the row (`GPTQ s`: the rounding, "
         "`rounding` gptq rows, on the calibration sequences at the preset's sizes).\n\n"
+        "Rows are added by `python benchmarks/bench_quality.py --seeds 0,1` (float, uniform, dmx, paper, kl and the "
+        "llmcompressor peer, at the default weighted budget; `--bit-average simple` for the per-layer one) and the "
+        "AutoScheme peer's rows by `python benchmarks/bench_quality.py --methods autoscheme --seeds 0 --peer-samples "
+        "80`; GPTQ, rotation and grouping rows by the commands at the top of `benchmarks/bench_quality.py`.\n\n"
     )
     write_report(header + report(read_json_lines(a.runs)), a.output, "Quality: held-out perplexity against bits")
 
