@@ -19,7 +19,7 @@ import torch
 from ..continuous import FormatPair
 from ..formats import get_format
 from ..formats.spec import packed_bits
-from ..nn.bits import tensor_sizes
+from ..nn.bits import BIT_AVERAGES, tensor_sizes
 
 BUDGET_TOLERANCE = 0.05  # bits: how far from the target a budget-exact map may land when layers are coarse
 
@@ -75,7 +75,7 @@ def layer_costs(
         sizes = tensor_sizes([tuple(shape)[-2:] for shape in weight_shapes], quantize_activations)
         weights = sizes / sizes.mean()
     else:
-        raise ValueError(f"bit average {bit_average!r} is not supported; allowed: simple, weighted.")
+        raise ValueError(f"bit average {bit_average!r} is not supported; allowed: {', '.join(BIT_AVERAGES)}.")
     return weights * pair.low.bits, weights * pair.high.bits
 
 
