@@ -59,9 +59,9 @@ def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     assert output.read_text().startswith("# Calibration cost\n\nCommand: `python benchmarks/bench_calibration_cost.py")
 
 
-def run_gpu_check(device: str, output: Path) -> subprocess.CompletedProcess:
+def run_gpu_check(device: str, output: Path, *options: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", device, "--output", str(output)],
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", device, "--output", str(output), *options],
         env={**os.environ, "PYTHON": sys.executable},
         capture_output=True,
         text=True,
@@ -101,6 +101,22 @@ def test_gpu_check_reports_a_failing_step_and_runs_the_others(tmp_path):
     ]
     assert statuses[0][1] == "0"  # the CUDA tests skip themselves
     assert len(statuses) == 4 and all(status != "0" for _, status in statuses[1:])  # kernels, the 1B and 8B shapes
+    assert "--memory" not in statuses[2][0] and "--memory" in statuses[3][0]  # the 8B model's peak memory only
+
+
+def test_gpu_check_runs_only_the_named_steps_and_refuses_unknown_ones(tmp_path):
+    """`--only` resumes a run cut off by a device's time limit: the named steps run, in their order, and nothing
+    else; a name that is not a step is refused with the step names."""
+    output = tmp_path / "gpu_check.md"
+    result = run_gpu_check("meta", output, "--only", "llama-3.1-8b,tests")
+    assert result.returncode == 1  # the 8B step fails on the meta device
+    assert re.findall(r"^## (.+)$", output.read_text(), re.MULTILINE) == [
+        "tests/test_cuda.py",
+        "Calibration cost, llama-3.1-8b",
+    ]
+    refused = run_gpu_check("meta", tmp_path / "none.md", "--only", "llama-3.1-70b")
+    assert refused.returncode == 2 and not (tmp_path / "none.md").exists()
+    assert "unknown step 'llama-3.1-70b'" in refused.stderr and "tests kernels llama-3.2-1b llama-3.1-8b" in refused.stderr
 
 
 def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
