@@ -274,6 +274,18 @@ def test_fp6_packs_four_codes_little_endian_into_three_bytes():
     assert packing.unpack_codes(packing.pack_codes(codes, 6), 6).tolist() == codes.tolist()
 
 
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_negating_packed_rows_equals_packing_the_negated_rows(name):
+    """`negate_rows` flips the sign bits of some rows' codes: the codes of those rows negated, scales unchanged."""
+    x = wide_range((6, 64), seed=17, decades=3)
+    x[0, :2] = torch.tensor([0.0, 1e-30])  # a zero and a value that rounds to zero keep their codes' sign rule
+    rows = torch.tensor([True, False, True, True, False, False])
+    negated = torch.where(rows[:, None], -x, x)
+    packed = pack_mx(x, name)
+    assert torch.equal(packing.negate_rows(packed.codes, name, rows), pack_mx(negated, name).codes)
+    assert torch.equal(packed.scales, pack_mx(negated, name).scales)
+
+
 def test_unpack_rejects_mismatched_shapes():
     packed = pack_mx(torch.randn(4, 64), "mxfp4")
     packed.codes = packed.codes[:, :-1]

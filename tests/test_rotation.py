@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrate, dmx_linears
-from optimum_dmx.export import ExportError, export_checkpoint
 from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
 from optimum_dmx.nn.transforms import (
@@ -232,10 +231,3 @@ def test_rotated_model_stays_close_to_the_float_model_and_dequantizes(rotated_dm
     float_logits = AutoModelForCausalLM.from_pretrained(root / "float")(INPUT_IDS).logits
     # MX weights without activation quantization: nearer the float model than the quantized logits are
     assert (dequantized - float_logits).abs().mean() < (logits - float_logits).abs().mean()
-
-
-@pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
-def test_export_refuses_online_transforms(rotated_dmx, tmp_path, target):
-    root, _, _ = rotated_dmx
-    with pytest.raises(ExportError, match="online input transforms.*model.layers.0.mlp.down_proj"):
-        export_checkpoint(root / "dmx", tmp_path / "out", target, force=True)

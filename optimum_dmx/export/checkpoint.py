@@ -22,10 +22,12 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from ..formats.packing import negate_rows
 from ..integration.configuration import QUANT_METHOD
 from ..integration.folders import check_output, staged_folder
 from ..nn.groups import mixed_groups
 from .targets import ExportTarget, get_export_target
+from .transforms import TRANSFORM_CONFIG_KEY, TransformExport
 
 __all__ = ["ExportError", "export_checkpoint"]
 
@@ -80,15 +82,19 @@ def export_checkpoint(
     quantization = config["quantization_config"]
     format_map: dict[str, str] = quantization["format_map"]
     _check_exportable(spec, quantization, for_vllm=for_vllm, force=force)
-    _check_whole_blocks(config, format_map, spec)
+    skeleton = _skeleton(config)
+    _check_whole_blocks(skeleton, format_map, spec)
+    transforms = _online_transforms(spec, quantization, skeleton)
 
     with staged_folder(output_dir, overwrite=overwrite) as staging:
-        weight_map = _convert_tensors(source, staging, spec, format_map)
+        weight_map = _convert_tensors(source, staging, spec, format_map, transforms)
         if len(set(weight_map.values())) > 1:
             index = json.loads((source / SAFETENSORS_INDEX).read_text())
             index["weight_map"] = dict(sorted(weight_map.items()))
             (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config["quantization_config"] = spec.quantization_config(format_map, quantization.get("modules_to_not_convert"))
+        if transforms is not None:
+            config["quantization_config"][TRANSFORM_CONFIG_KEY] = transforms.transform_config
         _serve_in_bfloat16(config)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for path in source.iterdir():
@@ -129,11 +135,12 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
             f"{spec.name} stores MX blocks of 32 elements; this checkpoint uses block_size={quantization['block_size']}"
         )
     transformed = sorted(quantization.get("input_transforms") or {})
-    if transformed:
+    if transformed and spec.input_transforms is None:
         raise ExportError(
             f"{spec.name} export does not carry online input transforms, and {len(transformed)} layers have one "
             f"(rotation={quantization.get('rotation')!r}; e.g. {', '.join(transformed[:3])}): served without it they "
-            "would compute a different function. Calibrate with rotation='none' to export"
+            "would compute a different function. Export to 'compressed-tensors', which carries them, or calibrate "
+            "with rotation='none'"
         )
     unsupported = sorted(name for name, fmt in format_map.items() if fmt not in spec.formats)
     if unsupported:
@@ -185,15 +192,29 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
         )
 
 
-def _check_whole_blocks(config: dict[str, Any], format_map: Mapping[str, str], spec: ExportTarget) -> None:
-    """Raise for layers whose `in_features` is not a multiple of 32: the loaders store no padded last block.
-
-    The shapes come from the model's architecture, built on the meta device (no memory, no weights).
-    """
+def _skeleton(config: dict[str, Any]) -> torch.nn.Module:
+    """The checkpoint's model built on the meta device (no memory, no weights): its modules and shapes."""
     plain = {key: value for key, value in config.items() if key != "quantization_config"}
     architecture = AutoConfig.for_model(**plain)
     with torch.device("meta"):
-        skeleton = AutoModelForCausalLM.from_config(architecture)
+        return AutoModelForCausalLM.from_config(architecture)
+
+
+def _online_transforms(
+    spec: ExportTarget, quantization: Mapping[str, Any], skeleton: torch.nn.Module
+) -> TransformExport | None:
+    """What `spec` writes for the checkpoint's online input transforms (None without any)."""
+    input_transforms = quantization.get("input_transforms") or {}
+    if not input_transforms:
+        return None
+    try:
+        return spec.input_transforms(input_transforms, skeleton)
+    except ValueError as error:
+        raise ExportError(f"{spec.name} cannot carry this checkpoint's rotation: {error}") from None
+
+
+def _check_whole_blocks(skeleton: torch.nn.Module, format_map: Mapping[str, str], spec: ExportTarget) -> None:
+    """Raise for layers whose `in_features` is not a multiple of 32: the loaders store no padded last block."""
     ragged = sorted(name for name in format_map if skeleton.get_submodule(name).in_features % 32)
     if ragged:
         raise ExportError(
@@ -202,8 +223,19 @@ def _check_whole_blocks(config: dict[str, Any], format_map: Mapping[str, str], s
         )
 
 
-def _convert_tensors(source: Path, staging: Path, spec: ExportTarget, format_map: Mapping[str, str]) -> dict[str, str]:
-    """Rewrite every safetensors file of `source` into `staging`; return the new tensor name -> file map."""
+def _convert_tensors(
+    source: Path,
+    staging: Path,
+    spec: ExportTarget,
+    format_map: Mapping[str, str],
+    transforms: TransformExport | None,
+) -> dict[str, str]:
+    """Rewrite every safetensors file of `source` into `staging`, the rows of the layers that take `transforms`'
+    signs negated where they say and the transforms' matrices beside the weights of the layers they apply to;
+    return the new tensor name -> file map."""
+    row_signs = transforms.row_signs if transforms else {}
+    matrices = transforms.tensors if transforms else {}
+    unsigned = set(row_signs)
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise ExportError(f"{str(source)!r} has no safetensors files")
@@ -213,6 +245,7 @@ def _convert_tensors(source: Path, staging: Path, spec: ExportTarget, format_map
         with safe_open(file, framework="pt") as reader:
             tensors = {name: reader.get_tensor(name) for name in reader.keys()}
             metadata = reader.metadata()
+        unsigned -= _apply_row_signs(tensors, row_signs, format_map)
         out = {}
         for name, tensor in tensors.items():
             module, _, leaf = name.rpartition(".")
@@ -229,11 +262,37 @@ def _convert_tensors(source: Path, staging: Path, spec: ExportTarget, format_map
                     remaining.discard(module)
             else:
                 out[name] = tensor
+        for module in {name.rpartition(".")[0] for name in tensors} & set(matrices):
+            out.update(matrices[module])
         save_file(out, staging / file.name, metadata=metadata)
         weight_map.update(dict.fromkeys(out, file.name))
+    if unsigned:
+        raise ExportError(f"the safetensors files lack the weights of {sorted(unsigned)}, whose rows take signs")
     if remaining:
         raise ExportError(
             f"the safetensors files lack the packed weights of {len(remaining)} layers of the format "
             f"map, e.g. {sorted(remaining)[:3]}"
         )
     return weight_map
+
+
+def _apply_row_signs(
+    tensors: dict[str, torch.Tensor], row_signs: Mapping[str, torch.Tensor], format_map: Mapping[str, str]
+) -> set[str]:
+    """Negate, in `tensors`, the output rows of each layer of `row_signs` where its sign is -1: packed MX codes by
+    their sign bits (exact), float weights and biases by multiplication. Return the layers whose weight was here."""
+    done = set()
+    for module, signs in row_signs.items():
+        if f"{module}.weight_packed" in tensors:
+            packed = tensors[f"{module}.weight_packed"]
+            tensors[f"{module}.weight_packed"] = negate_rows(packed, format_map[module], signs < 0)
+        elif f"{module}.weight" in tensors:
+            weight = tensors[f"{module}.weight"]
+            tensors[f"{module}.weight"] = weight * signs.to(weight.dtype)[:, None]
+        else:
+            continue
+        done.add(module)
+        if f"{module}.bias" in tensors:
+            bias = tensors[f"{module}.bias"]
+            tensors[f"{module}.bias"] = bias * signs.to(bias.dtype)
+    return done

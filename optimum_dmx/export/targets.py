@@ -21,6 +21,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch import nn
+
+from .transforms import TransformExport, compressed_tensors_transforms
 
 __all__ = ["EXPORT_TARGETS", "ExportTarget", "get_export_target"]
 
@@ -51,6 +54,22 @@ vllm serve path/to/{name}
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("path/to/{name}", dtype="bfloat16")  # needs {package}
 ```
+{transforms}"""
+
+_TRANSFORMS_SECTION = """
+## Online transforms
+
+{count} layers ({layers}) transform their input with a Hadamard matrix before quantizing it (the rotation the
+formats were learned with), as `quantization_config["transform_config"]` in `config.json` describes. vLLM applies
+it. transformers does not yet (it loads the model without the transforms, which then computes another function):
+after loading, apply them with compressed-tensors' own code:
+
+```python
+import json
+from compressed_tensors.transform import TransformConfig, apply_transform_config
+config = json.load(open("path/to/{name}/config.json"))["quantization_config"]["transform_config"]
+apply_transform_config(model, TransformConfig.model_validate(config))
+```
 """
 
 
@@ -67,6 +86,8 @@ class ExportTarget:
         package: what a user installs to load the result with transformers.
         layer_tensors: `(module, fmt, weight_packed, weight_scale) -> {tensor name: tensor}` in the target layout.
         quantization_config: `(format_map, modules_to_not_convert) -> quantization_config` of config.json.
+        input_transforms: `(input_transforms, model skeleton) -> TransformExport`, what the target writes for a
+            rotated checkpoint's online transforms; None where it cannot carry them.
     """
 
     name: str
@@ -77,6 +98,7 @@ class ExportTarget:
     package: str
     layer_tensors: Callable[[str, str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
     quantization_config: Callable[[Mapping[str, str], Sequence[str] | None], dict[str, Any]]
+    input_transforms: Callable[[Mapping[str, dict], nn.Module], TransformExport] | None = None
 
     def model_card(self, dmx_quantization: Mapping[str, Any], name: str) -> str:
         """A README saying what the export holds and how to serve and load it."""
@@ -84,7 +106,12 @@ class ExportTarget:
         for fmt in dmx_quantization["format_map"].values():
             counts[fmt] = counts.get(fmt, 0) + 1
         summary = ", ".join(f"{count} layers {fmt}" for fmt, count in sorted(counts.items()))
-        return _SERVE_TEMPLATE.format(name=name, target=self.name, summary=summary, package=self.package)
+        transformed = sorted(dmx_quantization.get("input_transforms") or {})
+        kinds = ", ".join(sorted({layer.rpartition(".")[2] for layer in transformed}))
+        transforms = _TRANSFORMS_SECTION.format(count=len(transformed), layers=kinds, name=name) if transformed else ""
+        return _SERVE_TEMPLATE.format(
+            name=name, target=self.name, summary=summary, package=self.package, transforms=transforms
+        )
 
 
 # --- compressed-tensors ------------------------------------------------------------------------------------
@@ -145,6 +172,7 @@ COMPRESSED_TENSORS = ExportTarget(
     package="compressed-tensors",
     layer_tensors=_ct_layer_tensors,
     quantization_config=_ct_quantization_config,
+    input_transforms=compressed_tensors_transforms,
 )
 
 # --- AMD Quark ---------------------------------------------------------------------------------------------

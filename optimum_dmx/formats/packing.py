@@ -106,6 +106,16 @@ def unpack_codes(packed: torch.Tensor, bits: int) -> torch.Tensor:
     return codes.reshape(*data.shape[:-1], -1)
 
 
+def negate_rows(codes: torch.Tensor, fmt: str | MXFormat, rows: torch.Tensor) -> torch.Tensor:
+    """Packed codes ``[out, packed_len]`` of the tensor whose rows where ``rows`` (bool, ``[out]``) is true are
+    negated: each of their element codes has its sign bit flipped. Exact, and the block scales stay as they are:
+    the element formats are sign-magnitude and a block's largest magnitude does not change."""
+    fmt = get_format(fmt)
+    flipped = unpack_codes(codes, fmt.bits)
+    flipped[rows] ^= 1 << (fmt.bits - 1)
+    return pack_codes(flipped, fmt.bits)
+
+
 def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scale_rule: str = "ocp") -> MXPackedTensor:
     """Quantize ``x`` to an MX format along its last dimension and return its storage form.
 

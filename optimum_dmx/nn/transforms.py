@@ -37,14 +37,19 @@ def _split_power_of_two(n: int) -> tuple[int, int]:
 HADAMARD_FACTOR_ORDER = 64  # largest Hadamard matrix applied as one matrix product
 
 
-def hadamard_matrix(order: int) -> torch.Tensor:
-    """The normalized Sylvester-Hadamard matrix `H_2 ⊗ ... ⊗ H_2 / sqrt(order)` (symmetric, orthogonal), float64."""
+def sylvester_matrix(order: int) -> torch.Tensor:
+    """The Sylvester-Hadamard matrix `H_2 ⊗ ... ⊗ H_2` of entries +-1 (symmetric, `H H = order I`), float64."""
     if order < 1 or order & (order - 1):
         raise ValueError(f"a Sylvester-Hadamard matrix needs a power-of-two order, got {order}")
     matrix = torch.ones(1, 1, dtype=torch.float64, device="cpu")
     while len(matrix) < order:
         matrix = torch.cat([torch.cat([matrix, matrix], 1), torch.cat([matrix, -matrix], 1)], 0)
-    return matrix / order**0.5
+    return matrix
+
+
+def hadamard_matrix(order: int) -> torch.Tensor:
+    """The normalized Sylvester-Hadamard matrix `sylvester_matrix(order) / sqrt(order)` (orthogonal), float64."""
+    return sylvester_matrix(order) / order**0.5
 
 
 def kronecker_factors(power: int, odd: torch.Tensor) -> list[torch.Tensor]:
@@ -118,6 +123,10 @@ class RandomizedHadamard(nn.Module):
         if x.shape[-1] != self.size:
             raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
         return self._apply_float(x.float()).to(x.dtype)
+
+    def signs(self) -> torch.Tensor:
+        """The diagonal of `D`: one sign (+-1, float64) per element of the transformed dimension."""
+        return self._factors[(torch.device("cpu"), torch.float64)][0].clone()
 
     def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """`T` itself, `[size, size]`, computed in float64 on the CPU (for merging the transform into weights)."""

@@ -1,0 +1,136 @@
+"""Rotated dMX checkpoints exported to compressed-tensors: the online transforms travel as its `transform_config`,
+applied by compressed-tensors' own code to the model transformers loads (no mocks)."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from compressed_tensors.transform import TransformConfig, apply_transform_config
+from safetensors.torch import load_file
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+from optimum_dmx import DMXConfig
+from optimum_dmx.export import ExportError, export_checkpoint
+
+from .helpers import word_tokenizer, words
+
+PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
+
+
+def float_model(folder: Path, kind: str, intermediate: int, mlp_bias: bool = False) -> Path:
+    """A tiny Llama or Qwen3 (hidden 64, two layers), saved to `folder`; its norms away from the identity."""
+    common = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=intermediate,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**common, mlp_bias=mlp_bias))
+    else:
+        model = Qwen3ForCausalLM(Qwen3Config(**common))
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            if "norm" in name or "bias" in name:
+                parameter.add_(0.3 * torch.randn_like(parameter))
+    model.save_pretrained(folder)
+    return folder
+
+
+def servable_map() -> dict[str, str]:
+    """MXFP4 and MXFP8 alternating by layer, fused projections sharing one format (what vLLM serves)."""
+    return {
+        f"model.layers.{i}.{'self_attn' if p in PROJECTIONS[:4] else 'mlp'}.{p}": (
+            "mxfp8_e4m3" if (i + (p in ("o_proj", "down_proj"))) % 2 else "mxfp4_e2m1"
+        )
+        for i in range(2)
+        for p in PROJECTIONS
+    }
+
+
+def dmx_checkpoint(folder: Path, float_dir: Path, rotation: str, learned: bool = False) -> Path:
+    """`float_dir` quantized with `rotation` (an explicit map, or calibrated with learned rotations) and saved."""
+    if learned:
+        config = DMXConfig(
+            target_bits=5,
+            dataset=[words(0, 3000, 200)],
+            tokenizer=word_tokenizer(num_words=200),
+            rotation=rotation,
+            learn_rotations=True,
+            offset_groups="fused",
+            scale_rule="compressed-tensors",
+            num_samples=8,
+            seq_len=16,
+            batch_size=2,
+            steps=3,
+        )
+    else:
+        config = DMXConfig(format_map=servable_map(), rotation=rotation, scale_rule="compressed-tensors")
+    AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "kind, intermediate, rotation, learned, mlp_bias",
+    [
+        ("llama", 96, "block_hadamard", False, True),  # up_proj's bias takes the signs too
+        ("qwen3", 96, "block_hadamard", False, False),
+        ("llama", 128, "hadamard", False, False),  # a full-size transform: head_dim = the intermediate size
+        ("llama", 128, "hadamard", True, False),
+        ("qwen3", 96, "block_hadamard", True, False),
+    ],
+)
+def test_rotated_checkpoint_exports_its_transforms_and_loads_to_the_same_logits(
+    tmp_path, kind, intermediate, rotation, learned, mlp_bias
+):
+    float_dir = float_model(tmp_path / "float", kind, intermediate, mlp_bias)
+    source = dmx_checkpoint(tmp_path / "dmx", float_dir, rotation, learned)
+    exported = export_checkpoint(source, tmp_path / "ct")
+
+    quantization = json.loads((exported / "config.json").read_text())["quantization_config"]
+    block = 32 if rotation == "block_hadamard" else intermediate
+    downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
+    (scheme_name, scheme), *others = quantization["transform_config"]["config_groups"].items()
+    assert not others and scheme["type"] == "hadamard" and scheme["head_dim"] == block
+    assert scheme["apply"] == [{"targets": downs, "location": "input", "inverse": False, "ignore": []}]
+
+    ours = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)  # transformers ignores transforms
+    with torch.no_grad():
+        expected = ours(IDS).logits
+        assert not torch.equal(loaded(IDS).logits, expected)  # without the transforms: another function
+        apply_transform_config(loaded, TransformConfig.model_validate(quantization["transform_config"]))
+        assert torch.equal(loaded(IDS).logits, expected)
+
+    stored = {k: v for f in exported.glob("*.safetensors") for k, v in load_file(f).items()}
+    for down in downs:  # the matrices in the files are those compressed-tensors builds (vLLM reads the files)
+        transform = loaded.get_submodule(f"{down}.{scheme_name}_input")
+        assert torch.equal(stored[f"{down}.{scheme_name}_input.weight"], transform.weight.detach().float())
+
+
+def test_rotations_compressed_tensors_cannot_express_are_refused_naming_the_layer(tmp_path):
+    float_dir = float_model(tmp_path / "float", "llama", 96)
+    full = dmx_checkpoint(tmp_path / "hadamard", float_dir, "hadamard")  # 96 = 32 x 3: an odd factor
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.down_proj's online transform .* random orthogonal"):
+        export_checkpoint(full, tmp_path / "out")
+    every = dmx_checkpoint(tmp_path / "online", float_dir, "online_block_hadamard")
+    with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.gate_proj has an online transform .* down_proj"):
+        export_checkpoint(every, tmp_path / "out")
+    block = dmx_checkpoint(tmp_path / "block", float_dir, "block_hadamard")
+    with pytest.raises(ExportError, match="quark export does not carry online input transforms.*'compressed-tensors'"):
+        export_checkpoint(block, tmp_path / "out", "quark")
+    assert not (tmp_path / "out").exists()
+
+
+def test_the_exported_model_card_says_how_to_apply_the_transforms(tmp_path):
+    float_dir = float_model(tmp_path / "float", "llama", 96)
+    exported = export_checkpoint(dmx_checkpoint(tmp_path / "dmx", float_dir, "block_hadamard"), tmp_path / "ct")
+    card = (exported / "README.md").read_text()
+    assert "apply_transform_config" in card and "2 layers" in card
