@@ -82,8 +82,8 @@ def dmx_checkpoint(folder: Path, float_dir: Path, rotation: str, learned: bool =
     [
         ("llama", 96, "block_hadamard", False, True),  # up_proj's bias takes the signs too
         ("qwen3", 96, "block_hadamard", False, False),
-        ("llama", 128, "hadamard", False, False),  # a full-size transform: head_dim = the intermediate size
-        ("llama", 128, "hadamard", True, False),
+        ("llama", 128, "hadamard", False, False),  # a power of two: one transform of the whole input
+        ("llama", 96, "hadamard", True, False),  # 96 = 32 x 3: blocks of 32
         ("qwen3", 96, "block_hadamard", True, False),
     ],
 )
@@ -95,7 +95,7 @@ def test_rotated_checkpoint_exports_its_transforms_and_loads_to_the_same_logits(
     exported = export_checkpoint(source, tmp_path / "ct")
 
     quantization = json.loads((exported / "config.json").read_text())["quantization_config"]
-    block = 32 if rotation == "block_hadamard" else intermediate
+    block = 32 if rotation == "block_hadamard" else intermediate & -intermediate
     downs = [f"model.layers.{i}.mlp.down_proj" for i in range(2)]
     (scheme_name, scheme), *others = quantization["transform_config"]["config_groups"].items()
     assert not others and scheme["type"] == "hadamard" and scheme["head_dim"] == block
@@ -117,7 +117,12 @@ def test_rotated_checkpoint_exports_its_transforms_and_loads_to_the_same_logits(
 
 def test_rotations_compressed_tensors_cannot_express_are_refused_naming_the_layer(tmp_path):
     float_dir = float_model(tmp_path / "float", "llama", 96)
-    full = dmx_checkpoint(tmp_path / "hadamard", float_dir, "hadamard")  # 96 = 32 x 3: an odd factor
+    # A checkpoint of an earlier version, whose "hadamard" transform was full size: 96 = 32 x 3, an odd factor
+    full = dmx_checkpoint(tmp_path / "hadamard", float_dir, "hadamard")
+    config = json.loads((full / "config.json").read_text())
+    for spec in config["quantization_config"]["input_transforms"].values():
+        spec["block_size"] = spec["size"]
+    (full / "config.json").write_text(json.dumps(config))
     with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.down_proj's online transform .* random orthogonal"):
         export_checkpoint(full, tmp_path / "out")
     every = dmx_checkpoint(tmp_path / "online", float_dir, "online_block_hadamard")

@@ -15,9 +15,12 @@
   reached by a merged rotation: it becomes a `TransformedLinear` whose input is transformed on the fly and whose
   weight holds the inverse. The transform is returned, per module, to be recorded in config.json.
 
-`rotation="hadamard"` uses full-size randomized Hadamard transforms (hidden size, head size, intermediate size);
-`rotation="block_hadamard"` uses block-diagonal ones aligned to the MX blocks (`block_size`, normally 32), which
-mix values only within the blocks that share a scale.
+`rotation="hadamard"` uses full-size randomized Hadamard transforms for the merged rotations (hidden size, head
+size) and, online, one on blocks of the largest power of two dividing the intermediate size (all of it when it is a
+power of two: 512 of SmolLM2's 1536, 2048 of Llama-3.1-8B's 14336): a pure Hadamard transform per block, which
+serving engines apply (`export.transforms`), where a full-size one would need a random orthogonal matrix for the
+odd factor. `rotation="block_hadamard"` uses block-diagonal ones aligned to the MX blocks (`block_size`, normally
+32), which mix values only within the blocks that share a scale.
 
 `rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets its own
 online block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale.
@@ -77,12 +80,16 @@ def rotate_model(
         torch.randint(0, 2**31 - 1, (3 * len(sites.heads) + 1,), generator=torch.Generator().manual_seed(seed)).tolist()
     )
 
-    def transform(size: int) -> RandomizedHadamard:
-        return RandomizedHadamard(size, size if rotation == "hadamard" else min(block_size, size), next(seeds))
+    def transform(size: int, online: bool = False) -> RandomizedHadamard:
+        if rotation == "block_hadamard":
+            block = min(block_size, size)
+        else:
+            block = size & -size if online else size  # online: the largest power of two dividing size
+        return RandomizedHadamard(size, block, next(seeds))
 
     residual = transform(_text_config(model).hidden_size)
     per_layer = [
-        (transform(head_dim), transform(model.get_submodule(_down_proj(o_proj)).in_features))
+        (transform(head_dim), transform(model.get_submodule(_down_proj(o_proj)).in_features, online=True))
         for _, o_proj, head_dim in sites.heads
     ]
     if sites.residual:
