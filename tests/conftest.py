@@ -22,6 +22,22 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def bench():
+    """The benchmarks' asset module (the SmolLM2-135M benchmark model and texts, fetched and cached on first use),
+    loaded from its file: for the slow tests on the real model."""
+    import importlib.util
+    import sys
+
+    from .helpers import REPO_ROOT
+
+    spec = importlib.util.spec_from_file_location("benchmark_common", REPO_ROOT / "benchmarks" / "common.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
+    spec.loader.exec_module(module)
+    return module
+
+
 @pytest.fixture
 def compiled():
     """Compilation of the MX kernels on for the test (whatever the environment says), back to the environment's

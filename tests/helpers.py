@@ -129,6 +129,12 @@ def linear_names(model: torch.nn.Module, skip: tuple[str, ...] = ("lm_head",)) -
     return [n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and n not in skip]
 
 
+def held_out(texts, name: str) -> str:
+    """Held-out text `name` of the benchmark texts (`benchmarks/common.py`) from 10% in, as the benchmarks read it."""
+    text = texts.evaluation[name].read_text()
+    return text[len(text) // 10 :]
+
+
 def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
     """Run `code` in a fresh interpreter (the repository importable); raise with its output if it fails.
 

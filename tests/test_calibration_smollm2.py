@@ -1,9 +1,7 @@
 """End-to-end checks on the real SmolLM2-135M benchmark model and texts (slow; both are fetched and cached by
 `benchmarks/common.py` on first use)."""
 
-import importlib.util
 import json
-import sys
 
 import pytest
 import torch
@@ -18,19 +16,9 @@ from optimum_dmx.calibration import (
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.nn import emulate_format_map
 
-from .helpers import REPO_ROOT
+from .helpers import REPO_ROOT, held_out
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(scope="module")
-def bench():
-    """The benchmarks' asset module (model and texts), loaded from its file."""
-    spec = importlib.util.spec_from_file_location("benchmark_common", REPO_ROOT / "benchmarks" / "common.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while being defined
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture(scope="module")
@@ -45,11 +33,6 @@ def smollm2(bench):
 @pytest.fixture(scope="module")
 def texts(bench):
     return bench.benchmark_texts()
-
-
-def held_out(texts, name: str) -> str:
-    text = texts.evaluation[name].read_text()
-    return text[len(text) // 10 :]
 
 
 @pytest.mark.parametrize(

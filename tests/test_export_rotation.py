@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qw
 from optimum_dmx import DMXConfig
 from optimum_dmx.export import ExportError, export_checkpoint
 
-from .helpers import word_tokenizer, words
+from .helpers import held_out, run_python, word_tokenizer, words
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -139,3 +139,52 @@ def test_the_exported_model_card_says_how_to_apply_the_transforms(tmp_path):
     exported = export_checkpoint(dmx_checkpoint(tmp_path / "dmx", float_dir, "block_hadamard"), tmp_path / "ct")
     card = (exported / "README.md").read_text()
     assert "apply_transform_config" in card and "2 layers" in card
+
+
+@pytest.mark.slow
+def test_a_rotated_grouped_5_bit_smollm2_export_loads_with_its_transforms_in_a_fresh_process(bench, tmp_path):
+    """The configuration a vLLM user runs, on the real model: SmolLM2-135M calibrated to 5 bits with learned
+    block rotations, fused offset groups and compressed-tensors' scale rule (a short calibration: the export is
+    under test, not the map), exported unforced, then loaded by transformers + compressed-tensors in a fresh process
+    with the transforms applied by compressed-tensors' code: the same logits as this package's model, bit for bit.
+
+    (`rotation="hadamard"` transforms blocks of 512 here, as two matrix products of 8 and 64; compressed-tensors
+    makes one product of 512, whose sums round differently: close logits, not the same bits.)"""
+    from transformers import AutoTokenizer
+
+    folder, texts = bench.benchmark_model(), bench.benchmark_texts()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    config = DMXConfig(
+        target_bits=5,
+        dataset=[path.read_text() for path in texts.calibration],
+        tokenizer=tokenizer,
+        rotation="block_hadamard",
+        learn_rotations=True,
+        offset_groups="fused",
+        scale_rule="compressed-tensors",
+        num_samples=8,
+        seq_len=128,
+        batch_size=4,
+        steps=6,
+    )
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, quantization_config=config)
+    model.save_pretrained(tmp_path / "dmx")
+    exported = export_checkpoint(tmp_path / "dmx", tmp_path / "ct")
+    transforms = json.loads((exported / "config.json").read_text())["quantization_config"]["transform_config"]
+    assert [scheme["head_dim"] for scheme in transforms["config_groups"].values()] == [32]
+
+    ids = tokenizer(held_out(texts, "pride_prejudice")[:2000], return_tensors="pt").input_ids[:, :256]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)(ids).logits
+    torch.save(ids, tmp_path / "ids.pt")
+    run_python(f"""
+import json, torch
+from compressed_tensors.transform import TransformConfig, apply_transform_config
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(exported)!r}, dtype=torch.bfloat16)
+config = json.load(open({str(exported / "config.json")!r}))["quantization_config"]["transform_config"]
+apply_transform_config(model, TransformConfig.model_validate(config))
+with torch.no_grad():
+    torch.save(model(torch.load({str(tmp_path / "ids.pt")!r})).logits, {str(tmp_path / "served.pt")!r})
+""")
+    assert torch.equal(torch.load(tmp_path / "served.pt"), expected)

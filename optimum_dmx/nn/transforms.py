@@ -9,7 +9,9 @@ dimension of row vectors (`x -> x @ T`):
 * `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
   with `Q` (below) as a Kronecker product of matrices of order at most `HADAMARD_FACTOR_ORDER` (64): one small
   matrix product per factor (one in all for blocks of up to 64 elements), a few dozen multiply-adds per element
-  instead of `block_size`;
+  instead of `block_size`. The factors hold +-1 and the result is divided by `sqrt` of the order once, at the end,
+  as compressed-tensors applies its Hadamard transforms: sums of +-x are exact far more often than sums of
+  `+-x / sqrt(n)`, so an exported model's transform computes the same bits as this one;
 * `Q`: a random orthogonal matrix (from `seed`) for the odd factor of `block_size` that no Hadamard matrix of
   power-of-two order covers (hidden sizes such as 576 = 64 x 9); the identity when there is none.
 
@@ -53,17 +55,18 @@ def hadamard_matrix(order: int) -> torch.Tensor:
 
 
 def kronecker_factors(power: int, odd: torch.Tensor) -> list[torch.Tensor]:
-    """Float64 matrices whose Kronecker product is `H_power ⊗ odd`, each of order at most `HADAMARD_FACTOR_ORDER`
+    """Float64 matrices whose Kronecker product is `sylvester_matrix(power) ⊗ odd` (not normalized), each of order
+    at most `HADAMARD_FACTOR_ORDER`
     (but for an odd factor above it), as few and as even as possible: each is one matrix product, and tiny ones
     waste most of theirs. The odd factor and the power of two that fits beside it form the last one."""
     low = 1
     while low < power and 2 * low * len(odd) <= HADAMARD_FACTOR_ORDER:
         low *= 2
-    last = torch.kron(hadamard_matrix(low), odd.contiguous())
+    last = torch.kron(sylvester_matrix(low), odd.contiguous())
     bits = (power // low).bit_length() - 1
     count = -(-bits // (HADAMARD_FACTOR_ORDER.bit_length() - 1))  # factors of at most 64 for the other bits
     sizes = [bits // count + (i < bits % count) for i in range(count)] if count else []
-    return [hadamard_matrix(2**size) for size in sizes] + [last]
+    return [sylvester_matrix(2**size) for size in sizes] + [last]
 
 
 class RandomizedHadamard(nn.Module):
@@ -97,6 +100,7 @@ class RandomizedHadamard(nn.Module):
         # transform multiplies each axis by its factor's matrix.
         matrices = kronecker_factors(self.power, odd)
         self.factor_shape = tuple(len(m) for m in matrices)
+        self._norm = torch.tensor(self.power, dtype=torch.float64, device="cpu").sqrt()  # H = sylvester / _norm
         # Plain float64 tensors, not buffers: `model.to(torch.bfloat16)` must not round them (the merged weights
         # were computed with these exact values), and a state dict has nothing to hold.
         self._factors = {(torch.device("cpu"), torch.float64): (signs, matrices)}
@@ -116,7 +120,7 @@ class RandomizedHadamard(nn.Module):
         y = (x * signs).reshape(*lead, self.size // self.block_size, *self.factor_shape)
         for axis, matrix in zip(range(-len(matrices), 0), matrices):
             y = (y.movedim(axis, -1) @ matrix).movedim(-1, axis)
-        return y.reshape(*lead, self.size)
+        return y.reshape(*lead, self.size) / self._norm
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ T`, computed in float32 (the MX quantizers' precision) and returned in `x`'s dtype."""
