@@ -9,6 +9,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers, processors
@@ -56,18 +57,21 @@ def tiny_llama(
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
-def tiny_decoder(kind: str, tied: bool, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+def tiny_decoder(kind: str, tied: bool, dtype: torch.dtype = torch.float32, **config: Any) -> torch.nn.Module:
     """A randomly initialised Llama, Qwen2 (biased q/k/v), Qwen3 or Gemma 3 (`kind`), hidden 96, head 32, 2 layers,
-    its norms' scales moved away from the identity and its biases from 0."""
-    common = dict(
-        vocab_size=256,
-        hidden_size=96,
-        intermediate_size=192,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=tied,
+    its norms' scales moved away from the identity and its biases from 0; `config` overrides the configuration."""
+    common = (
+        dict(
+            vocab_size=256,
+            hidden_size=96,
+            intermediate_size=192,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=32,
+            tie_word_embeddings=tied,
+        )
+        | config
     )
     torch.manual_seed(0)
     if kind == "llama":

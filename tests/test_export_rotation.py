@@ -8,39 +8,21 @@ import pytest
 import torch
 from compressed_tensors.transform import TransformConfig, apply_transform_config
 from safetensors.torch import load_file
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import AutoModelForCausalLM
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.export import ExportError, export_checkpoint
 
-from .helpers import held_out, run_python, word_tokenizer, words
+from .helpers import held_out, run_python, tiny_decoder, word_tokenizer, words
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
 
 
 def float_model(folder: Path, kind: str, intermediate: int, mlp_bias: bool = False) -> Path:
-    """A tiny Llama or Qwen3 (hidden 64, two layers), saved to `folder`; its norms away from the identity."""
-    common = dict(
-        vocab_size=256,
-        hidden_size=64,
-        intermediate_size=intermediate,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    if kind == "llama":
-        model = LlamaForCausalLM(LlamaConfig(**common, mlp_bias=mlp_bias))
-    else:
-        model = Qwen3ForCausalLM(Qwen3Config(**common))
-    with torch.no_grad():
-        for name, parameter in model.named_parameters():
-            if "norm" in name or "bias" in name:
-                parameter.add_(0.3 * torch.randn_like(parameter))
-    model.save_pretrained(folder)
+    """A tiny Llama or Qwen3 (`helpers.tiny_decoder`) of that MLP size, saved to `folder`."""
+    extra = {"mlp_bias": True} if mlp_bias else {}  # Llama only
+    tiny_decoder(kind, tied=False, intermediate_size=intermediate, **extra).save_pretrained(folder)
     return folder
 
 
