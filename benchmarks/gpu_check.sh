@@ -4,10 +4,12 @@
 #   bash benchmarks/gpu_check.sh                  # on a CUDA machine; writes benchmarks/results/gpu_check.md
 #   bash benchmarks/gpu_check.sh --only llama-3.1-8b --output more.md   # only some steps (resume a cut-off run)
 #   bash benchmarks/gpu_check.sh --device cpu     # the same steps at tiny sizes, on a CPU (what the test suite runs)
+#   bash benchmarks/gpu_check.sh --logs logs/     # also keep each step's whole output, as logs/STEP.log
 #
 # Steps, each recorded in the one results file with its command and exit status as soon as it ends (a failing step
 # does not stop the others, a run cut off keeps the steps it finished; the script exits non-zero if any failed):
-#   tests         tests/test_cuda.py (skipped as a whole without CUDA), one line per failure;
+#   tests         tests/test_cuda.py (skipped as a whole without CUDA): one summary line per failure in the report,
+#                 each failure's short traceback in its log;
 #   kernels       the MX kernels against torchao (bench_formats.py);
 #   <shape>       the calibration cost (bench_calibration_cost.py: a step of the default method, with and without
 #                 activation checkpointing, and of the paper's, against an unquantized step) of a randomly
@@ -21,12 +23,15 @@ set -uo pipefail
 device=cuda
 output=benchmarks/results/gpu_check.md
 only=""
+logs=""
 while [[ $# -gt 0 ]]; do
   case "$1" in
     --device) device=$2; shift 2 ;;
     --output) output=$2; shift 2 ;;
     --only) only=$2; shift 2 ;;
-    *) echo "usage: bash benchmarks/gpu_check.sh [--device cuda|cpu] [--output FILE] [--only STEP,...]" >&2; exit 2 ;;
+    --logs) logs=$2; shift 2 ;;
+    *) echo "usage: bash benchmarks/gpu_check.sh [--device cuda|cpu] [--output FILE] [--only STEP,...] [--logs DIR]" >&2
+       exit 2 ;;
   esac
 done
 
@@ -52,11 +57,11 @@ work=$(mktemp -d)
 trap 'rm -rf "$work"' EXIT
 failed=0
 
-# step TITLE RESULT_FILE COMMAND...: runs COMMAND, appends its title, command, status and RESULT_FILE (the
-# output's tail where it wrote none, or failed) to the report.
+# step NAME TITLE RESULT_FILE COMMAND...: runs COMMAND, appends its title, command, status and RESULT_FILE (the
+# output's tail where it wrote none, or failed) to the report, and keeps its whole output as NAME.log under --logs.
 step() {
-  local title=$1 result=$2
-  shift 2
+  local name=$1 title=$2 result=$3
+  shift 3
   echo "== $title" >&2
   local start=$SECONDS
   "$@" >"$work/log" 2>&1
@@ -76,6 +81,7 @@ step() {
     fi
   } >>"$work/report.md"
   [[ $status -eq 0 ]] || failed=1
+  [[ -z $logs ]] || cp "$work/log" "$logs/$name.log"
   cp "$work/report.md" "$output"  # after every step, so a run cut short still leaves what it measured
 }
 
@@ -85,17 +91,18 @@ step() {
   echo "\`bash benchmarks/gpu_check.sh --device $device\` at commit $(git rev-parse --short HEAD 2>/dev/null || echo unknown)," \
     "$(date -u +%Y-%m-%d)."
 } >"$work/report.md"
-mkdir -p "$(dirname "$output")"
+mkdir -p "$(dirname "$output")" ${logs:+"$logs"}
 
-# captured logs off (compilation logs at DEBUG drown the failures), one line per failure with its message
-wanted tests && step "tests/test_cuda.py" "" \
-  "$python" -m pytest -q -p no:cacheprovider -p no:logging -n 0 -W ignore --tb=line -rfE tests/test_cuda.py
-wanted kernels && step "MX kernels" "$work/formats.md" \
+# captured output off (compilation logs at DEBUG drown the failures): short tracebacks, then a line per failure
+wanted tests && step tests "tests/test_cuda.py" "" \
+  "$python" -m pytest -q -p no:cacheprovider -p no:logging -n 0 -W ignore --tb=short --show-capture=no -rfE \
+  tests/test_cuda.py
+wanted kernels && step kernels "MX kernels" "$work/formats.md" \
   "$python" benchmarks/bench_formats.py --device "$device" --size "$size" --repeats "$repeats" --output "$work/formats.md"
 for entry in "${shapes[@]}"; do
   IFS=: read -r shape tokens memory <<<"$entry"
   wanted "$shape" || continue
-  step "Calibration cost, $shape" "$work/cost-$shape.md" \
+  step "$shape" "Calibration cost, $shape" "$work/cost-$shape.md" \
     "$python" benchmarks/bench_calibration_cost.py --shape "$shape" --dtype bfloat16 --device "$device" \
     --batch-sizes 1 --seq-len "$tokens" --steps 4 --repeats 1 --no-run ${memory:+--memory} --output "$work/cost-$shape.md"
 done

@@ -106,14 +106,17 @@ def test_gpu_check_reports_a_failing_step_and_runs_the_others(tmp_path):
 
 def test_gpu_check_runs_only_the_named_steps_and_refuses_unknown_ones(tmp_path):
     """`--only` resumes a run cut off by a device's time limit: the named steps run, in their order, and nothing
-    else; a name that is not a step is refused with the step names."""
-    output = tmp_path / "gpu_check.md"
-    result = run_gpu_check("meta", output, "--only", "llama-3.1-8b,tests")
+    else; a name that is not a step is refused with the step names. `--logs` keeps each step's whole output."""
+    output, logs = tmp_path / "gpu_check.md", tmp_path / "logs"
+    result = run_gpu_check("meta", output, "--only", "llama-3.1-8b,tests", "--logs", str(logs))
     assert result.returncode == 1  # the 8B step fails on the meta device
     assert re.findall(r"^## (.+)$", output.read_text(), re.MULTILINE) == [
         "tests/test_cuda.py",
         "Calibration cost, llama-3.1-8b",
     ]
+    assert sorted(path.name for path in logs.iterdir()) == ["llama-3.1-8b.log", "tests.log"]
+    assert re.search(r"^\d+ skipped in ", (logs / "tests.log").read_text(), re.MULTILINE)
+    assert "Traceback" in (logs / "llama-3.1-8b.log").read_text()  # the whole output, not the report's tail
     refused = run_gpu_check("meta", tmp_path / "none.md", "--only", "llama-3.1-70b")
     assert refused.returncode == 2 and not (tmp_path / "none.md").exists()
     assert "unknown step 'llama-3.1-70b'" in refused.stderr
