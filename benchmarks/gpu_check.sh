@@ -15,9 +15,9 @@
 #                 activation checkpointing, and of the paper's, against an unquantized step) of a randomly
 #                 initialised bfloat16 model of that shape, one sequence per step: llama-3.2-1b (2048 tokens) and
 #                 llama-3.1-8b (1024 tokens, with the peak memory of each workload).
-# Measured on an H200 (2026-11-27): tests 200 s, kernels 43 s, llama-3.2-1b 142 s with its memory table (about
-# 60 s without), llama-3.1-8b's step table about 80 s; its memory table, three more processes, was not reached
-# within one 10-minute call, hence the 1B model's memory table was dropped and --only exists.
+# Measured on an H200 (2026-11-27, pytest on one worker): tests 212 s, kernels 44 s, llama-3.2-1b 74 s,
+# llama-3.1-8b 198 s with its memory table: 528 s in all, over the 8 minutes a lent device's check should take,
+# hence the tests' four workers (not yet timed on a GPU).
 set -uo pipefail
 
 device=cuda
@@ -38,9 +38,10 @@ done
 cd "$(dirname "$0")/.."
 python=${PYTHON:-python}
 if [[ $device == cpu ]]; then
-  size=256 repeats=1 shapes=("tiny:32:memory")
+  size=256 repeats=1 shapes=("tiny:32:memory") test_workers=0
 else
-  size=4096 repeats=5 shapes=("llama-3.2-1b:2048:" "llama-3.1-8b:1024:memory")  # shape:tokens per step:memory?
+  # the CUDA tests are mostly compilation, on the host's cores: four pytest workers
+  size=4096 repeats=5 shapes=("llama-3.2-1b:2048:" "llama-3.1-8b:1024:memory") test_workers=4  # shape:tokens:memory?
 fi
 steps=("tests" "kernels")
 for entry in "${shapes[@]}"; do steps+=("${entry%%:*}"); done
@@ -95,7 +96,7 @@ mkdir -p "$(dirname "$output")" ${logs:+"$logs"}
 
 # captured output off (compilation logs at DEBUG drown the failures): short tracebacks, then a line per failure
 wanted tests && step tests "tests/test_cuda.py" "" \
-  "$python" -m pytest -q -p no:cacheprovider -p no:logging -n 0 -W ignore --tb=short --show-capture=no -rfE \
+  "$python" -m pytest -q -p no:cacheprovider -p no:logging -n "$test_workers" -W ignore --tb=short --show-capture=no -rfE \
   tests/test_cuda.py
 wanted kernels && step kernels "MX kernels" "$work/formats.md" \
   "$python" benchmarks/bench_formats.py --device "$device" --size "$size" --repeats "$repeats" --output "$work/formats.md"

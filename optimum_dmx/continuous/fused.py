@@ -81,8 +81,15 @@ def _format_parameters(pair: FormatPair, offset: float, scale_rule: str, device:
     Kept for the offsets last used (a few hundred microseconds of small tensor operations and three
     ``autograd.grad`` calls each, against a kernel's tens of microseconds on a small activation): a calibration step
     quantizes every layer at one of a few offsets. The kernels never modify them.
+
+    They are computed on the CPU for every device and copied: at a fractional offset they come from ``exp2`` and
+    ``pow``, whose last bits differ between devices (measured on an H200: ``e_min`` and ``qmax`` two float32 units
+    apart), and every element's rounding depends on them.
     """
-    beta = torch.tensor(offset, dtype=torch.float32, device=device)
+    if device.type != "cpu":
+        on_cpu = _format_parameters(pair, offset, scale_rule, torch.device("cpu"))
+        return _FormatParameters(*(None if t is None else t.to(device) for t in on_cpu))
+    beta = torch.tensor(offset, dtype=torch.float32)
     # Own saved-tensor hooks: this small graph keeps its tensors even inside an activation-checkpointed layer, whose
     # hooks would otherwise recompute the whole layer when `autograd.grad` unpacks them. They keep detached aliases:
     # a hook that kept an output saved by its own node would make a cycle the garbage collector cannot see.

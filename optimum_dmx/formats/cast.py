@@ -143,7 +143,8 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
         # bit patterns through memory one element at a time; converting outside is faster.
         rows = x.reshape(-1, x.shape[-1]).float()
         return fused_cast_mx(rows, fmt, block_size, scale_rule)[0].to(x.dtype).view(x.shape)
-    return cast_mx(x, fmt, block_size, scale_rule)
+    # Traced by an outer `torch.compile`: the bit-pattern rounding, whose graph has no host synchronisation to break.
+    return cast_mx(x, fmt, block_size, scale_rule, native_cast=not torch.compiler.is_compiling())
 
 
 def compiles(width: int, block_size: int) -> bool:

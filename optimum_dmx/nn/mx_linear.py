@@ -123,7 +123,10 @@ class MXLinear(nn.Module):
         return MXPackedTensor(self.weight_packed, self.weight_scale, self.fmt, self.weight_shape, self.block_size)
 
     def dequantized_weight(self, dtype: torch.dtype) -> torch.Tensor:
-        """The weight's MX values in `dtype` (cached when `cache_weight`)."""
+        """The weight's MX values in `dtype` (cached when `cache_weight`, except inside `torch.compile`, which traces
+        the unpacking into its graph: the cache's bookkeeping would break the graph at every linear)."""
+        if torch.compiler.is_compiling():
+            return unpack_mx(self.packed_weight(), dtype)
         if not self.cache_weight:
             self._weight_cache = self._weight_cache_key = None
             return unpack_mx(self.packed_weight(), dtype)
