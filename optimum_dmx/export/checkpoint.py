@@ -27,7 +27,7 @@ from ..integration.configuration import QUANT_METHOD
 from ..integration.folders import check_output, staged_folder
 from ..nn.groups import mixed_groups
 from .targets import ExportTarget, get_export_target
-from .transforms import TRANSFORM_CONFIG_KEY, TransformExport
+from .transforms import TransformExport
 
 __all__ = ["ExportError", "export_checkpoint"]
 
@@ -94,7 +94,7 @@ def export_checkpoint(
             (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         config["quantization_config"] = spec.quantization_config(format_map, quantization.get("modules_to_not_convert"))
         if transforms is not None:
-            config["quantization_config"][TRANSFORM_CONFIG_KEY] = transforms.transform_config
+            config["quantization_config"].update(transforms.quantization_config)
         _serve_in_bfloat16(config)
         (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
         for path in source.iterdir():
@@ -133,14 +133,6 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
     if quantization.get("block_size", 32) != 32:
         raise ExportError(
             f"{spec.name} stores MX blocks of 32 elements; this checkpoint uses block_size={quantization['block_size']}"
-        )
-    transformed = sorted(quantization.get("input_transforms") or {})
-    if transformed and spec.input_transforms is None:
-        raise ExportError(
-            f"{spec.name} export does not carry online input transforms, and {len(transformed)} layers have one "
-            f"(rotation={quantization.get('rotation')!r}; e.g. {', '.join(transformed[:3])}): served without it they "
-            "would compute a different function. Export to 'compressed-tensors', which carries them, or calibrate "
-            "with rotation='none'"
         )
     unsupported = sorted(name for name, fmt in format_map.items() if fmt not in spec.formats)
     if unsupported:

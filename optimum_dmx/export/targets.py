@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .transforms import TransformExport, compressed_tensors_transforms
+from .transforms import TransformExport, compressed_tensors_transforms, quark_transforms
 
 __all__ = ["EXPORT_TARGETS", "ExportTarget", "get_export_target"]
 
@@ -56,7 +56,7 @@ model = AutoModelForCausalLM.from_pretrained("path/to/{name}", dtype="bfloat16")
 ```
 {transforms}"""
 
-_TRANSFORMS_SECTION = """
+_CT_TRANSFORMS_SECTION = """
 ## Online transforms
 
 {count} layers ({layers}) transform their input with a Hadamard matrix before quantizing it (the rotation the
@@ -69,6 +69,21 @@ import json
 from compressed_tensors.transform import TransformConfig, apply_transform_config
 config = json.load(open("path/to/{name}/config.json"))["quantization_config"]["transform_config"]
 apply_transform_config(model, TransformConfig.model_validate(config))
+```
+"""
+
+_QUARK_TRANSFORMS_SECTION = """
+## Online transforms
+
+{count} layers ({layers}) rotate their input with a Hadamard matrix before quantizing it (the rotation the formats
+were learned with), as the online rotation in `quantization_config["algo_config"]` of `config.json` describes.
+transformers builds those layers as Quark's `QParamsLinearWithRotation` and loads their `input_rotation`, but does
+not finish them (the model cannot run until then): after loading, let Quark's own code do it:
+
+```python
+for module in model.modules():
+    if hasattr(module, "input_rotation"):
+        module.post_process_after_loading()
 ```
 """
 
@@ -87,7 +102,9 @@ class ExportTarget:
         layer_tensors: `(module, fmt, weight_packed, weight_scale) -> {tensor name: tensor}` in the target layout.
         quantization_config: `(format_map, modules_to_not_convert) -> quantization_config` of config.json.
         input_transforms: `(input_transforms, model skeleton) -> TransformExport`, what the target writes for a
-            rotated checkpoint's online transforms; None where it cannot carry them.
+            rotated checkpoint's online transforms.
+        transforms_card: the model card's section on loading a checkpoint with online transforms (a template of
+            `count`, `layers` and `name`).
     """
 
     name: str
@@ -98,7 +115,8 @@ class ExportTarget:
     package: str
     layer_tensors: Callable[[str, str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
     quantization_config: Callable[[Mapping[str, str], Sequence[str] | None], dict[str, Any]]
-    input_transforms: Callable[[Mapping[str, dict], nn.Module], TransformExport] | None = None
+    input_transforms: Callable[[Mapping[str, dict], nn.Module], TransformExport]
+    transforms_card: str
 
     def model_card(self, dmx_quantization: Mapping[str, Any], name: str) -> str:
         """A README saying what the export holds and how to serve and load it."""
@@ -108,7 +126,7 @@ class ExportTarget:
         summary = ", ".join(f"{count} layers {fmt}" for fmt, count in sorted(counts.items()))
         transformed = sorted(dmx_quantization.get("input_transforms") or {})
         kinds = ", ".join(sorted({layer.rpartition(".")[2] for layer in transformed}))
-        transforms = _TRANSFORMS_SECTION.format(count=len(transformed), layers=kinds, name=name) if transformed else ""
+        transforms = self.transforms_card.format(count=len(transformed), layers=kinds, name=name) if transformed else ""
         return _SERVE_TEMPLATE.format(
             name=name, target=self.name, summary=summary, package=self.package, transforms=transforms
         )
@@ -173,6 +191,7 @@ COMPRESSED_TENSORS = ExportTarget(
     layer_tensors=_ct_layer_tensors,
     quantization_config=_ct_quantization_config,
     input_transforms=compressed_tensors_transforms,
+    transforms_card=_CT_TRANSFORMS_SECTION,
 )
 
 # --- AMD Quark ---------------------------------------------------------------------------------------------
@@ -250,6 +269,8 @@ QUARK = ExportTarget(
     package="amd-quark",
     layer_tensors=_quark_layer_tensors,
     quantization_config=_quark_quantization_config,
+    input_transforms=quark_transforms,
+    transforms_card=_QUARK_TRANSFORMS_SECTION,
 )
 
 EXPORT_TARGETS: dict[str, ExportTarget] = {COMPRESSED_TENSORS.name: COMPRESSED_TENSORS, QUARK.name: QUARK}
