@@ -354,3 +354,35 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
     for script, (code, stdout) in answers.items():
         assert code == 0 and "usage" in stdout, (Path(script).name, code)
     assert not (tmp_path / "cache").exists()  # --help fetched nothing
+
+
+def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
+    """The KL scan on its own sequences reproduces itself exactly; a Fisher estimate gives a row per reduction."""
+    root = tiny_text_model_dir
+    output = tmp_path / "sensitivity.md"
+    run_benchmark(
+        "bench_sensitivity.py",
+        "--model",
+        root / "model",
+        "--calibration",
+        root / "calibration.txt",
+        "--seq-len",
+        16,
+        "--kl-sequences",
+        "4,1",
+        "--fisher",
+        "2:3",
+        "--output",
+        output,
+    )
+    report = output.read_text()
+    assert report.startswith("# Sensitivity signals\n\nCommand: ")
+    rows = re.findall(r"^\| ([a-z, ]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M)
+    assert [r[:3] for r in rows] == [
+        ("kl", "4", "-"),
+        ("kl", "1", "-"),
+        ("fisher, token", "2", "3"),
+        ("fisher, sequence", "2", "3"),
+    ]
+    assert rows[0][3:] == ("1.0000", "1.000")  # the reference itself
+    assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[1:])

@@ -1,0 +1,148 @@
+#!/usr/bin/env python
+"""Sensitivity signals: the KL scan behind the default recipe against cheaper estimates of it, in time and ranking.
+
+The default recipe blends its learned offsets with KL sensitivities: per layer, KL(float || only this layer in the
+pair's low format), one pass per layer (`calibration.sensitivity`). That scan is the larger part of a default run on
+a CPU. Can a cheaper signal rank the layers the same way? Rows, each against the scan on `KL_SAMPLES` sequences:
+
+* `kl`: the same scan on fewer sequences;
+* `fisher`: a second-order estimate from one forward pass and `S` backward passes, every layer at once. A layer's
+  low-format quantization moves its output by `delta` (computed in the forward pass); with `g_s` the gradient of the
+  log-likelihood of tokens sampled from the model's own next-token distributions with respect to that output,
+  `KL ~ 1/2 E_s[(g_s . delta)^2]` (the Fisher information's quadratic form). `token` sums the products per token
+  (ignoring how one token's perturbation moves another's log-probability: lower variance), `sequence` per
+  sequence (exact in expectation, noisier).
+
+    python benchmarks/bench_sensitivity.py --output benchmarks/results/sensitivity.md
+
+Pass `--model` and `--calibration` for any other model and texts.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from optimum_dmx.calibration import CalibrationSettings
+from optimum_dmx.calibration.sensitivity import KL_SAMPLES, kl_sensitivities
+from optimum_dmx.continuous import get_format_pair
+from optimum_dmx.formats import quantize_mx
+from optimum_dmx.nn.surgery import linear_modules_to_quantize
+
+from common import calibration_benchmark_parser, device_description, load_model_and_calibration, write_report
+
+
+def fisher_sensitivities(
+    model: nn.Module, input_ids: torch.Tensor, settings: CalibrationSettings, samples: int, seed: int = 0
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Per-layer `1/2 E_s[(g_s . delta)^2]` per token, summed per token and per sequence (see the module docstring)."""
+    low = get_format_pair(settings.format_pair).low.name
+    targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
+    per_token = dict.fromkeys(targets, 0.0)
+    per_sequence = dict.fromkeys(targets, 0.0)
+    generator = torch.Generator().manual_seed(seed)
+    for batch in input_ids.split(settings.batch_size):
+        deltas: dict[str, torch.Tensor] = {}
+        outputs: dict[str, torch.Tensor] = {}
+
+        def record(name: str):
+            def hook(module: nn.Linear, args: tuple, output: torch.Tensor) -> None:
+                with torch.no_grad():
+                    weight = quantize_mx(module.weight, low, settings.block_size, settings.scale_rule)
+                    x = quantize_mx(args[0], low, settings.block_size, settings.scale_rule)
+                    deltas[name] = F.linear(x, weight, module.bias) - output
+                output.retain_grad()
+                outputs[name] = output
+
+            return hook
+
+        handles = [module.register_forward_hook(record(name)) for name, module in targets.items()]
+        try:  # gradients reach the layers' outputs through the embeddings; no weight gradient is computed
+            embeddings = model.get_input_embeddings()(batch).detach().requires_grad_(True)
+            log_probs = model(inputs_embeds=embeddings, use_cache=False).logits.float().log_softmax(-1)
+        finally:
+            for handle in handles:
+                handle.remove()
+        probabilities = log_probs.detach().exp().flatten(0, 1)
+        for s in range(samples):
+            tokens = torch.multinomial(probabilities, 1, generator=generator).view(log_probs.shape[:-1])
+            for output in outputs.values():
+                output.grad = None
+            log_probs.gather(-1, tokens[..., None]).sum().backward(retain_graph=s < samples - 1)
+            for name, output in outputs.items():
+                products = (output.grad * deltas[name]).sum(-1)  # [sequences, tokens]
+                per_token[name] += float(products.square().sum()) / samples
+                per_sequence[name] += float(products.sum(-1).square().sum()) / samples
+    count = input_ids.numel()
+    return {n: v / (2 * count) for n, v in per_token.items()}, {n: v / (2 * count) for n, v in per_sequence.items()}
+
+
+def spearman(a: Sequence[float], b: Sequence[float]) -> float:
+    """Spearman's rank correlation of two sequences without ties."""
+    ranks = [torch.tensor(v).argsort().argsort().double() for v in (a, b)]
+    ra, rb = (r - r.mean() for r in ranks)
+    return float((ra * rb).sum() / (ra.norm() * rb.norm()))
+
+
+def main() -> None:
+    p = calibration_benchmark_parser(__doc__)
+    p.add_argument("--pair", default="mxfp8-mxfp4")
+    p.add_argument("--kl-sequences", default="1,2", help="comma list: sequences of the cheaper KL scans")
+    p.add_argument(
+        "--fisher", default="4:1,4:4,4:16,16:1,16:4", help="comma list of SEQUENCES:SAMPLES of the Fisher estimates"
+    )
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    fisher_runs = [tuple(map(int, run.split(":"))) for run in a.fisher.split(",")]
+    count = max([KL_SAMPLES, *(n for n, _ in fisher_runs)])
+    model, model_dir, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, count)
+    for parameter in model.parameters():
+        parameter.requires_grad_(False)
+    batch_size = int(a.batch_sizes.split(",")[-1])
+    settings = CalibrationSettings(
+        target_bits=5.0, format_pair=a.pair, num_samples=count, seq_len=a.seq_len, batch_size=batch_size
+    )
+
+    start = time.perf_counter()
+    reference = kl_sensitivities(model, ids, settings, progress=False)
+    reference_seconds = time.perf_counter() - start
+    names = list(reference)
+    expected = [reference[name] for name in names]
+
+    def row(signal: str, sequences: int, samples: str, seconds: float, values: dict[str, float]) -> str:
+        ratio = statistics.median(values[name] / reference[name] for name in names if reference[name] > 0)
+        return (
+            f"| {signal} | {sequences} | {samples} | {seconds:.1f} | {seconds / reference_seconds:.1%} | "
+            f"{spearman(expected, [values[name] for name in names]):.4f} | {ratio:.3f} |"
+        )
+
+    lines = [
+        f"Model `{model_dir.name}`, {len(names)} layers, pair {a.pair}, sequences of {a.seq_len} tokens in batches of "
+        f"{batch_size}, {device_description('cpu')}, torch {torch.__version__}. Reference: the KL scan on "
+        f"{KL_SAMPLES} sequences, {reference_seconds:.1f} s.",
+        "",
+        "| signal | sequences | samples | seconds | / KL scan | Spearman vs KL scan | median ratio to KL |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for sequences in [int(n) for n in a.kl_sequences.split(",")]:
+        start = time.perf_counter()
+        values = kl_sensitivities(model, ids[:sequences], settings, progress=False)
+        lines.append(row("kl", sequences, "-", time.perf_counter() - start, values))
+        print(lines[-1], flush=True)
+    for sequences, samples in fisher_runs:
+        start = time.perf_counter()
+        per_token, per_sequence = fisher_sensitivities(model, ids[:sequences], settings, samples)
+        seconds = time.perf_counter() - start
+        lines.append(row("fisher, token", sequences, str(samples), seconds, per_token))
+        lines.append(row("fisher, sequence", sequences, str(samples), seconds, per_sequence))
+        print(*lines[-2:], sep="\n", flush=True)
+    write_report("\n".join(lines) + "\n", a.output, "Sensitivity signals")
+
+
+if __name__ == "__main__":
+    main()
