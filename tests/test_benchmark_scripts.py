@@ -377,7 +377,9 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     )
     report = output.read_text()
     assert report.startswith("# Sensitivity signals\n\nCommand: ")
-    rows = re.findall(r"^\| ([a-z, ]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M)
+    rows = re.findall(
+        r"^\| ([a-z, ]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M
+    )
     assert [r[:3] for r in rows] == [
         ("kl", "4", "-"),
         ("kl", "1", "-"),

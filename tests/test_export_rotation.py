@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from scipy.linalg import hadamard
 from compressed_tensors.transform import TransformConfig, apply_transform_config
 from safetensors.torch import load_file
+from scipy.linalg import hadamard
 from transformers import AutoModelForCausalLM
 
 from optimum_dmx import DMXConfig
