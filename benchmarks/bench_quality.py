@@ -46,8 +46,9 @@ learned rotation is the `dmx` map at 4 bits (every layer low):
 Every method calibrates at the `--preset` sizes (default `cpu-bench`: 80 steps of 4 x 128 tokens) on the seed's
 sequences, with the same `--rotation`, `--offset-groups` and `--bit-average`; every map is evaluated with weights
 and input activations of each decoder linear MX-quantized, lm_head in float. Each finished run is appended at once
-to `--runs` (JSON lines, default under the benchmark cache), and a run already there (same method, cell and
-settings) is skipped, so a sweep can be filled in pieces and resumed; the table is rebuilt from all of them:
+to `--runs` (JSON lines, default `results/quality_runs.jsonl`, committed with the table it makes), and a run
+already there (same method, cell and settings) is skipped, so a sweep can be filled in pieces and resumed; the
+table is rebuilt from all of them:
 
     python benchmarks/bench_quality.py --methods float,uniform
     python benchmarks/bench_quality.py --methods dmx,kl --pairs mxfp8-mxfp4 --targets 5 --seeds 0,1
@@ -110,6 +111,9 @@ PEER_SCRIPTS = {  # peer: (its environment, `peers/requirements-<environment>.tx
 }
 METHODS = ["float", "uniform", *CALIBRATED, *WEIGHT_PEERS, *MAP_PEERS]
 SKIPPED = ["lm_head"]  # kept in float by every method, as DMXConfig does
+# Every finished run, committed beside the table made from it. Runs from before it was kept here were recovered from
+# that table (`recovered_from`): they have no format map, so a GPTQ row of their cell calibrates again.
+RUNS = Path(__file__).parent / "results" / "quality_runs.jsonl"
 
 
 @dataclass
@@ -388,6 +392,8 @@ def run_sweep(sweep: Sweep, runs: Path) -> None:
         print(f"== {' '.join(map(str, cell))}", flush=True)
         start = time.perf_counter()
         known = finished.get(_identity(rtn_sweep.key(*cell))) if sweep.weight_rounding != "rtn" else None
+        if known is not None and "format_map" not in known:
+            known = None  # recovered from the table: its map was not kept
         row = runner.run(*cell, known=known)
         row["seconds_total"] = round(time.perf_counter() - start, 1)
         append_json_line(runs, row)
@@ -647,7 +653,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
     p.add_argument("--eval-seq-len", type=int, default=d.eval_seq_len)
     p.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
-    p.add_argument("--runs", type=Path, default=cache_dir() / "quality_runs.jsonl", help="JSON-lines run results")
+    p.add_argument("--runs", type=Path, default=RUNS, help="JSON-lines run results (default: the committed ones)")
     p.add_argument("--report-only", action="store_true", help="only rebuild the table from --runs")
     p.add_argument("--output", type=Path, help="also write the table (and command) here")
     a = p.parse_args(argv)
