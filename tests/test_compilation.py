@@ -152,7 +152,9 @@ def test_the_continuous_gradient_kernel_costs_less_than_three_values_kernels(com
             start = time.perf_counter()
             run()
             times[name].append(time.perf_counter() - start)
-    values, gradients = (sorted(times[name])[7] for name in runs)
+    # The fastest of each: what the kernel costs when nothing else runs (medians failed once at 4.4x on a machine
+    # whose other core ran a benchmark; the same test alone passed there).
+    values, gradients = (min(times[name]) for name in runs)
     assert gradients < 3 * values, (gradients, values)
 
 
