@@ -74,6 +74,7 @@ def run_gpu_check(device: str, output: Path, *options: str, compile: bool = Fals
     )
 
 
+@pytest.mark.slow  # every step at tiny sizes, kernels compiled: minutes (the meta-device tests check the script)
 def test_gpu_check_dry_run_on_cpu(tmp_path):
     """`gpu_check.sh --device cpu` runs every step of the GPU check at tiny sizes and writes one report."""
     output = tmp_path / "gpu_check.md"

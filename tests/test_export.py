@@ -209,6 +209,7 @@ def test_fused_projection_groups_from_names():
     ]
 
 
+@pytest.mark.slow  # a whole calibration before the export: the fused-map exports above run by default
 def test_a_map_calibrated_with_fused_offset_groups_exports_for_vllm_unforced(tiny_text_model_dir, tmp_path):
     """The whole path a vLLM user takes: calibrate with shared q/k/v and gate/up offsets, save, export."""
     from transformers import AutoTokenizer

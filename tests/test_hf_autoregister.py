@@ -86,7 +86,8 @@ def _pip(venv: Path, *args: str) -> None:
     subprocess.run(install, check=True, capture_output=True, timeout=300)
 
 
-@pytest.mark.parametrize("install", ["wheel", "editable"])
+# Building and installing a wheel takes minutes: slow (the editable install runs the same checks by default).
+@pytest.mark.parametrize("install", [pytest.param("wheel", marks=pytest.mark.slow), "editable"])
 def test_installed_package_loads_dmx_checkpoints_without_import(tmp_path, dmx_checkpoint, install):
     checkpoint, logits = dmx_checkpoint
     src = _source_copy(tmp_path)
