@@ -93,6 +93,7 @@ def test_gpu_check_dry_run_on_cpu(tmp_path):
     assert len(re.findall(r"^\| 1 x 32 \| (unquantized|dMX|dMX checkpointed) \|", report, re.MULTILINE)) == 3
 
 
+@pytest.mark.slow  # every step fails on the meta device: the `--only` test below checks the same report by default
 def test_gpu_check_reports_a_failing_step_and_runs_the_others(tmp_path):
     output = tmp_path / "gpu_check.md"
     result = run_gpu_check("meta", output)  # no kernels run on the meta device: the benchmarks fail
@@ -129,6 +130,7 @@ def test_gpu_check_runs_only_the_named_steps_and_refuses_unknown_ones(tmp_path):
     assert "tests kernels llama-3.2-1b llama-3.1-8b" in refused.stderr
 
 
+@pytest.mark.slow  # eight calibrations and evaluations in subprocesses: a minute
 def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     runs, output = tmp_path / "runs.jsonl", tmp_path / "quality.md"

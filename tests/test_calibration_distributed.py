@@ -32,7 +32,7 @@ if is_main_process():
 """
 
 
-@pytest.mark.parametrize("method", ["dmx", "paper"])
+@pytest.mark.parametrize("method", ["dmx", pytest.param("paper", marks=pytest.mark.slow)])  # the same reduction
 def test_two_processes_give_the_single_process_map(method, tmp_path):
     # The paper's method at a moderate learning rate: at large ones (50 here) its SGD path is chaotic, and the
     # last-bit differences of a split loss reduction grow into different offsets.

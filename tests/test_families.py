@@ -51,8 +51,18 @@ CALIBRATION = dict(steps=20, seq_len=16, batch_size=2, num_samples=16)
 INPUT = "w1 w5 w9 w17 w33 w65 w99 w3 w42 w7 w11"
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-@pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 5.5)])
+PAIRS = [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 5.5)]
+
+
+# Each family with one pair by default (each pair with two families); every combination in the slow suite.
+@pytest.mark.parametrize(
+    "family, pair, target",
+    [
+        pytest.param(family, *pair, marks=[] if (i + j) % 2 == 0 else pytest.mark.slow)
+        for i, family in enumerate(FAMILIES)
+        for j, pair in enumerate(PAIRS)
+    ],
+)
 def test_family_calibrates_to_its_budget_and_reloads(tmp_path, family, pair, target):
     model_cls, config, bos = FAMILIES[family]
     torch.manual_seed(0)
