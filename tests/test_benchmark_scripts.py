@@ -31,7 +31,7 @@ def run_benchmark(script: str, *args, env: dict | None = None) -> str:
     return result.stdout
 
 
-@pytest.mark.slow  # steps, memory subprocesses and compilation: a minute; the GPU check's dry run runs it too
+@pytest.mark.slow  # steps, memory subprocesses, compilation: a minute (the slow GPU-check dry run runs it too)
 def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     output = tmp_path / "cost.md"
