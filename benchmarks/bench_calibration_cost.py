@@ -168,10 +168,10 @@ def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
 
 def gptq_seconds(model: torch.nn.Module, format_map: dict[str, str], ids: torch.Tensor, batch_size: int) -> float:
     """Seconds to round `format_map`'s weights by GPTQ on `ids`, the map installed as a saved model has it."""
-    float_weights = {name: model.get_submodule(name).weight for name in format_map}
+    float_linears = {name: model.get_submodule(name) for name in format_map}
     with emulate_format_map(model, format_map):
         start = time.perf_counter()
-        round_weights_by_gptq(model, float_weights, ids, batch_size, progress=False)
+        round_weights_by_gptq(model, float_linears, ids, batch_size, progress=False)
         return time.perf_counter() - start
 
 

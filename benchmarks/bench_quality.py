@@ -257,9 +257,8 @@ class Runner:
         float_linears = linear_modules_to_quantize(model, SKIPPED)
         format_map = dict.fromkeys(float_linears, fmt)
         with emulate_format_map(model, format_map):
-            float_weights = {name: linear.weight for name, linear in float_linears.items()}
             batch_size = get_preset(self.sweep.preset).batch_size
-            round_weights_by_gptq(model, float_weights, self.calibration_ids(seed), batch_size)
+            round_weights_by_gptq(model, float_linears, self.calibration_ids(seed), batch_size)
             return {name: model.get_submodule(name).dequantized_weight(torch.float32) for name in format_map}
 
     @contextlib.contextmanager
@@ -360,11 +359,11 @@ class Runner:
         with emulate_format_map(model, format_map):
             if format_map and self.sweep.weight_rounding == "gptq" and method not in WEIGHT_PEERS:
                 start = time.perf_counter()
-                float_weights = {name: float_linears[name].weight for name in format_map}
+                gptq_linears = {name: float_linears[name] for name in format_map}
                 preset = get_preset(self.sweep.preset)
                 batch_size = preset.batch_size
                 sequences = self.calibration_ids(seed)[: self.sweep.gptq_samples or preset.gptq_samples]
-                round_weights_by_gptq(model, float_weights, sequences, batch_size)
+                round_weights_by_gptq(model, gptq_linears, sequences, batch_size)
                 row["gptq_seconds"] = round(time.perf_counter() - start, 1)
             for name, text in self.texts.items():
                 result = evaluate_perplexity(

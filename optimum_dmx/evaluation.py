@@ -16,6 +16,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.nn.functional as F
 
+from .nn.placement import input_device
 from .text import start_tokens, text_tokens, token_windows
 
 
@@ -84,7 +85,7 @@ def evaluate_perplexity(
     windows = len(blocks)
     if windows == 0:
         raise ValueError(f"the text has {len(ids)} tokens, fewer than one window of seq_len={seq_len}.")
-    device = next(model.parameters()).device
+    device = input_device(model)
 
     was_training = model.training
     model.eval()

@@ -107,12 +107,12 @@ def test_each_layer_is_rounded_from_inputs_the_rounded_layers_before_it_computed
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     names = linear_names(model)
     format_map = {name: formats[i % len(formats)] for i, name in enumerate(names)}
-    float_weights = {name: model.get_submodule(name).weight for name in names}
+    float_linears = {name: model.get_submodule(name) for name in names}
     last = [n for n in names if n.startswith(list(decoder_layers(model))[-1] + ".")]
     with emulate_format_map(model, format_map):
         modules = {name: model.get_submodule(name) for name in names}
         rtn = {name: (m.weight_packed.clone(), m.weight_scale.clone()) for name, m in modules.items()}
-        assert round_weights_by_gptq(model, float_weights, ids, SIZES["batch_size"], progress=False) == []
+        assert round_weights_by_gptq(model, float_linears, ids, SIZES["batch_size"], progress=False) == []
         gptq = {name: (m.weight_packed.clone(), m.weight_scale.clone()) for name, m in modules.items()}
         assert all(not torch.equal(gptq[n][0], rtn[n][0]) for n in names)
         for name in last:
@@ -120,7 +120,7 @@ def test_each_layer_is_rounded_from_inputs_the_rounded_layers_before_it_computed
             modules[name].weight_scale.copy_(rtn[name][1])
         hessians = _hessians_from_whole_passes(model, last, ids, SIZES["batch_size"])
     for name in last:
-        expected = gptq_pack(float_weights[name], hessians[name], get_format(format_map[name]))
+        expected = gptq_pack(float_linears[name].weight, hessians[name], get_format(format_map[name]))
         assert torch.equal(gptq[name][0], expected.codes) and torch.equal(gptq[name][1], expected.scales), name
 
 
@@ -129,12 +129,12 @@ def test_a_layer_the_calibration_never_reaches_keeps_round_to_nearest_with_one_w
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     model.model.layers[0].mlp.unused = torch.nn.Linear(64, 32, bias=False)  # never called by the forward pass
     names = [*linear_names(model), "model.layers.0.mlp.unused"]
-    float_weights = {name: model.get_submodule(name).weight for name in names}
+    float_linears = {name: model.get_submodule(name) for name in names}
     with emulate_format_map(model, dict.fromkeys(names, "mxfp4_e2m1")):
         unused = model.get_submodule("model.layers.0.mlp.unused")
         rtn = unused.weight_packed.clone()
         with pytest.warns(RuntimeWarning, match="never reached .*: model.layers.0.mlp.unused$"):
-            singular = round_weights_by_gptq(model, float_weights, ids, SIZES["batch_size"], progress=False)
+            singular = round_weights_by_gptq(model, float_linears, ids, SIZES["batch_size"], progress=False)
         assert singular == ["model.layers.0.mlp.unused"] and torch.equal(unused.weight_packed, rtn)
 
 
@@ -143,7 +143,7 @@ def test_only_mx_linears_are_rounded(text_model):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     name = linear_names(model)[0]
     with pytest.raises(TypeError, match=name):
-        round_weights_by_gptq(model, {name: model.get_submodule(name).weight}, ids, 4, progress=False)
+        round_weights_by_gptq(model, {name: model.get_submodule(name)}, ids, 4, progress=False)
 
 
 def _logit_error(model, reference, ids):
@@ -260,12 +260,12 @@ def test_gptq_reads_at_most_its_token_budget(text_model, monkeypatch):
     model_dir, _, _, ids = text_model
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     names = linear_names(model)
-    float_weights = {name: model.get_submodule(name).weight for name in names}
+    float_linears = {name: model.get_submodule(name) for name in names}
     results = []
     for budget, sequences in ((3 * ids.shape[1], len(ids)), (10**9, 3)):
         monkeypatch.setattr(gptq, "GPTQ_MAX_TOKENS", budget)
         with emulate_format_map(model, dict.fromkeys(names, "mxfp4_e2m1")):
-            round_weights_by_gptq(model, float_weights, ids[:sequences], 2, progress=False)
+            round_weights_by_gptq(model, float_linears, ids[:sequences], 2, progress=False)
             results.append([model.get_submodule(n).weight_packed.clone() for n in names])
     assert all(torch.equal(a, b) for a, b in zip(*results))
 
@@ -286,10 +286,10 @@ def test_gptq_reads_the_first_sequences_its_preset_names(text_model, monkeypatch
     )
     quantized = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    float_weights = {name: model.get_submodule(name).weight for name in names}
+    float_linears = {name: model.get_submodule(name) for name in names}
     with emulate_format_map(model, format_map):
         for sequences, same in ((3, True), (len(ids), False)):
-            round_weights_by_gptq(model, float_weights, ids[:sequences], SIZES["batch_size"], progress=False)
+            round_weights_by_gptq(model, float_linears, ids[:sequences], SIZES["batch_size"], progress=False)
             codes = [
                 torch.equal(model.get_submodule(n).weight_packed, quantized.get_submodule(n).weight_packed)
                 for n in names

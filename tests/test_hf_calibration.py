@@ -93,15 +93,35 @@ def test_device_map_auto_calibrates_like_a_plain_load(tiny_llama_dir, tokenizer)
         assert torch.equal(dispatched(INPUT_IDS).logits, plain(INPUT_IDS).logits)
 
 
-def test_an_offloaded_float_model_is_refused_before_calibrating(tmp_path, tiny_llama_dir, tokenizer):
-    with pytest.raises(ValueError, match=r"every weight loaded on a device, but \d+ are offloaded .*max_memory"):
-        AutoModelForCausalLM.from_pretrained(
-            tiny_llama_dir,
-            quantization_config=_calibrating_config(tokenizer),
-            device_map="auto",
-            max_memory={"cpu": "20KB"},
-            offload_folder=str(tmp_path / "offload"),
-        )
+def _offloaded_load(folder, offload_folder, **kwargs):
+    """`from_pretrained` with the decoder layers' weights offloaded to disk by accelerate (too little CPU memory)."""
+    return AutoModelForCausalLM.from_pretrained(
+        folder, device_map="auto", max_memory={"cpu": "20KB"}, offload_folder=str(offload_folder), **kwargs
+    )
+
+
+def test_an_offloaded_float_model_quantizes_like_a_plain_load(tmp_path, tiny_llama_dir, tokenizer):
+    # Calibration, GPTQ and packing read each offloaded weight when they need it (loaded by accelerate's hook).
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=_calibrating_config(tokenizer))
+    float_model = _offloaded_load(tiny_llama_dir, tmp_path / "float-offload")
+    assert any(p.is_meta for p in float_model.parameters())  # the load this test means: weights on disk
+    offloaded = _offloaded_load(
+        tiny_llama_dir, tmp_path / "offload", quantization_config=_calibrating_config(tokenizer)
+    )
+    assert offloaded.config.quantization_config.weight_rounding == "gptq"
+    assert offloaded.config.quantization_config.format_map == plain.config.quantization_config.format_map
+    with torch.no_grad():
+        expected = plain(INPUT_IDS).logits
+        assert torch.equal(offloaded(INPUT_IDS).logits, expected)
+    offloaded.save_pretrained(tmp_path / "dmx")
+    with torch.no_grad():
+        assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")(INPUT_IDS).logits, expected)
+
+
+def test_a_rotation_of_an_offloaded_float_model_is_refused_before_calibrating(tmp_path, tiny_llama_dir, tokenizer):
+    config = DMXConfig(target_bits=5.0, dataset=_texts(), tokenizer=tokenizer, rotation="hadamard", **CALIBRATION)
+    with pytest.raises(ValueError, match=r"rotation='hadamard' rewrites every weight .* offloaded or sharded \(e\.g\."):
+        _offloaded_load(tiny_llama_dir, tmp_path / "offload", quantization_config=config)
 
 
 def test_a_saved_checkpoint_loads_with_offloaded_weights(tmp_path, tiny_llama_dir, tokenizer):

@@ -25,6 +25,7 @@ from ..continuous import (
 )
 from ..formats import MXFormat
 from ..nn import InputCache
+from ..nn.placement import execution_device, is_resident, loaded_weights
 from ..nn.rotation import rotate_input_side, rotate_output_side
 from .schedule import T_START, discrete_offset, temperature_sigmoid
 
@@ -105,8 +106,9 @@ OffsetStrategy = RelaxedOffset | EndpointProbe
 class DMXLinear(nn.Module):
     """A frozen linear layer whose weight and input are quantized at a learnable format offset.
 
-    The module shares (does not copy) the wrapped linear's `weight` and `bias`. Its only trainable state is
-    `beta_hat` (a scalar, initialised to 0: the pair's low format). Its `offset` strategy maps it to the offset
+    The module shares (does not copy) the wrapped linear's `weight` and `bias`, read from it at each call, so that
+    a weight sharded by FSDP2 or offloaded by accelerate is used where it is (`nn.placement`). Its only trainable
+    state is `beta_hat` (a scalar, initialised to 0: the pair's low format). Its `offset` strategy maps it to the offset
     `beta` in [0, 2] the forward pass uses; the weight and (dynamically, when `quantize_activations`) the input
     activation are quantized along `in_features` in blocks of `block_size` with the pair's continuous quantizer at
     `beta`, block scales by `scale_rule`. The computation runs in float32 and returns the input's dtype, so fp32 and
@@ -133,20 +135,33 @@ class DMXLinear(nn.Module):
             raise TypeError(f"DMXLinear wraps an nn.Linear, got {type(linear).__name__}.")
         self.in_features = linear.in_features
         self.out_features = linear.out_features
-        self.weight = linear.weight
-        self.bias = linear.bias
+        # Not registered as a submodule: the wrapped linear's parameters stay the model's, counted once, and are read
+        # from it at each call, where FSDP2 puts a gathered weight and accelerate's hook an offloaded one.
+        self.__dict__["source"] = linear
         self.pair = get_format_pair(format_pair)
         self.block_size = block_size
         self.quantize_activations = quantize_activations
         self.scale_rule = scale_rule
         self.offset = offset if offset is not None else RelaxedOffset()
-        self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=linear.weight.device))
+        self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=execution_device(linear)))
+        # What is computed once from a frozen weight is kept only when the weight itself is (`nn.placement`).
+        self.keeps_weight_quantizations = is_resident(linear)
         self._frozen_weights: dict[float, FrozenWeightQuantization] = {}
         self.input_transform = getattr(linear, "input_transform", None)  # a `TransformedLinear`'s online rotation
         self.input_rotation: torch.Tensor | None = None
         self.output_rotation: torch.Tensor | None = None
         # The weight is frozen: its per-block maxima are constant, so compute them once.
-        self.register_buffer("_weight_block_max", weight_block_max(linear.weight, block_size), persistent=False)
+        block_max = weight_block_max(linear.weight, block_size) if self.keeps_weight_quantizations else None
+        self.register_buffer("_weight_block_max", block_max, persistent=False)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The wrapped linear's weight, as it is now."""
+        return self.source.weight
+
+    @property
+    def bias(self) -> torch.Tensor | None:
+        return self.source.bias
 
     def beta(self) -> torch.Tensor:
         """The offset the quantizer uses now."""
@@ -185,8 +200,8 @@ class DMXLinear(nn.Module):
 
     def frozen_weight(self, offset: float | None) -> FrozenWeightQuantization | None:
         """The weight's quantization at an endpoint `offset`, computed once and reused; None elsewhere."""
-        if offset not in ENDPOINTS or self.rotated:  # learned rotations give a new weight every step
-            return None
+        if offset not in ENDPOINTS or self.rotated or not self.keeps_weight_quantizations:
+            return None  # off the endpoints, learned rotations (a new weight every step), or a weight not kept
         frozen = self._frozen_weights.get(offset)
         if frozen is None:
             frozen = FrozenWeightQuantization.compute(
@@ -213,6 +228,10 @@ class DMXLinear(nn.Module):
         return shared.quantize(x, beta, (offset, self.pair.name, self.block_size, self.scale_rule))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with loaded_weights(self.source):  # an offloaded weight: loaded for this call by its linear's hook
+            return self._quantized_forward(x)
+
+    def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
             x = self.input_transform(x)
         beta, offset = self.offset.beta(self.beta_hat)

@@ -29,6 +29,7 @@ from ..formats.cast import block_exponents, round_elements
 from ..formats.packing import MXPackedTensor, pack_blocks
 from ..formats.spec import SCALE_EXPONENT_MAX, MXFormat
 from ..nn.mx_linear import MXLinear
+from ..nn.placement import input_device, loaded_weights
 from .checkpointing import decoder_layers as find_decoder_layers
 from .sensitivity import replaying
 
@@ -110,13 +111,14 @@ class _Stop(Exception):
 @torch.no_grad()
 def round_weights_by_gptq(
     model: nn.Module,
-    float_weights: Mapping[str, torch.Tensor],
+    float_linears: Mapping[str, nn.Linear],
     input_ids: torch.LongTensor,
     batch_size: int,
     damping: float = GPTQ_DAMPING,
     progress: bool = True,
 ) -> list[str]:
-    """Re-round, in place, the weights of the `MXLinear`s named in `float_weights` by GPTQ from their float weights.
+    """Re-round, in place, the weights of the `MXLinear`s named in `float_linears` by GPTQ from the float weights
+    of those linears (the modules the `MXLinear`s replaced; an offloaded weight is loaded when its turn comes).
 
     `model` holds the `MXLinear`s (round-to-nearest weights, as `replace_with_mx_linear` or `emulate_format_map`
     left them). Decoder layer by decoder layer, one pass over `input_ids` (in batches of `batch_size`) gathers the
@@ -131,13 +133,13 @@ def round_weights_by_gptq(
     Returns the names of the layers whose Hessian was singular, or that no calibration token reached: they keep
     round-to-nearest (one warning names them).
     """
-    modules = {name: model.get_submodule(name) for name in float_weights}
+    modules = {name: model.get_submodule(name) for name in float_linears}
     for name, module in modules.items():
         if not isinstance(module, MXLinear):
             raise TypeError(f"GPTQ rounds MXLinear modules; {name!r} is a {type(module).__name__}")
     decoder_layers = find_decoder_layers(model)
     groups = _groups(list(modules), decoder_layers)
-    device = next(model.parameters()).device
+    device = input_device(model)
     input_ids = input_ids[: max(1, GPTQ_MAX_TOKENS // input_ids.shape[1])]
     batches = [b.to(device) for b in input_ids.split(batch_size)]
     recorded: list[Any] = [None] * len(batches)  # each batch's output of the last decoder layer rounded so far
@@ -152,7 +154,8 @@ def round_weights_by_gptq(
                 singular.append(name)
                 continue
             try:
-                weight = float_weights[name].to(hessians[name].device)
+                with loaded_weights(float_linears[name]) as linear:
+                    weight = linear.weight.to(hessians[name].device)
                 packed = gptq_pack(weight, hessians[name], module.fmt, module.block_size, module.scale_rule, damping)
             except SingularHessianError:
                 singular.append(name)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..nn.placement import not_resident
 from ..nn.rotation import RotationSites, has_unit_norm_scales, merge_rotations, rotate_input_side, rotation_sites
 from .distributed import average_across_processes
 from .dmx_linear import DMXLinear
@@ -112,6 +113,13 @@ class LearnedRotations:
 def learnable_sites(model: nn.Module) -> RotationSites:
     """`model`'s `RotationSites`, checked to be learnable: raises `ValueError` when the model has no merged rotation
     to start from (its RMSNorm scales are not folded, so rotating its residual stream would change its function)."""
+    elsewhere = not_resident(model)
+    if elsewhere:
+        raise ValueError(
+            f"learned rotations rewrite every weight of the model, so they need all of them in this process's memory, "
+            f"but {len(elsewhere)} modules' weights are sharded or offloaded (e.g. {elsewhere[0]!r}): learn them on a "
+            "model loaded whole, or calibrate this one with learn_rotations=False"
+        )
     sites = rotation_sites(model)
     if sites.residual and not has_unit_norm_scales(model):
         raise ValueError(

@@ -21,6 +21,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
+from ..nn.placement import input_device
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
 from .checkpointing import decoder_layers as find_decoder_layers
 from .settings import CalibrationSettings
@@ -50,7 +51,7 @@ def kl_sensitivities(
     low = get_format_pair(settings.format_pair).low.name
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     decoder_layers = find_decoder_layers(model)  # none: each pass runs the whole model
-    device = next(model.parameters()).device
+    device = input_device(model)
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
     tokens = input_ids.numel()
 

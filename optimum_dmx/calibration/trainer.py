@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
+from ..nn.placement import input_device
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .baselines import kl_preselection
 from .budget import blended_priority, blended_value, budget_format_map, layer_costs
@@ -134,7 +135,7 @@ def calibrate(
     if settings.method == "kl":
         return kl_preselection(model, input_ids, settings, progress)
 
-    rank, world_size = world(next(model.parameters()).device)
+    rank, world_size = world(input_device(model))
     if settings.batch_size % world_size:
         raise ValueError(
             f"batch_size={settings.batch_size} must be a multiple of the {world_size} processes "
@@ -247,7 +248,7 @@ def _relaxed_offsets(
     the `rotations` being learned, if any). Returns the final `beta_hat` of every layer and the per-step history."""
     recipe = settings.paper
     modules = list(layers.values())
-    device = modules[0].weight.device
+    device = modules[0].beta_hat.device  # where the layers compute
     sizes = tensor_sizes([tuple(m.weight.shape) for m in modules], settings.quantize_activations)
     parameters = list({id(m.beta_hat): m.beta_hat for m in modules}.values())  # grouped layers share one
     optimizer = torch.optim.SGD(parameters, lr=recipe.lr)
@@ -310,7 +311,7 @@ def _sampled_offsets(
     names = list(layers)
     modules = list(layers.values())
     probes: list[EndpointProbe] = [m.offset for m in modules]
-    device = modules[0].weight.device
+    device = modules[0].beta_hat.device  # where the layers compute
     pair = get_format_pair(settings.format_pair)
     shapes = {name: tuple(m.weight.shape) for name, m in layers.items()}
     sizes = tensor_sizes(list(shapes.values()), settings.quantize_activations)

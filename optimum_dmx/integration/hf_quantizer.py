@@ -28,6 +28,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils import cached_file
 
 from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, linear_modules_to_quantize, replace_with_mx_linear
+from ..nn.placement import not_resident
 from ..nn.rotation import rotate_model
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
@@ -82,7 +83,7 @@ class DMXHfQuantizer(HfQuantizer):
         """Calibrate (or take the explicit map), install the `MXLinear`s, return the config that records it."""
         config = self.quantization_config
         _check_not_quantized(model)
-        _check_weights_in_memory(model)
+        _check_rotation_placement(model, config.rotation)
         if config.needs_data:
             _check_sequence_length(model, config.seq_len)
         skip = self.get_modules_to_not_convert(
@@ -109,16 +110,16 @@ class DMXHfQuantizer(HfQuantizer):
             format_map = calibrate(model, input_ids, settings).format_map
         else:
             format_map = config.format_map
-        # GPTQ rounds from the float weights, which the MX modules replace: keep them until it has run.
+        # GPTQ rounds from the float linears, which the MX modules replace: keep them until it has run.
         gptq = config.weight_rounding == "gptq"
-        gptq_weights = {n: model.get_submodule(n).weight for n in format_map} if gptq else {}
+        float_linears = {n: model.get_submodule(n) for n in format_map} if gptq else {}
         replace_with_mx_linear(model, format_map, **_mx_options(config))
-        if gptq_weights:
+        if float_linears:
             from ..calibration.gptq import round_weights_by_gptq
             from ..calibration.presets import get_preset
 
             sequences = input_ids[: get_preset(config.preset).gptq_samples]
-            round_weights_by_gptq(model, gptq_weights, sequences, config.batch_size)
+            round_weights_by_gptq(model, float_linears, sequences, config.batch_size)
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
         return config.with_result(
@@ -166,17 +167,18 @@ def _check_not_quantized(model: PreTrainedModel) -> None:
             )
 
 
-def _check_weights_in_memory(model: PreTrainedModel) -> None:
-    """Refuse a model whose weights were offloaded (`device_map` with "disk", or "cpu" next to accelerators):
-    accelerate keeps those on the meta device and loads them per forward pass, but rotations and calibration
-    read and rewrite every weight, so they need all of them loaded on a device."""
-    offloaded = [name for name, parameter in model.named_parameters() if parameter.device.type == "meta"]
-    if offloaded:
+def _check_rotation_placement(model: PreTrainedModel, rotation: str) -> None:
+    """Refuse a rotation of a model whose weights are offloaded (`device_map` with "disk", or "cpu" beside
+    accelerators) or sharded: a rotation rewrites every weight in place, which needs all of them in memory.
+    Calibration, GPTQ and packing read such weights where they are (`nn.placement`)."""
+    if rotation == "none":
+        return
+    elsewhere = not_resident(model)
+    if elsewhere:
         raise ValueError(
-            f"dMX quantization needs every weight loaded on a device, but {len(offloaded)} are offloaded (e.g. "
-            f"{offloaded[0]!r}; device map: {getattr(model, 'hf_device_map', None)}). Load the float model with a "
-            "device_map that keeps all weights on devices (raise max_memory, or use more devices), quantize it "
-            "there, and save it: the saved dMX checkpoint can then be loaded with offloading."
+            f"rotation={rotation!r} rewrites every weight of the model, but {len(elsewhere)} modules' weights are "
+            f"offloaded or sharded (e.g. {elsewhere[0]!r}; device map: {getattr(model, 'hf_device_map', None)}). "
+            "Load the model with every weight on a device to rotate it, or quantize it with rotation='none'."
         )
 
 

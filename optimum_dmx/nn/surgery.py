@@ -10,6 +10,7 @@ from torch import nn
 
 from .input_cache import InputCache
 from .mx_linear import MXLinear
+from .placement import loaded_weights
 from .transforms import RandomizedHadamard, TransformedLinear
 
 __all__ = [
@@ -81,19 +82,21 @@ def emulate_format_map(
 
     Inside the block each named linear is an `MXLinear` built from it (the inference module: packed weight,
     input quantized per call, one input cast shared by the linears that read the same input in the same format),
-    so an assignment is evaluated exactly as a saved dMX model computes. Weights are frozen and the model is in
+    so an assignment is evaluated exactly as a saved dMX model computes (a weight sharded by FSDP2 or offloaded by
+    accelerate is gathered or loaded to be packed: `placement`). Weights are frozen and the model is in
     eval mode inside the block; the original linears are restored on exit.
     """
     input_casts = InputCache()
     layers = {}
     for name, fmt in format_map.items():
-        layers[name] = MXLinear.from_linear(
-            model.get_submodule(name),
-            fmt,
-            block_size=block_size,
-            quantize_activations=quantize_activations,
-            scale_rule=scale_rule,
-        )
+        with loaded_weights(model, name) as linear:  # a sharded or offloaded weight, gathered or loaded
+            layers[name] = MXLinear.from_linear(
+                linear,
+                fmt,
+                block_size=block_size,
+                quantize_activations=quantize_activations,
+                scale_rule=scale_rule,
+            )
         layers[name].input_casts = input_casts
     with swapped_modules(model, layers):
         yield
@@ -110,8 +113,9 @@ def replace_with_mx_linear(
 ) -> nn.Module:
     """Replace, in place, every `nn.Linear` named in `format_map` by an `MXLinear` in its format.
 
-    Weights are packed from the float linears; on a meta-device skeleton the new modules are empty and
-    wait for a packed checkpoint. `input_transforms` (module name -> `RandomizedHadamard.to_dict()`, as
+    Weights are packed from the float linears (an offloaded or sharded weight is loaded or gathered for it: the
+    packed module lives on the device the linear computes on); on a meta-device skeleton the new modules are empty
+    and wait for a packed checkpoint. `input_transforms` (module name -> `RandomizedHadamard.to_dict()`, as
     config.json records them) gives modules their online input transform; a `TransformedLinear` keeps its own.
     Raises `ValueError` naming the module when `format_map` names a module the model lacks, a module that is not an
     `nn.Linear`, or one that is already an `MXLinear` (the model was already quantized: quantizing twice would
@@ -133,14 +137,15 @@ def replace_with_mx_linear(
             kind = type(module).__name__
             raise ValueError(f"format_map names module {name!r}, a {kind}; only nn.Linear can be quantized")
         spec = (input_transforms or {}).get(name)
-        new = MXLinear.from_linear(
-            module,
-            fmt,
-            block_size=block_size,
-            quantize_activations=quantize_activations,
-            scale_rule=scale_rule,
-            input_transform=None if spec is None else RandomizedHadamard.from_dict(spec),
-        )
+        with loaded_weights(model, name):  # a sharded or offloaded weight, gathered or loaded to be packed
+            new = MXLinear.from_linear(
+                module,
+                fmt,
+                block_size=block_size,
+                quantize_activations=quantize_activations,
+                scale_rule=scale_rule,
+                input_transform=None if spec is None else RandomizedHadamard.from_dict(spec),
+            )
         new.input_casts = input_casts
         model.set_submodule(name, new)
     return model
