@@ -18,7 +18,10 @@ Everything is measured in one run on the same model and batch, so the ratios com
   GPTQ rounding of its map on the preset's sequences (what `weight_rounding="gptq"` adds).
 * **Memory** (`--memory`): peak resident memory (CPU, Linux) or allocated GPU memory of one unquantized step and
   of `--steps` dMX steps, each in a process of its own with glibc's `MALLOC_MMAP_THRESHOLD_=65536` (freed buffers
-  go back to the system, so the resident set follows the live tensors), after an untimed warm-up.
+  go back to the system, so the resident set follows the live tensors), after an untimed warm-up. Besides the
+  model in memory, with activation checkpointing: "offloaded", the second half of the decoder layers offloaded by
+  accelerate's `device_map` (to disk on a CPU, to CPU memory beside a GPU); "sharded", every decoder layer and the
+  model sharded by FSDP2 across 2 processes (`torch.distributed.run`; the peak of either; not on one GPU).
 """
 
 from __future__ import annotations
@@ -56,7 +59,15 @@ from common import (
 
 # name -> the settings that differ from the default method's
 TRAINERS = {"dMX": {}, "dMX checkpointed": {"gradient_checkpointing": True}, "dMX paper": {"method": "paper"}}
-MEMORY_WORKLOADS = ("unquantized", "dMX", "dMX checkpointed")
+# Memory workloads: name -> the calibration settings that differ from the default method's (None: a training step)
+MEMORY_WORKLOADS = {
+    "unquantized": None,
+    "dMX": {},
+    "dMX checkpointed": {"gradient_checkpointing": True},
+    "dMX offloaded": {"gradient_checkpointing": True},
+    "dMX sharded": {"gradient_checkpointing": True},
+}
+SHARDING_PROCESSES = 2
 
 
 def load(a: argparse.Namespace, seq_len: int, count: int) -> tuple[torch.nn.Module, str, torch.Tensor]:
@@ -184,10 +195,52 @@ def resident_kib(field: str) -> int:
     raise RuntimeError(f"/proc/self/status has no {field} field: the memory table needs Linux.")
 
 
+def offloaded(model: torch.nn.Module, a: argparse.Namespace, folder: str) -> torch.nn.Module:
+    """`model` saved to `folder` and loaded again with the second half of its decoder layers offloaded by accelerate
+    (to disk on a CPU, to CPU memory beside a GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    model.save_pretrained(folder)
+    layers = model.config.num_hidden_layers
+    target = "cpu" if torch.device(a.device).type == "cuda" else "disk"
+    device_map = {name: a.device for name in ("model.embed_tokens", "model.norm", "model.rotary_emb", "lm_head")}
+    device_map.update({f"model.layers.{i}": a.device if i < layers // 2 else target for i in range(layers)})
+    del model
+    return AutoModelForCausalLM.from_pretrained(
+        folder, device_map=device_map, offload_folder=f"{folder}/offload", dtype=MODEL_DTYPES[a.dtype]
+    ).eval()
+
+
+def sharded(model: torch.nn.Module, a: argparse.Namespace) -> torch.nn.Module:
+    """`model` with every decoder layer and itself sharded by FSDP2 across the processes `torch.distributed.run`
+    started (the process group made here: gloo on a CPU, NCCL on GPUs, one per process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    device = torch.device(a.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        model.to(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
 def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
     """Peak and peak-over-baseline memory (MiB) of `workload`, measured in this process."""
+    import tempfile
+
     model, _, ids = load(a, a.seq_len, a.batch_size)
-    ids = ids.to(a.device)
+    folder = tempfile.TemporaryDirectory()
+    if workload == "dMX offloaded":
+        model = offloaded(model, a, folder.name)
+    elif workload == "dMX sharded":
+        model = sharded(model, a)
+    ids = ids.to(a.device if workload != "dMX sharded" else next(model.parameters()).device)
     if workload == "unquantized":
         for p in model.parameters():
             p.requires_grad_(True)
@@ -203,7 +256,7 @@ def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
             seq_len=a.seq_len,
             batch_size=a.batch_size,
             steps=a.steps,
-            **TRAINERS[workload],
+            **MEMORY_WORKLOADS[workload],
         )
 
         def work() -> None:
@@ -223,6 +276,9 @@ def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
             refs.write("5")  # reset VmHWM to the current resident set
         work()
         peak = resident_kib("VmHWM")
+    folder.cleanup()
+    if workload == "dMX sharded":
+        torch.distributed.destroy_process_group()  # a gloo group left to interpreter shutdown can abort the process
     return {"peak_mib": peak / 1024, "over_baseline_mib": (peak - baseline) / 1024}
 
 
@@ -231,7 +287,8 @@ def memory_table(a: argparse.Namespace) -> list[str]:
     lines = [
         "## Memory",
         "",
-        f"{memory}, one process per measurement; dMX rows: {a.steps} steps.",
+        f"{memory}, one process per measurement (sharded: the largest of {SHARDING_PROCESSES}, each with half of "
+        f"every batch); dMX rows: {a.steps} steps; offloaded and sharded: with activation checkpointing.",
         "",
         "| batch x seq | workload | peak MiB | over baseline MiB | / unquantized |",
         "|---|---|---|---|---|",
@@ -239,8 +296,14 @@ def memory_table(a: argparse.Namespace) -> list[str]:
     for batch_size in [int(b) for b in a.batch_sizes.split(",")]:
         results = {}
         for workload in MEMORY_WORKLOADS:
+            launcher = [sys.executable]
+            if workload == "dMX sharded":
+                one_gpu = torch.device(a.device).type == "cuda" and torch.cuda.device_count() < SHARDING_PROCESSES
+                if one_gpu or batch_size % SHARDING_PROCESSES:  # each process takes an equal share of the batch
+                    continue
+                launcher += ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(SHARDING_PROCESSES)]
             command = [
-                sys.executable,
+                *launcher,
                 __file__,
                 "--measure-memory",
                 workload,
@@ -269,7 +332,8 @@ def memory_table(a: argparse.Namespace) -> list[str]:
             out = subprocess.run(command, capture_output=True, text=True, check=False, env=env)
             if out.returncode:
                 raise SystemExit(f"measuring {workload} failed:\n{out.stderr[-3000:]}")
-            results[workload] = json.loads(out.stdout.strip().splitlines()[-1])
+            processes = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+            results[workload] = {key: max(p[key] for p in processes) for key in processes[0]}  # the largest process
         reference = results["unquantized"]["over_baseline_mib"]
         for workload, r in results.items():
             ratio = f"{r['over_baseline_mib'] / reference:.2f}x" if reference > 0 else "-"
