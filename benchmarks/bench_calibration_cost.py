@@ -295,7 +295,7 @@ def memory_table(a: argparse.Namespace) -> list[str]:
     ]
     for batch_size in [int(b) for b in a.batch_sizes.split(",")]:
         results = {}
-        for workload in MEMORY_WORKLOADS:
+        for workload in ["unquantized", *(w for w in a.memory_workloads.split(",") if w != "unquantized")]:
             launcher = [sys.executable]
             if workload == "dMX sharded":
                 one_gpu = torch.device(a.device).type == "cuda" and torch.cuda.device_count() < SHARDING_PROCESSES
@@ -354,11 +354,19 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--preset", default="cpu-demo", help="sizes of the whole run (optimum_dmx.calibration.presets)")
     p.add_argument("--memory", action="store_true", help="add the memory table")
+    p.add_argument(
+        "--memory-workloads",
+        default=",".join(MEMORY_WORKLOADS),
+        help=f"comma list of the memory table's rows, among: {', '.join(MEMORY_WORKLOADS)}",
+    )
     p.add_argument("--no-steps", action="store_true", help="leave out the step table")
     p.add_argument("--no-run", action="store_true", help="leave out the whole run")
     p.add_argument("--measure-memory", choices=MEMORY_WORKLOADS, help=argparse.SUPPRESS)  # internal: one process
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     a = p.parse_args()
+    unknown = set(a.memory_workloads.split(",")) - set(MEMORY_WORKLOADS)
+    if unknown:
+        p.error(f"--memory-workloads: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(MEMORY_WORKLOADS)}")
     torch.set_num_threads(a.threads)
     if a.measure_memory:
         print(json.dumps(measure_memory(a.measure_memory, a)))
