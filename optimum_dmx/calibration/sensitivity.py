@@ -24,6 +24,7 @@ from ..continuous import get_format_pair
 from ..nn.placement import input_device
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
 from .checkpointing import decoder_layers as find_decoder_layers
+from .distributed import average_across_processes, process_share, world
 from .settings import CalibrationSettings
 
 KL_SAMPLES = 4  # calibration sequences the scan reads (the first ones): its ranking is stable from 4 on
@@ -41,17 +42,23 @@ def kl_sensitivities(
 
     The scan reads the first `KL_SAMPLES` sequences of `input_ids`: one float forward pass gives the reference
     distributions and the decoder layers' outputs, then one pass per layer from its own decoder layer on, in
-    batches of `settings.batch_size`. The low format is the same for both pairs (MXFP4), so the result can be
-    reused across pairs and targets.
+    batches of `settings.batch_size`. Under several processes (`calibration.distributed`) each process scans an
+    equal share of those sequences when they divide evenly (all of them otherwise), and the results are averaged.
+    The low format is the same for both pairs (MXFP4), so the result can be reused across pairs and targets.
 
     `low_weights` (by layer name, optional) are weights already on the low format's grid, e.g. rounded by GPTQ,
     that a layer's pass uses instead of its float weight rounded to nearest.
     """
     input_ids = input_ids[:KL_SAMPLES]
+    device = input_device(model)
+    rank, world_size = world(device)
+    if world_size > 1 and len(input_ids) % world_size == 0:  # each process scans its share of the sequences
+        input_ids = process_share(input_ids, rank, world_size)
+    else:
+        world_size = 1  # too few sequences to share: every process scans them all
     low = get_format_pair(settings.format_pair).low.name
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     decoder_layers = find_decoder_layers(model)  # none: each pass runs the whole model
-    device = input_device(model)
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
     tokens = input_ids.numel()
 
@@ -70,7 +77,9 @@ def kl_sensitivities(
             for batch, (reference, outputs) in zip(batches, references):
                 with replaying(replayed, outputs):
                     kl += next_token_kl(reference, next_token_log_probs(model, batch)).item()
-        sensitivities[name] = kl / tokens
+        # Equal shares: the mean of the processes' per-token means is the per-token mean of all the sequences.
+        per_token = torch.tensor(kl / tokens, dtype=torch.float64)
+        sensitivities[name] = average_across_processes(per_token, world_size).item()
     return sensitivities
 
 
