@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -31,11 +32,23 @@ EXIT_USAGE = 2
 DEFAULT_RUN_PRESET = "cpu-demo"  # the embedded default run: 7-12 minutes on 2 idle CPU cores (GPTQ included)
 DEFAULT_RUN_MINUTES = 10
 EVAL_SEQ_LEN = 512
+DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_EVAL_TOKENS, EVAL_MAX_TOKENS = 4096, 8192  # before/after perplexity of `quantize`; `eval`'s default
 
 
 class UsageError(Exception):
     """A mistake in the command line or its inputs, reported as one line."""
+
+
+def _max_memory(text: str) -> dict[int | str, str]:
+    """`DEVICE=SIZE,...` (`0=70GiB,cpu=200GiB`) as accelerate's `max_memory` (GPU indices as ints)."""
+    memory: dict[int | str, str] = {}
+    for entry in text.split(","):
+        device, _, size = entry.partition("=")
+        if not device or not size:
+            raise argparse.ArgumentTypeError(f"{entry!r} is not DEVICE=SIZE (e.g. 0=70GiB or cpu=200GiB)")
+        memory[int(device) if device.isdigit() else device] = size
+    return memory
 
 
 def _positive_int(text: str) -> int:
@@ -129,6 +142,28 @@ def build_parser() -> argparse.ArgumentParser:
         const=True,
         default=None,
         help="recompute activations in the backward pass: less memory, same result, slower",
+    )
+    quantize.add_argument(
+        "--device-map",
+        help="where the float model is loaded, as transformers' device_map: auto, cpu, cuda, ... (auto offloads "
+        "what no device holds to CPU memory, then to disk; see docs/calibration.md)",
+    )
+    quantize.add_argument(
+        "--max-memory",
+        type=_max_memory,
+        metavar="DEVICE=SIZE,...",
+        help="with --device-map auto: memory per device, e.g. 0=70GiB,cpu=200GiB",
+    )
+    quantize.add_argument(
+        "--offload-folder",
+        type=Path,
+        help="with --device-map: where weights offloaded to disk go (default: a temporary folder, removed after)",
+    )
+    quantize.add_argument(
+        "--dtype",
+        choices=list(DTYPES),
+        help="dtype the model is calibrated in (default: float32, fast on CPUs, and saved in the source's dtype; "
+        "with --device-map: auto, the source's own, kept when saving)",
     )
     quantize.add_argument("--seed", type=int, default=0)
     quantize.add_argument("--output", type=Path, help="output folder (default: ./<model>-dmx<bits>)")
@@ -294,6 +329,8 @@ def run_quantize(args) -> int:
         )
     except ValueError as err:
         raise UsageError(str(err)) from err
+    if not args.device_map and (args.max_memory or args.offload_folder):
+        raise UsageError("--max-memory and --offload-folder place the model: they need --device-map (e.g. auto)")
     model_name = Path(args.model).name if args.model else "SmolLM2-135M-Instruct"
     output = args.output or Path(f"{model_name}-dmx{args.target_bits:g}")
     _check_output(output, args.overwrite)
@@ -324,9 +361,17 @@ def run_quantize(args) -> int:
         build_calibration_batches(config.dataset, tokenizer, config.seq_len, config.num_samples, config.seed)
     except (ValueError, TypeError, OSError, DatasetGenerationError) as err:
         raise UsageError(f"cannot use calibration data {data_description!r}: {_cause(err)}") from err
+    placement, offload = {}, None
+    if args.device_map:
+        offload = None if args.offload_folder else tempfile.TemporaryDirectory(prefix="optimum-dmx-offload-")
+        offload_folder = str(args.offload_folder or offload.name)  # kept until the model is saved
+        placement = {"device_map": args.device_map, "max_memory": args.max_memory, "offload_folder": offload_folder}
+    dtype = args.dtype or ("auto" if args.device_map else "float32")
     try:
-        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    except OSError as err:
+        model = AutoModelForCausalLM.from_pretrained(
+            model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **placement
+        )
+    except (OSError, ValueError) as err:
         raise UsageError(f"cannot load model {model_path!r}: {str(err).splitlines()[0]}") from err
 
     eval_text = _read_text(eval_text_path) if eval_text_path else None
@@ -350,8 +395,10 @@ def run_quantize(args) -> int:
         if after
         else [],
     )
-    # Calibrated in float32 (fast on CPUs); embeddings, norms and biases are saved in the checkpoint's dtype.
-    model.to(AutoConfig.from_pretrained(model_path).dtype or torch.float32)
+    # Embeddings, norms and biases are saved in the checkpoint's dtype, whatever the calibration's; a model placed by
+    # a device map keeps its placement (accelerate moves offloaded weights itself), and the dtype it was loaded in.
+    if not args.device_map:
+        model.to(AutoConfig.from_pretrained(model_path).dtype or torch.float32)
     quantizer.save(model, output, info, tokenizer=tokenizer, overwrite=args.overwrite)  # replaced once complete
     info.checkpoint_bytes = checkpoint_bytes(output)
 

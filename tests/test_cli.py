@@ -95,6 +95,39 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
     assert (out / "config.json").is_file() and not (out / "notes.txt").exists()
 
 
+def test_quantize_with_a_device_map_offloading_to_disk_gives_the_same_map(quantized, tiny_text_model_dir, tmp_path):
+    out, _ = quantized
+    root = tiny_text_model_dir
+    offload = tmp_path / "offload"
+    result = cli(
+        "quantize",
+        root / "model",
+        "--target-bits",
+        "5",
+        "--dataset",
+        root / "calibration.txt",
+        "--output",
+        tmp_path / "placed",
+        "--device-map",
+        "auto",
+        "--max-memory",
+        "cpu=20KB",  # nothing fits: accelerate offloads every weight to disk
+        "--offload-folder",
+        offload,
+        "--dtype",
+        "float32",  # as the shared run calibrated
+        "--weight-rounding",
+        "rtn",  # the map does not depend on it
+        *FAST,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "offloaded to the disk" in result.stderr  # transformers' notice: the weights stayed in their file
+    placed = json.loads((tmp_path / "placed" / "config.json").read_text())["quantization_config"]
+    assert placed["format_map"] == json.loads((out / "config.json").read_text())["quantization_config"]["format_map"]
+    with safe_open(tmp_path / "placed" / "model.safetensors", "pt") as f:  # the dtype it was loaded in
+        assert f.get_tensor("model.embed_tokens.weight").dtype == torch.float32
+
+
 @pytest.mark.parametrize(
     "args, fragments",
     [
@@ -141,6 +174,14 @@ def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_pat
                 "cost_table has no cost for mxfp8_e4m3 at weight shape(s) 128x64, 32x64, 64x128",
                 "mxfp4_e2m1, mxfp8_e4m3",
             ],
+        ),
+        (
+            ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--max-memory", "cpu=1GB"],
+            ["--max-memory and --offload-folder", "need --device-map"],
+        ),
+        (
+            ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--max-memory", "cpu"],
+            ["--max-memory", "'cpu' is not DEVICE=SIZE"],
         ),
         (["eval", "{tmp}/nowhere", "--text", "{root}/heldout.txt"], ["model folder", "does not exist"]),
         (["inspect", "{root}/model"], ["is not a dMX checkpoint"]),
