@@ -530,10 +530,15 @@ def budget_comparison(rows: list[dict], texts: list[str]) -> list[str]:
         keys = ("method", "pair", "target", "seed", "rotation", "model", "eval", "offset_groups", "preset")
         return (*(str(r.get(k, "")) for k in keys), rounding_label(r), rotation_label(r))
 
+    def between_ends(r: dict) -> bool:
+        """At its pair's end bits every layer takes one format whatever the average: no budget to compare."""
+        pair = get_format_pair(r["pair"])
+        return pair.low.bits < float(r["target"]) < pair.high.bits
+
     simple = {cell(r): r for r in rows if r.get("bit_average") == "simple"}
     pairs: dict[str, list[tuple[dict, dict]]] = {}
     for r in rows:
-        if r.get("bit_average") == "weighted" and cell(r) in simple:
+        if r.get("bit_average") == "weighted" and cell(r) in simple and between_ends(r):
             pairs.setdefault(f"`{method_label(r)}`, {rounding_label(r)}", []).append((r, simple[cell(r)]))
     if not pairs:
         return []
