@@ -1,5 +1,6 @@
 """The README's Python snippets and the examples run as written."""
 
+import json
 import os
 import re
 import subprocess
@@ -7,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -77,6 +79,42 @@ def test_quantize_save_load_generate_examples(tiny_text_model_dir, tmp_path):
     assert "average bits" in stdout and (out / "model.safetensors").is_file() and (out / "README.md").is_file()
     stdout = run_example("load_and_generate.py", out, "--prompt", "w1 w2 w3", "--max-new-tokens", 5)
     assert "14 MX linear layers" in stdout and stdout.strip().splitlines()[-1].startswith("w1 w2 w3")
+
+
+@pytest.mark.slow  # two processes, calibration, then a quantization: about a minute
+def test_calibrate_sharded_example_learns_the_single_process_map_and_saves_the_model(tiny_text_model_dir, tmp_path):
+    """The FSDP2 recipe, as its docstring runs it, on two CPU processes (gloo): the map it writes is the one a single
+    process calibrating the same sequences learns, and the saved model loads with that map."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_dmx import DMXConfig
+    from optimum_dmx.calibration import build_calibration_batches, calibrate
+
+    root, out = tiny_text_model_dir, tmp_path / "dmx"
+    sizes = {"steps": 4, "seq_len": 16, "batch_size": 2, "num_samples": 8}
+    options = [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
+    script = [str(ROOT / "examples" / "calibrate_sharded.py"), str(root / "model")]
+    script += ["--dataset", str(root / "calibration.txt"), "--device", "cpu", "--dtype", "float32"]
+    result = subprocess.run(
+        [*launch, *script, "--preset", "cpu-demo", "--output", str(out), *options],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "OPTIMUM_DMX_COMPILE": "0"},
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    learned = json.loads((out / "format_map.json").read_text())
+
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+    ids = build_calibration_batches([root / "calibration.txt"], tokenizer, sizes["seq_len"], sizes["num_samples"])
+    config = DMXConfig(preset="cpu-demo", gradient_checkpointing=True, **sizes)
+    settings = config.calibration_settings(modules_to_not_convert=["lm_head"])
+    assert learned == calibrate(model, ids, settings, progress=False).format_map
+    saved = AutoModelForCausalLM.from_pretrained(out).config.quantization_config
+    assert saved.format_map == learned and saved.weight_rounding == "gptq"
 
 
 def test_serve_with_vllm_example_exports_then_needs_vllm(tiny_text_model_dir, tmp_path):
