@@ -40,11 +40,13 @@ def test_the_readme_stays_short_and_the_docs_stand_alone():
                 assert ((ROOT / document).parent / link).exists(), (document, link)
 
 
-def run_example(script: str, *args) -> str:
-    """Run an example as a user would, but with the MX kernels eager (same results; `test_compilation.py` tests the
-    compiled ones, and compiling them in the subprocess took about half of its time)."""
+def run_example(script: str, *args, processes: int = 1) -> str:
+    """Run an example as a user would (under `torchrun` with `processes` > 1), but with the MX kernels eager (same
+    results; `test_compilation.py` tests the compiled ones, and compiling them in the subprocess took about half of
+    its time)."""
+    launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
     result = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / script), *map(str, args)],
+        [sys.executable, *launch, str(ROOT / "examples" / script), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -93,18 +95,14 @@ def test_calibrate_sharded_example_learns_the_single_process_map_and_saves_the_m
     root, out = tiny_text_model_dir, tmp_path / "dmx"
     sizes = {"steps": 4, "seq_len": 16, "batch_size": 2, "num_samples": 8}
     options = [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
-    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2"]
-    script = [str(ROOT / "examples" / "calibrate_sharded.py"), str(root / "model")]
-    script += ["--dataset", str(root / "calibration.txt"), "--device", "cpu", "--dtype", "float32"]
-    result = subprocess.run(
-        [*launch, *script, "--preset", "cpu-demo", "--output", str(out), *options],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-        env={**os.environ, "OPTIMUM_DMX_COMPILE": "0"},
+    run_example(
+        "calibrate_sharded.py",
+        root / "model",
+        "--dataset",
+        root / "calibration.txt",
+        *("--device", "cpu", "--dtype", "float32", "--preset", "cpu-demo", "--output", out, *options),
+        processes=2,
     )
-    assert result.returncode == 0, result.stderr[-3000:]
     learned = json.loads((out / "format_map.json").read_text())
 
     tokenizer = AutoTokenizer.from_pretrained(root / "model")

@@ -25,7 +25,7 @@ from ..continuous import (
 )
 from ..formats import MXFormat
 from ..nn import InputCache
-from ..nn.placement import execution_device, is_resident, loaded_weights
+from ..nn.placement import execution_device, is_offloaded, is_resident, loaded_weights
 from ..nn.rotation import rotate_input_side, rotate_output_side
 from .schedule import T_START, discrete_offset, temperature_sigmoid
 
@@ -146,6 +146,7 @@ class DMXLinear(nn.Module):
         self.beta_hat = nn.Parameter(torch.zeros((), dtype=torch.float32, device=execution_device(linear)))
         # What is computed once from a frozen weight is kept only when the weight itself is (`nn.placement`).
         self.keeps_weight_quantizations = is_resident(linear)
+        self._offloaded = is_offloaded(linear)  # decided once: the per-call path stays as it was for the rest
         self._frozen_weights: dict[float, FrozenWeightQuantization] = {}
         self.input_transform = getattr(linear, "input_transform", None)  # a `TransformedLinear`'s online rotation
         self.input_rotation: torch.Tensor | None = None
@@ -228,7 +229,9 @@ class DMXLinear(nn.Module):
         return shared.quantize(x, beta, (offset, self.pair.name, self.block_size, self.scale_rule))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        with loaded_weights(self.source):  # an offloaded weight: loaded for this call by its linear's hook
+        if not self._offloaded:
+            return self._quantized_forward(x)
+        with loaded_weights(self.source):  # loaded for this call by its linear's accelerate hook
             return self._quantized_forward(x)
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
