@@ -367,7 +367,8 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
 
 
 def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
-    """The KL scan on its own sequences reproduces itself exactly; a Fisher estimate gives a row per reduction."""
+    """The KL scan on its own sequences reproduces itself exactly, with its divergence summed element by element
+    to within 1e-4; a Fisher estimate gives a row per reduction."""
     root = tiny_text_model_dir
     output = tmp_path / "sensitivity.md"
     run_benchmark(
@@ -388,13 +389,15 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     report = output.read_text()
     assert report.startswith("# Sensitivity signals\n\nCommand: ")
     rows = re.findall(
-        r"^\| ([a-z, ]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M
+        r"^\| ([a-z, -]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M
     )
     assert [r[:3] for r in rows] == [
+        ("kl, element-wise", "4", "-"),
         ("kl", "4", "-"),
         ("kl", "1", "-"),
         ("fisher, token", "2", "3"),
         ("fisher, sequence", "2", "3"),
     ]
-    assert rows[0][3:] == ("1.0000", "1.000")  # the reference itself
-    assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[1:])
+    assert rows[0][3] == "1.0000" and abs(float(rows[0][4]) - 1) <= 1e-4  # the same values, summed otherwise
+    assert rows[1][3:] == ("1.0000", "1.000")  # the reference itself
+    assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[2:])

@@ -119,16 +119,38 @@ def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
 
 def test_kl_scan_equals_one_whole_pass_per_layer(sensitive, sensitivities):
     """Replaying the decoder layers before a layer's own gives what a whole forward pass per layer gives."""
-    from optimum_dmx.calibration.sensitivity import next_token_kl, next_token_log_probs
+    from optimum_dmx.calibration.sensitivity import NextTokenReference, next_token_kl, next_token_log_probs
 
     model, ids = sensitive
     batch = ids[:4]
     with torch.no_grad():
-        reference = next_token_log_probs(model, batch)
+        reference = NextTokenReference.from_log_probs(next_token_log_probs(model, batch))
         for name, value in sensitivities.items():
             with emulate_format_map(model, {name: "mxfp4"}):
                 whole = next_token_kl(reference, next_token_log_probs(model, batch)).item() / batch.numel()
             assert value == whole, name
+
+
+def test_kl_scan_divergence_is_the_elementwise_kl_divergence(sensitive):
+    """The scan's KL (two dot products per position) is torch's element-wise `F.kl_div` of the same distributions,
+    for a model's real perturbations (each layer in MXFP4) and for distributions that barely differ."""
+    from optimum_dmx.calibration.sensitivity import NextTokenReference, next_token_kl, next_token_log_probs
+
+    model, ids = sensitive
+    batch = ids[:4]
+    with torch.no_grad():
+        float_log_probs = next_token_log_probs(model, batch)
+        reference = NextTokenReference.from_log_probs(float_log_probs)
+        perturbed = []
+        for name in linear_modules_to_quantize(model, ["lm_head"]):
+            with emulate_format_map(model, {name: "mxfp4"}):
+                perturbed.append(next_token_log_probs(model, batch))
+        noise = torch.randn(float_log_probs.shape, generator=torch.Generator().manual_seed(0)) * 1e-2
+        perturbed.append(torch.log_softmax(float_log_probs + noise, dim=-1))
+    for log_probs in perturbed:
+        elementwise = torch.nn.functional.kl_div(log_probs, float_log_probs, log_target=True, reduction="sum")
+        assert next_token_kl(reference, log_probs).item() == pytest.approx(elementwise.item(), rel=1e-4)
+    assert next_token_kl(reference, float_log_probs).abs().item() < 1e-6 * batch.numel()
 
 
 def test_kl_scan_computes_each_decoder_layer_only_from_the_perturbed_one_on(sensitive):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -102,9 +103,29 @@ def next_token_log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
     return F.log_softmax(model(input_ids=batch, use_cache=False).logits.float(), dim=-1)
 
 
-def next_token_kl(reference: torch.Tensor, log_probs: torch.Tensor) -> torch.Tensor:
-    """`sum KL(p_reference || p)` over every position, from log-probabilities (`next_token_log_probs`)."""
-    return F.kl_div(log_probs, reference, log_target=True, reduction="sum")
+@dataclass(frozen=True)
+class NextTokenReference:
+    """Reference next-token distributions (`[batch, seq_len, vocab]`), as log-probabilities and probabilities: the
+    KL divergence from them (`next_token_kl`) reads both, and the probabilities cost a pass to recompute."""
+
+    log_probs: torch.Tensor
+    probabilities: torch.Tensor
+
+    @classmethod
+    def from_log_probs(cls, log_probs: torch.Tensor) -> NextTokenReference:
+        return cls(log_probs, log_probs.exp())
+
+
+def next_token_kl(reference: NextTokenReference, log_probs: torch.Tensor) -> torch.Tensor:
+    """`sum KL(p_reference || p)` over every position (float64), from log-probabilities (`next_token_log_probs`).
+
+    The element-wise sum `sum p_reference (log p_reference - log p)`, each position's as one batched matrix product
+    (in float32) and the positions' in float64: less than half the time of `F.kl_div`, which exponentiates the
+    reference at every call, and the same value to about 1e-5 (measured on SmolLM2-135M's scan).
+    """
+    vocab = log_probs.shape[-1]
+    differences = (reference.log_probs - log_probs).reshape(-1, vocab, 1)
+    return (reference.probabilities.reshape(-1, 1, vocab) @ differences).double().sum()
 
 
 @contextmanager
@@ -142,8 +163,8 @@ def _layers_before(name: str, decoder_layers: dict[str, nn.Module]) -> list[nn.M
     return []  # outside every decoder layer: nothing is known to run before it
 
 
-def _record(model: nn.Module, batch: torch.Tensor, layers: Sequence[nn.Module]) -> tuple[torch.Tensor, list[Any]]:
-    """The float next-token log-probabilities of `batch` and the output of each of `layers`."""
+def _record(model: nn.Module, batch: torch.Tensor, layers: Sequence[nn.Module]) -> tuple[NextTokenReference, list[Any]]:
+    """The float next-token distributions of `batch` and the output of each of `layers`."""
     outputs: list[Any] = [None] * len(layers)
 
     def keep(index: int):
@@ -158,4 +179,4 @@ def _record(model: nn.Module, batch: torch.Tensor, layers: Sequence[nn.Module]) 
     finally:
         for handle in handles:
             handle.remove()
-    return log_probs, outputs
+    return NextTokenReference.from_log_probs(log_probs), outputs
