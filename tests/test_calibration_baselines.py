@@ -131,9 +131,11 @@ def test_kl_scan_equals_one_whole_pass_per_layer(sensitive, sensitivities):
             assert value == whole, name
 
 
-def test_kl_scan_divergence_is_the_elementwise_kl_divergence(sensitive):
-    """The scan's KL (two dot products per position) is torch's element-wise `F.kl_div` of the same distributions,
-    for a model's real perturbations (each layer in MXFP4) and for distributions that barely differ."""
+def test_kl_scan_divergence_is_the_elementwise_kl_divergence(sensitive, monkeypatch):
+    """The scan's KL (a dot product per position, a block of positions at a time) is torch's element-wise
+    `F.kl_div` of the same distributions, for a model's real perturbations (each layer in MXFP4) and for
+    distributions that barely differ, whatever the block."""
+    from optimum_dmx.calibration import sensitivity
     from optimum_dmx.calibration.sensitivity import NextTokenReference, next_token_kl, next_token_log_probs
 
     model, ids = sensitive
@@ -150,6 +152,9 @@ def test_kl_scan_divergence_is_the_elementwise_kl_divergence(sensitive):
     for log_probs in perturbed:
         elementwise = torch.nn.functional.kl_div(log_probs, float_log_probs, log_target=True, reduction="sum")
         assert next_token_kl(reference, log_probs).item() == pytest.approx(elementwise.item(), rel=1e-4)
+    whole = next_token_kl(reference, perturbed[0])
+    monkeypatch.setattr(sensitivity, "KL_BLOCK_ELEMENTS", 3 * float_log_probs.shape[-1])  # blocks of 3 positions
+    assert next_token_kl(reference, perturbed[0]).item() == pytest.approx(whole.item(), rel=1e-6)
     assert next_token_kl(reference, float_log_probs).abs().item() < 1e-6 * batch.numel()
 
 

@@ -29,6 +29,7 @@ from .distributed import average_across_processes, process_share, world
 from .settings import CalibrationSettings
 
 KL_SAMPLES = 4  # calibration sequences the scan reads (the first ones): its ranking is stable from 4 on
+KL_BLOCK_ELEMENTS = 2**21  # log-probabilities per block of positions in `next_token_kl` (8 MiB of float32)
 
 
 @torch.no_grad()
@@ -119,13 +120,21 @@ class NextTokenReference:
 def next_token_kl(reference: NextTokenReference, log_probs: torch.Tensor) -> torch.Tensor:
     """`sum KL(p_reference || p)` over every position (float64), from log-probabilities (`next_token_log_probs`).
 
-    The element-wise sum `sum p_reference (log p_reference - log p)`, each position's as one batched matrix product
-    (in float32) and the positions' in float64: less than half the time of `F.kl_div`, which exponentiates the
-    reference at every call, and the same value to about 1e-5 (measured on SmolLM2-135M's scan).
+    The element-wise sum `sum p_reference (log p_reference - log p)`: a few positions at a time, the differences
+    (a block that stays in cache) and their dot products with the probabilities as one batched matrix product, in
+    float32, the positions' sums in float64. The same value as `F.kl_div` to about 1e-5 (measured on SmolLM2-135M's
+    scan) in half its time, which exponentiates the reference and writes whole-batch temporaries at every call.
     """
     vocab = log_probs.shape[-1]
-    differences = (reference.log_probs - log_probs).reshape(-1, vocab, 1)
-    return (reference.probabilities.reshape(-1, 1, vocab) @ differences).double().sum()
+    references, probabilities = reference.log_probs.reshape(-1, vocab), reference.probabilities.reshape(-1, vocab)
+    log_probs = log_probs.reshape(-1, vocab)
+    rows = max(1, KL_BLOCK_ELEMENTS // vocab)
+    total = torch.zeros((), dtype=torch.float64, device=log_probs.device)
+    for start in range(0, len(log_probs), rows):
+        differences = references[start : start + rows] - log_probs[start : start + rows]
+        dots = probabilities[start : start + rows].unsqueeze(1) @ differences.unsqueeze(2)
+        total += dots.double().sum()
+    return total
 
 
 @contextmanager
