@@ -318,7 +318,7 @@ def run_quantize(args) -> int:
     from datasets.exceptions import DatasetGenerationError
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .calibration.data import build_calibration_batches, load_calibration_dataset
+    from .calibration.data import check_calibration_data, load_calibration_dataset
     from .calibration.distributed import is_main_process
     from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
     from .integration.folders import check_output
@@ -357,8 +357,8 @@ def run_quantize(args) -> int:
         raise UsageError(f"cannot load the tokenizer of {model_path!r}: {str(err).splitlines()[0]}") from err
     try:
         config.dataset = load_calibration_dataset(source)
-        # Tokenized now, so that unusable text fails before the model is loaded and calibrated.
-        build_calibration_batches(config.dataset, tokenizer, config.seq_len, config.num_samples, config.seed)
+        # Checked now (as much text as the samples need), so that unusable text fails before the model is loaded.
+        check_calibration_data(config.dataset, tokenizer, config.seq_len, config.num_samples)
     except (ValueError, TypeError, OSError, DatasetGenerationError) as err:
         raise UsageError(f"cannot use calibration data {data_description!r}: {_cause(err)}") from err
     placement, offload = {}, None

@@ -7,6 +7,7 @@ import torch
 from datasets import Dataset, DatasetDict
 
 from optimum_dmx.calibration import build_calibration_batches
+from optimum_dmx.calibration.data import MAX_CHARS_PER_TOKEN, check_calibration_data
 
 from .helpers import word_tokenizer, words
 
@@ -218,3 +219,47 @@ def test_texts_hub_names_and_existing_files_are_accepted(tmp_path, monkeypatch):
     ):
         assert DMXConfig(dataset=dataset).dataset == dataset
     assert build_calibration_batches(["calibration.txt"], word_tokenizer(), 10, 2).shape == (2, 10)
+
+
+class _RecordingTokenizer:
+    """A real tokenizer that records the length of every text it is called on."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.lengths = tokenizer, []
+
+    def __call__(self, text, **kwargs):
+        self.lengths.append(len(text))
+        return self.tokenizer(text, **kwargs)
+
+
+def test_checking_data_tokenizes_only_what_the_samples_need(tokenizer):
+    """A corpus far larger than the samples is checked from its start only; the batches still read all of it."""
+    corpus = [words(i % 120, 1) for i in range(100_000)]  # 100,000 one-word lines: about 400,000 characters
+    recording = _RecordingTokenizer(tokenizer)
+    check_calibration_data(corpus, recording, seq_len=10, num_samples=4)
+    assert max(recording.lengths) <= MAX_CHARS_PER_TOKEN * 10 * 4
+    recording.lengths.clear()
+    build_calibration_batches(corpus, recording, seq_len=10, num_samples=4)
+    assert max(recording.lengths) == len("\n".join(corpus))
+
+
+@pytest.mark.parametrize(
+    "data, seq_len, num_samples",
+    [([], 10, 4), (["  ", "\n"], 10, 4), ([words(0, 5)], 10, 4), (["w1"], "10", 4), (["w1"], 10, 0)],
+)
+def test_checking_data_raises_what_building_the_batches_raises(tokenizer, data, seq_len, num_samples):
+    with pytest.raises(ValueError) as built:
+        build_calibration_batches(data, tokenizer, seq_len, num_samples)
+    with pytest.raises(ValueError) as checked:
+        check_calibration_data(data, tokenizer, seq_len, num_samples)
+    assert str(checked.value) == str(built.value)
+
+
+def test_checking_too_little_data_warns_as_building_the_batches_does(tokenizer, caplog):
+    with caplog.at_level(logging.WARNING):
+        check_calibration_data(TEXTS, tokenizer, seq_len=50, num_samples=10)
+    assert "fewer than num_samples=10" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        check_calibration_data(TEXTS, tokenizer, seq_len=10, num_samples=12)  # exactly enough: no warning
+    assert caplog.text == ""

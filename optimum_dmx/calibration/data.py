@@ -219,6 +219,10 @@ def _texts(dataset) -> list[str]:
     return texts
 
 
+# No tokenizer packs more than this many characters per token on average: text for n tokens is within 16 n characters.
+MAX_CHARS_PER_TOKEN = 16
+
+
 def build_calibration_batches(
     dataset: CalibrationDataset, tokenizer, seq_len: int, num_samples: int, seed: int = 0
 ) -> torch.LongTensor:
@@ -229,19 +233,10 @@ def build_calibration_batches(
     `num_samples` blocks, all blocks are returned (with a warning) rather than repeating any.
     Deterministic for a given `seed`.
     """
-    if tokenizer is None:
-        raise ValueError("a tokenizer is required to build calibration batches; got tokenizer=None.")
-    if not callable(tokenizer):
-        raise TypeError(f"tokenizer must be a callable Hugging Face tokenizer; got {type(tokenizer).__name__}.")
-    for name, value in (("seq_len", seq_len), ("num_samples", num_samples)):
-        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-            raise ValueError(f"{name}={value!r} must be a positive integer.")
-    if isinstance(dataset, (list, tuple)) and not dataset:
-        raise ValueError("the calibration data is empty: got an empty list.")
-
+    _check_arguments(dataset, tokenizer, seq_len, num_samples)
     if _is_stream(dataset):
-        # Read only what the blocks need: no tokenizer packs more than 16 characters per token on average.
-        texts = _streamed_texts(dataset, max_chars=16 * seq_len * num_samples)
+        # Read only what the blocks need.
+        texts = _streamed_texts(dataset, max_chars=MAX_CHARS_PER_TOKEN * seq_len * num_samples)
     else:
         texts = _texts(load_calibration_dataset(dataset))
     text = "\n".join(texts)
@@ -264,3 +259,35 @@ def build_calibration_batches(
         )
     order = torch.randperm(num_blocks, generator=torch.Generator().manual_seed(seed))
     return blocks[order[:num_samples]]
+
+
+def check_calibration_data(dataset: CalibrationDataset, tokenizer, seq_len: int, num_samples: int) -> None:
+    """Raise (or warn) as `build_calibration_batches` would for these arguments, reading no more text than
+    `num_samples` blocks need when the data holds that much (a stream is not read: reading would consume it).
+
+    What the CLI runs before it loads a model: a corpus of megabytes takes seconds to tokenize, and calibration
+    tokenizes it again.
+    """
+    _check_arguments(dataset, tokenizer, seq_len, num_samples)
+    if _is_stream(dataset):
+        return
+    text = "\n".join(_texts(load_calibration_dataset(dataset)))
+    prefix = text[: MAX_CHARS_PER_TOKEN * seq_len * num_samples]
+    if (
+        prefix.strip()
+        and len(token_windows(text_tokens(tokenizer, prefix), seq_len, start_tokens(tokenizer))) >= num_samples
+    ):
+        return
+    build_calibration_batches(dataset, tokenizer, seq_len, num_samples)  # too little text: its error or warning
+
+
+def _check_arguments(dataset: CalibrationDataset, tokenizer, seq_len: int, num_samples: int) -> None:
+    if tokenizer is None:
+        raise ValueError("a tokenizer is required to build calibration batches; got tokenizer=None.")
+    if not callable(tokenizer):
+        raise TypeError(f"tokenizer must be a callable Hugging Face tokenizer; got {type(tokenizer).__name__}.")
+    for name, value in (("seq_len", seq_len), ("num_samples", num_samples)):
+        if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+            raise ValueError(f"{name}={value!r} must be a positive integer.")
+    if isinstance(dataset, (list, tuple)) and not dataset:
+        raise ValueError("the calibration data is empty: got an empty list.")
