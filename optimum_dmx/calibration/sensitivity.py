@@ -122,8 +122,9 @@ def next_token_kl(reference: NextTokenReference, log_probs: torch.Tensor) -> tor
 
     The element-wise sum `sum p_reference (log p_reference - log p)`: a few positions at a time, the differences
     (a block that stays in cache) and their dot products with the probabilities as one batched matrix product, in
-    float32, the positions' sums in float64. The same value as `F.kl_div` to about 1e-5 (measured on SmolLM2-135M's
-    scan) in half its time, which exponentiates the reference and writes whole-batch temporaries at every call.
+    float32, the positions' sums in float64. The same value as `F.kl_div` (within 1e-4, tested), which exponentiates
+    the reference and writes whole-batch temporaries at every call: the scan takes 0.89x its time with it
+    (`benchmarks/results/sensitivity.md`).
     """
     vocab = log_probs.shape[-1]
     references, probabilities = reference.log_probs.reshape(-1, vocab), reference.probabilities.reshape(-1, vocab)
