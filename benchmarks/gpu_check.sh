@@ -16,9 +16,9 @@
 #                 initialised bfloat16 model of that shape, one sequence per step: llama-3.2-1b (2048 tokens) and
 #                 llama-3.1-8b (1024 tokens, with the peak memory of each workload; the offloaded one is left out
 #                 for time: saving and reloading 16 GB, see bench_calibration_cost.py --memory-workloads).
-# Measured on an H200 (2026-11-27, pytest on one worker): tests 212 s, kernels 44 s, llama-3.2-1b 74 s,
-# llama-3.1-8b 198 s with its memory table: 528 s in all, over the 8 minutes a lent device's check should take,
-# hence the tests' four workers (not yet timed on a GPU).
+# Measured on an H200 (2026-11-28, pytest on four workers): tests 117 s, kernels 43 s, llama-3.2-1b 83 s,
+# llama-3.1-8b 206 s with its memory table: 449 s in all, inside the 8 minutes a lent device's check should take.
+# Needs the package installed (the model cards are package data): the script checks that first.
 set -uo pipefail
 
 device=cuda
@@ -52,6 +52,13 @@ for name in ${only//,/ }; do
     exit 2
   fi
 done
+# An uninstalled checkout lacks the package-data mapping of optimum_dmx.model_cards, which saving a model needs: say so
+# now rather than as a failed test after minutes of device time.
+if ! "$python" -c "import optimum_dmx.model_cards" 2>/dev/null; then
+  echo "gpu_check.sh: '$python' cannot import optimum_dmx.model_cards: install the package (pip install --no-deps ." \
+    "or --target DIR on PYTHONPATH), or link optimum_dmx/model_cards to ../model_cards in this checkout" >&2
+  exit 2
+fi
 # wanted NAME: whether step NAME runs (every step, unless --only names some)
 wanted() { [[ -z $only || ",$only," == *",$1,"* ]]; }
 

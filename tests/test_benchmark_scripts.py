@@ -131,6 +131,24 @@ def test_gpu_check_runs_only_the_named_steps_and_refuses_unknown_ones(tmp_path):
     assert "tests kernels llama-3.2-1b llama-3.1-8b" in refused.stderr
 
 
+def test_gpu_check_refuses_a_python_without_the_installed_package(tmp_path):
+    """A Python that cannot import `optimum_dmx.model_cards` (an uninstalled checkout) is refused before any step
+    runs, with the fix named, instead of a test failing minutes into a lent device's time."""
+    python = tmp_path / "python-without-site"
+    python.write_text(f'#!/bin/sh\nexec "{sys.executable}" -S "$@"\n')  # -S: no site-packages, no torch, no package
+    python.chmod(0o755)
+    output = tmp_path / "gpu_check.md"
+    result = subprocess.run(
+        ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", "meta", "--output", str(output)],
+        env={**os.environ, "PYTHON": str(python)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert result.returncode == 2 and not output.exists()
+    assert f"'{python}' cannot import optimum_dmx.model_cards: install the package" in result.stderr
+
+
 @pytest.mark.slow  # eight calibrations and evaluations in subprocesses: a minute
 def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
