@@ -122,6 +122,23 @@ def test_float8_carrier_and_bit_pattern_rounding_agree(name):
     assert_bitwise_equal(elements * 2.0**shift, by_bits)
 
 
+@pytest.mark.parametrize("name", FORMAT_NAMES)
+def test_rounding_by_grid_lookup_equals_rounding_on_the_bit_pattern(name):
+    """`ElementGrid.round` (GPTQ's per-column rounding) gives `round_elements`'s bits: every tie (half to even),
+    the floats on either side of it, both zeros, subnormals, saturation, and values over many binades."""
+    fmt = MX_FORMATS[name]
+    grid = packing.ElementGrid.of(fmt)
+    values = packing.code_values(fmt)[: 2 ** (fmt.bits - 1)]
+    values = values[values <= fmt.max_normal]
+    ties = (values[:-1] + values[1:]) / 2
+    near_ties = torch.cat([ties, torch.nextafter(ties, ties + 1), torch.nextafter(ties, ties - 1)])
+    edges = torch.tensor([0.0, fmt.max_normal * 1.01, fmt.max_normal * 3, 2.0**20, 2.0**-130, fmt.min_subnormal / 3])
+    magnitudes = torch.cat([values, near_ties, edges, wide_range((4, 1024), seed=5, decades=3).abs().flatten()])
+    v = torch.cat([magnitudes, -magnitudes])
+    assert_bitwise_equal(grid.round(v), cast.round_elements(v.clone(), fmt))
+    assert bool((grid.round(ties) != ties).all())  # the midpoints are ties, each rounded to one side
+
+
 def spec_quantize_block(values: list[float], fmt) -> list[float]:
     """Scalar float64 transcription of the OCP MX conversion: the reference for blocks whose scale exponent
     clamps at -127 or that hold fp32 subnormals, where torchao 0.18 departs from the specification."""

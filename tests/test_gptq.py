@@ -10,7 +10,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import build_calibration_batches, gptq_pack, round_weights_by_gptq
 from optimum_dmx.calibration.checkpointing import decoder_layers
-from optimum_dmx.calibration.gptq import SingularHessianError
+from optimum_dmx.calibration.gptq import InverseHessian, SingularHessianError
 from optimum_dmx.export import export_checkpoint
 from optimum_dmx.formats import get_format, pack_mx, quantize_mx, unpack_mx
 from optimum_dmx.nn import emulate_format_map
@@ -65,6 +65,21 @@ def test_a_hessian_without_a_cholesky_factor_is_refused():
     weight, _ = _problem(seed=3)
     with pytest.raises(SingularHessianError):
         gptq_pack(weight, -torch.eye(96), get_format("mxfp4_e2m1"))
+
+
+def test_an_inverse_hessian_computed_once_rounds_like_its_hessian_and_only_for_its_block_size():
+    """Linears reading one input (q/k/v) share one factorisation: passing it gives the bits the Hessian gives."""
+    weight, x = _problem(seed=4, in_features=80)  # a ragged last block: the factor is padded to 96
+    hessian = x.T @ x / len(x)
+    inverse = InverseHessian.of(hessian)
+    for name in FORMATS:
+        by_hessian, by_inverse = (
+            gptq_pack(weight, hessian, get_format(name)),
+            gptq_pack(weight, inverse, get_format(name)),
+        )
+        assert torch.equal(by_hessian.codes, by_inverse.codes) and torch.equal(by_hessian.scales, by_inverse.scales)
+    with pytest.raises(ValueError, match="covers 96 input features, the weight 80 padded to blocks of 16: 80"):
+        gptq_pack(weight, inverse, get_format("mxfp4_e2m1"), block_size=16)
 
 
 @pytest.fixture(scope="module")

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,8 +26,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..formats.blocks import block_scale, pow2, to_blocks
-from ..formats.cast import block_exponents, round_elements
-from ..formats.packing import MXPackedTensor, pack_blocks
+from ..formats.cast import block_exponents
+from ..formats.packing import ElementGrid, MXPackedTensor, pack_blocks
 from ..formats.spec import SCALE_EXPONENT_MAX, MXFormat
 from ..nn.mx_linear import MXLinear
 from ..nn.placement import input_device, loaded_weights
@@ -44,64 +45,93 @@ class SingularHessianError(ValueError):
     """The dampened Hessian of a layer has no Cholesky factor: its inputs are degenerate."""
 
 
+@dataclass(frozen=True)
+class InverseHessian:
+    """What GPTQ needs of a layer's Hessian: the upper Cholesky factor of its dampened inverse, padded to whole
+    MX blocks, and the input features never active (zero diagonal). Linears that read the same input (q/k/v,
+    gate/up) share one, computed once."""
+
+    factor: torch.Tensor
+    dead: torch.Tensor
+
+    @classmethod
+    def of(cls, hessian: torch.Tensor, block_size: int = 32, damping: float = GPTQ_DAMPING) -> InverseHessian:
+        """Raises `SingularHessianError` when the dampened Hessian is not positive definite."""
+        in_features = hessian.shape[0]
+        padded = -(-in_features // block_size) * block_size
+        h = torch.zeros(padded, padded, dtype=torch.float32, device=hessian.device)
+        h[:in_features, :in_features] = hessian.float()
+        dead = h.diagonal() == 0
+        h[dead, dead] = 1.0
+        h.diagonal().add_(damping * h.diagonal().mean())
+        factor, info = torch.linalg.cholesky_ex(h)
+        if info.item() == 0:
+            factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
+        if info.item() != 0:
+            raise SingularHessianError("the dampened Hessian is not positive definite")
+        return cls(factor, dead)
+
+
 def gptq_pack(
     weight: torch.Tensor,
-    hessian: torch.Tensor,
+    hessian: torch.Tensor | InverseHessian,
     fmt: MXFormat,
     block_size: int = 32,
     scale_rule: str = "ocp",
     damping: float = GPTQ_DAMPING,
 ) -> MXPackedTensor:
-    """``weight`` (``[out, in]``) rounded to ``fmt`` by GPTQ with ``hessian`` (``[in, in]``), in storage form.
+    """``weight`` (``[out, in]``) rounded to ``fmt`` by GPTQ with ``hessian`` (``[in, in]``, or its
+    `InverseHessian` for ``block_size``, which ``damping`` then does not change), in storage form.
 
     Input features whose Hessian diagonal is zero (never active on the calibration data) get weight zero, as in
     GPTQ. Raises `SingularHessianError` when the dampened Hessian is not positive definite.
     """
-    out_features, in_features = weight.shape
+    if not isinstance(hessian, InverseHessian):
+        hessian = InverseHessian.of(hessian, block_size, damping)
+    out_features = weight.shape[0]
     rows = to_blocks(weight.detach(), block_size).reshape(out_features, -1).clone()  # float32, zero-padded
-    padded = rows.shape[1]
-    h = torch.zeros(padded, padded, dtype=torch.float32, device=weight.device)
-    h[:in_features, :in_features] = hessian.float()
-    dead = h.diagonal() == 0
-    h[dead, dead] = 1.0
-    rows[:, dead] = 0.0
-    h.diagonal().add_(damping * h.diagonal().mean())
-    factor, info = torch.linalg.cholesky_ex(h)
-    if info.item() == 0:
-        factor, info = torch.linalg.cholesky_ex(torch.cholesky_inverse(factor), upper=True)
-    if info.item() != 0:
-        raise SingularHessianError("the dampened Hessian is not positive definite")
-    elements, exponents = _round_columns(rows, factor, fmt, block_size, scale_rule)
+    if hessian.factor.shape[0] != rows.shape[1]:
+        raise ValueError(
+            f"the inverse Hessian covers {hessian.factor.shape[0]} input features, the weight {weight.shape[1]} "
+            f"padded to blocks of {block_size}: {rows.shape[1]}"
+        )
+    rows[:, hessian.dead] = 0.0
+    elements, exponents = _round_columns(rows, hessian.factor, fmt, block_size, scale_rule)
     return pack_blocks(elements.view(out_features, -1, block_size), exponents.unsqueeze(-1), fmt, weight.shape)
 
 
 def _round_columns(
     rows: torch.Tensor, inverse_factor: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ's column loop on ``rows`` (modified in place): the elements (in units of their block's ``2^k``) and
-    the blocks' exponents ``k``. ``inverse_factor`` is the upper Cholesky factor of the inverse Hessian."""
-    out_features, columns = rows.shape
-    elements = torch.empty_like(rows)
-    exponents = torch.empty(out_features, columns // block_size, dtype=torch.int32, device=rows.device)
+    """GPTQ's column loop on ``rows`` (``[out, in]``): the elements (in units of their block's ``2^k``) and the
+    blocks' exponents ``k``. ``inverse_factor`` is the upper Cholesky factor of the inverse Hessian.
+
+    The loop works on the transpose, so that each column it rounds and updates is contiguous, and rounds by table
+    lookup (`ElementGrid`): a dozen small operations per column, the loop's whole cost at these sizes."""
+    columns = rows.T.contiguous()  # [in, out]: column i is columns[i]
+    width, out_features = columns.shape
+    elements = torch.empty_like(columns)
+    exponents = torch.empty(width // block_size, out_features, dtype=torch.int32, device=rows.device)
+    grid = ElementGrid.of(fmt, rows.device)
     step = max(block_size, COLUMNS_PER_UPDATE // block_size * block_size)
-    for start in range(0, columns, step):
-        end = min(start + step, columns)
-        chunk = rows[:, start:end]  # a view: updates within the chunk land in `rows`
+    for start in range(0, width, step):
+        end = min(start + step, width)
+        chunk = columns[start:end]  # a view: updates within the chunk land in `columns`
         errors = torch.empty_like(chunk)
         u = inverse_factor[start:end, start:end]
         for i in range(end - start):
             column = start + i
             if column % block_size == 0:
-                k = block_exponents(chunk[:, i : i + block_size].unsqueeze(1), fmt, scale_rule).view(-1)
-                exponents[:, column // block_size] = k
+                k = block_exponents(chunk[i : i + block_size].T.unsqueeze(1), fmt, scale_rule).view(-1)
+                exponents[column // block_size] = k
                 scale, inverse_scale = block_scale(k), pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 1))
-            element = round_elements(chunk[:, i] * inverse_scale, fmt)
-            elements[:, column] = element
-            error = (chunk[:, i] - element * scale) / u[i, i]
-            chunk[:, i:].sub_(error.unsqueeze(1) * u[i, i:].unsqueeze(0))
-            errors[:, i] = error
-        rows[:, end:].sub_(errors @ inverse_factor[start:end, end:])
-    return elements, exponents
+            element = grid.round(chunk[i] * inverse_scale)
+            elements[column] = element
+            error = (chunk[i] - element * scale).div_(u[i, i])
+            chunk[i:].sub_(u[i, i:].unsqueeze(1) * error)  # not addr_: its fused multiply-add rounds once
+            errors[i] = error
+        columns[end:].sub_(inverse_factor[start:end, end:].T @ errors)
+    return elements.T.contiguous(), exponents.T.contiguous()
 
 
 class _Stop(Exception):
@@ -148,18 +178,24 @@ def round_weights_by_gptq(
     for layer_name, names in tqdm(groups, desc="GPTQ", disable=not progress):
         layer = decoder_layers.get(layer_name)
         hessians = _hessians(model, {n: modules[n] for n in names}, batches, done, recorded, layer)
+        inverses: dict[tuple[int, int], InverseHessian | None] = {}  # by (Hessian, block size): shared inputs once
         for name in names:
             module = modules[name]
             if name not in hessians:  # never called on the calibration data
                 singular.append(name)
                 continue
-            try:
-                with loaded_weights(float_linears[name]) as linear:
-                    weight = linear.weight.to(hessians[name].device)
-                packed = gptq_pack(weight, hessians[name], module.fmt, module.block_size, module.scale_rule, damping)
-            except SingularHessianError:
+            key = (id(hessians[name]), module.block_size)
+            if key not in inverses:
+                try:
+                    inverses[key] = InverseHessian.of(hessians[name], module.block_size, damping)
+                except SingularHessianError:
+                    inverses[key] = None
+            if inverses[key] is None:
                 singular.append(name)
                 continue
+            with loaded_weights(float_linears[name]) as linear:
+                weight = linear.weight.to(hessians[name].device)
+            packed = gptq_pack(weight, inverses[key], module.fmt, module.block_size, module.scale_rule)
             module.weight_packed.copy_(packed.codes)
             module.weight_scale.copy_(packed.scales)
         if layer is not None:
@@ -234,7 +270,8 @@ def _hessians(
     finally:
         for handle in handles:
             handle.remove()
-    return {name: sums[owner] / counts[owner] for name, owner in owners.items()}
+    means = {owner: sums[owner] / counts[owner] for owner in sums}
+    return {name: means[owner] for name, owner in owners.items()}  # shared inputs: one tensor
 
 
 def _output_of(model: nn.Module, layer: nn.Module, batch: torch.Tensor, replayed: list[nn.Module], output: Any) -> Any:

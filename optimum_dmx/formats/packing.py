@@ -7,6 +7,7 @@ exponents biased by 127 (0xFF = NaN), one per block along the last dimension.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -78,6 +79,34 @@ def code_values(fmt: MXFormat) -> torch.Tensor:
     values = torch.where(exponent > 0, normal, mantissa * fmt.min_subnormal)
     sign = (codes >> (fmt.ebits + fmt.mbits)) & 1
     return torch.where(sign.bool(), -values, values)
+
+
+@dataclass(frozen=True)
+class ElementGrid:
+    """The magnitudes of an element format and the boundaries between them, for rounding by lookup.
+
+    ``magnitudes[c]`` is the value of magnitude code ``c`` (ascending, largest normal last). ``boundaries[c]`` is
+    where rounding moves from code ``c`` up to ``c + 1``: their midpoint, which rounds down, or where the tie
+    belongs to the odd code ``c``'s even neighbour above, the float32 just below the midpoint. `round` then agrees
+    with ``cast.round_elements`` (half to even, subnormals, saturation) bit for bit in a few operations, which is
+    what a loop over a handful of elements at a time (GPTQ's columns) needs.
+    """
+
+    magnitudes: torch.Tensor
+    boundaries: torch.Tensor
+
+    @classmethod
+    def of(cls, fmt: MXFormat, device: torch.device | str = "cpu") -> ElementGrid:
+        values = code_values(fmt)[: 2 ** (fmt.bits - 1)]  # the positive sign's codes, ascending
+        magnitudes = values[values <= fmt.max_normal]  # E4M3's top code is NaN
+        midpoints = (magnitudes[:-1] + magnitudes[1:]) / 2  # exact: one more mantissa bit than the format's
+        tie_goes_up = torch.arange(len(midpoints)) % 2 == 1  # the code above the midpoint is the even one
+        below = torch.nextafter(midpoints, torch.tensor(-math.inf))
+        return cls(magnitudes.to(device), torch.where(tie_goes_up, below, midpoints).to(device))
+
+    def round(self, v: torch.Tensor) -> torch.Tensor:
+        """Finite ``v`` (float32, already divided by its block's scale) rounded to the grid, saturated, sign kept."""
+        return self.magnitudes[torch.bucketize(v.abs(), self.boundaries)].copysign(v)
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
