@@ -419,3 +419,36 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     assert rows[0][3] == "1.0000" and abs(float(rows[0][4]) - 1) <= 1e-4  # the same values, summed otherwise
     assert rows[1][3:] == ("1.0000", "1.000")  # the reference itself
     assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[2:])
+
+
+def test_format_latency_benchmark_writes_a_cost_table_the_budget_takes(tmp_path):
+    """Every linear shape of the model gets a row and a cost in every format; the JSON is a `cost_table` the
+    budget accepts for that model's linears (no shape missing) and prices them at the packed-only times."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from optimum_dmx.calibration.budget import layer_costs
+    from optimum_dmx.continuous import get_format_pair
+    from optimum_dmx.nn.surgery import linear_modules_to_quantize
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        from common import MODEL_SHAPES
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    output, table_path = tmp_path / "latency.md", tmp_path / "cost_table.json"
+    run_benchmark(
+        "bench_format_latency.py", "--shape", "tiny", "--tokens", 8, "--repeats", 1, "--calls", 1, "--threads", 1,
+        "--output", output, "--cost-table", table_path,
+    )  # fmt: skip
+    rows = re.findall(
+        r"^\| (\d+x\d+) \| ([\w., ]+) \| ([\d.]+) \|((?: [\d.]+ \([\d.]+x\) \|){8})$", output.read_text(), re.M
+    )
+    assert sorted(r[0] for r in rows) == ["128x64", "32x64", "64x128", "64x64"]
+    assert dict((r[0], r[1]) for r in rows)["32x64"] == "self_attn.k_proj, self_attn.v_proj"
+    model = LlamaForCausalLM(LlamaConfig(**MODEL_SHAPES["tiny"]))
+    shapes = [tuple(m.weight.shape) for m in linear_modules_to_quantize(model, ["lm_head"]).values()]
+    cost_table = json.loads(table_path.read_text())
+    low, high = layer_costs(shapes, get_format_pair("mxfp8-mxfp4"), cost_table=cost_table)
+    assert len(low) == len(shapes) == 14 and bool((low > 0).all() and (high > 0).all())
+    packed_mxfp4 = {r[0]: float(re.findall(r"([\d.]+) \(", r[3])[7]) for r in rows}  # the last column
+    assert [round(float(c), 3) for c in low] == [packed_mxfp4[f"{o}x{i}"] for o, i in shapes]
