@@ -119,17 +119,19 @@ def _round_columns(
         chunk = columns[start:end]  # a view: updates within the chunk land in `columns`
         errors = torch.empty_like(chunk)
         u = inverse_factor[start:end, start:end]
-        for i in range(end - start):
-            column = start + i
-            if column % block_size == 0:
+        # Views taken once per chunk: indexing a tensor costs about as much as one of the loop's small operations.
+        chunk_columns, error_columns = chunk.unbind(0), errors.unbind(0)
+        element_columns = elements[start:end].unbind(0)
+        u_columns, u_diagonal = u.unsqueeze(-1), u.diagonal().tolist()  # u_columns[i, i:]: u[i, i:] as a column
+        for i, column in enumerate(chunk_columns):
+            if (start + i) % block_size == 0:
                 k = block_exponents(chunk[i : i + block_size].T.unsqueeze(1), fmt, scale_rule).view(-1)
-                exponents[column // block_size] = k
+                exponents[(start + i) // block_size] = k
                 scale, inverse_scale = block_scale(k), pow2(-k.clamp(max=SCALE_EXPONENT_MAX - 1))
-            element = grid.round(chunk[i] * inverse_scale)
-            elements[column] = element
-            error = (chunk[i] - element * scale).div_(u[i, i])
-            chunk[i:].sub_(u[i, i:].unsqueeze(1) * error)  # not addr_: its fused multiply-add rounds once
-            errors[i] = error
+            element = grid.round(column * inverse_scale)
+            element_columns[i].copy_(element)
+            error = torch.sub(column, element * scale, out=error_columns[i]).div_(u_diagonal[i])
+            chunk[i:].sub_(u_columns[i, i:] * error)  # not addr_: its fused multiply-add rounds once
         columns[end:].sub_(inverse_factor[start:end, end:].T @ errors)
     return elements.T.contiguous(), exponents.T.contiguous()
 
@@ -230,7 +232,8 @@ def _hessians(
     layer: nn.Module | None,
 ) -> dict[str, torch.Tensor]:
     """``X^T X / n`` of each module's matmul input (transformed and quantized as its forward does) over
-    `batches`; the pass stops after `layer` (or runs the whole model when it is `None`).
+    `batches`; the pass ends once every module has been reached (before the last one's matmul), or after `layer`
+    (the whole model when it is `None`).
 
     Modules that read the same input tensor and transform and quantize it alike (q/k/v, gate/up in one format)
     get the same matrix, computed and stored once. A module the pass never reached has none."""
@@ -238,35 +241,42 @@ def _hessians(
     counts: dict[str, int] = {}
     owners: dict[str, str] = {}  # module name -> the name its Hessian is summed under
     inputs: list[tuple[torch.Tensor, tuple, str]] = []  # the current batch's inputs: (tensor, how read, owner)
+    reached: set[str] = set()  # the modules the current batch's pass has reached
 
     def gather(name: str):
-        def hook(module: MXLinear, args: tuple, output: Any) -> None:
+        def hook(module: MXLinear, args: tuple) -> None:
             x = args[0]
             how = (id(module.input_transform), module.quantize_activations, module.fmt.name, module.scale_rule)
             owner = next((o for seen, h, o in inputs if seen is x and h == how), name)
             if owners.setdefault(name, owner) != owner:
                 raise RuntimeError(f"GPTQ: {name!r} shared its input differently from one batch to the next")
-            if owner != name:
-                return
-            inputs.append((x, how, name))  # kept alive until the batch ends, so `is` cannot meet a reused id
-            if module.input_transform is not None:
-                x = module.input_transform(x)
-            if module.quantize_activations:
-                x = module.quantized_input(x)
-            x = x.reshape(-1, x.shape[-1]).float()
-            if name not in sums:
-                sums[name] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
-                counts[name] = 0
-            sums[name].addmm_(x.T, x)
-            counts[name] += x.shape[0]
+            if owner == name:
+                inputs.append((x, how, name))  # kept alive until the batch ends, so `is` cannot meet a reused id
+                accumulate(module, x, name)
+            reached.add(name)
+            if len(reached) == len(modules):
+                raise _Stop  # every input gathered: the rest of the pass, this module's matmul included, is unused
 
         return hook
 
-    handles = [module.register_forward_hook(gather(name)) for name, module in modules.items()]
+    def accumulate(module: MXLinear, x: torch.Tensor, name: str) -> None:
+        if module.input_transform is not None:
+            x = module.input_transform(x)
+        if module.quantize_activations:
+            x = module.quantized_input(x)
+        x = x.reshape(-1, x.shape[-1]).float()
+        if name not in sums:
+            sums[name] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
+            counts[name] = 0
+        sums[name].addmm_(x.T, x)
+        counts[name] += x.shape[0]
+
+    handles = [module.register_forward_pre_hook(gather(name)) for name, module in modules.items()]
     try:
         for batch, output in zip(batches, recorded):
             _run(model, batch, replayed, output, layer)
             inputs.clear()
+            reached.clear()
     finally:
         for handle in handles:
             handle.remove()
