@@ -139,6 +139,24 @@ def test_each_layer_is_rounded_from_inputs_the_rounded_layers_before_it_computed
         assert torch.equal(gptq[name][0], expected.codes) and torch.equal(gptq[name][1], expected.scales), name
 
 
+def test_a_hessian_pass_ends_before_the_last_linears_matmul(text_model):
+    """Each decoder layer's `down_proj` (its last linear) computes once per batch, in the pass that records the
+    rounded layer's output: the Hessian pass stops once its input is gathered."""
+    model_dir, _, _, ids = text_model
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    names = linear_names(model)
+    float_linears = {name: model.get_submodule(name) for name in names}
+    calls: dict[str, int] = {}
+    with emulate_format_map(model, dict.fromkeys(names, "mxfp4_e2m1")):
+        downs = [n for n in names if n.endswith("down_proj")]
+        for name in downs:
+            model.get_submodule(name).register_forward_hook(
+                lambda m, a, o, n=name: calls.update({n: calls.get(n, 0) + 1})
+            )
+        round_weights_by_gptq(model, float_linears, ids, SIZES["batch_size"], progress=False)
+    assert calls == dict.fromkeys(downs, SIZES["num_samples"] // SIZES["batch_size"])
+
+
 def test_a_layer_the_calibration_never_reaches_keeps_round_to_nearest_with_one_warning(text_model):
     model_dir, _, _, ids = text_model
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
