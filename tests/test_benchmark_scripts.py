@@ -451,4 +451,5 @@ def test_format_latency_benchmark_writes_a_cost_table_the_budget_takes(tmp_path)
     low, high = layer_costs(shapes, get_format_pair("mxfp8-mxfp4"), cost_table=cost_table)
     assert len(low) == len(shapes) == 14 and bool((low > 0).all() and (high > 0).all())
     packed_mxfp4 = {r[0]: float(re.findall(r"([\d.]+) \(", r[3])[7]) for r in rows}  # the last column
-    assert [round(float(c), 3) for c in low] == [packed_mxfp4[f"{o}x{i}"] for o, i in shapes]
+    expected = [packed_mxfp4[f"{o}x{i}"] for o, i in shapes]  # printed to 0.001 ms, stored to 1e-6 ms
+    assert all(abs(float(c) - e) <= 0.0005 + 1e-6 for c, e in zip(low, expected))

@@ -89,26 +89,27 @@ def gptq_pack(
     if not isinstance(hessian, InverseHessian):
         hessian = InverseHessian.of(hessian, block_size, damping)
     out_features = weight.shape[0]
-    rows = to_blocks(weight.detach(), block_size).reshape(out_features, -1).clone()  # float32, zero-padded
+    rows = to_blocks(weight.detach(), block_size).reshape(out_features, -1)  # float32, zero-padded
     if hessian.factor.shape[0] != rows.shape[1]:
         raise ValueError(
             f"the inverse Hessian covers {hessian.factor.shape[0]} input features, the weight {weight.shape[1]} "
             f"padded to blocks of {block_size}: {rows.shape[1]}"
         )
-    rows[:, hessian.dead] = 0.0
-    elements, exponents = _round_columns(rows, hessian.factor, fmt, block_size, scale_rule)
+    elements, exponents = _round_columns(rows, hessian, fmt, block_size, scale_rule)
     return pack_blocks(elements.view(out_features, -1, block_size), exponents.unsqueeze(-1), fmt, weight.shape)
 
 
 def _round_columns(
-    rows: torch.Tensor, inverse_factor: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str
+    rows: torch.Tensor, hessian: InverseHessian, fmt: MXFormat, block_size: int, scale_rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """GPTQ's column loop on ``rows`` (``[out, in]``): the elements (in units of their block's ``2^k``) and the
-    blocks' exponents ``k``. ``inverse_factor`` is the upper Cholesky factor of the inverse Hessian.
+    """GPTQ's column loop on ``rows`` (``[out, in]``, left unchanged): the elements (in units of their block's
+    ``2^k``) and the blocks' exponents ``k``; the columns of inputs never active start at zero.
 
-    The loop works on the transpose, so that each column it rounds and updates is contiguous, and rounds by table
-    lookup (`ElementGrid`): a dozen small operations per column, the loop's whole cost at these sizes."""
+    The loop works on a transposed copy, so that each column it rounds and updates is contiguous, and rounds by
+    table lookup (`ElementGrid`): a dozen small operations per column, the loop's whole cost at these sizes."""
+    inverse_factor = hessian.factor  # upper Cholesky factor of the dampened inverse Hessian
     columns = rows.T.contiguous()  # [in, out]: column i is columns[i]
+    columns[hessian.dead] = 0.0
     width, out_features = columns.shape
     elements = torch.empty_like(columns)
     exponents = torch.empty(width // block_size, out_features, dtype=torch.int32, device=rows.device)
@@ -232,8 +233,8 @@ def _hessians(
     layer: nn.Module | None,
 ) -> dict[str, torch.Tensor]:
     """``X^T X / n`` of each module's matmul input (transformed and quantized as its forward does) over
-    `batches`; the pass ends once every module has been reached (before the last one's matmul), or after `layer`
-    (the whole model when it is `None`).
+    `batches`; the pass ends once every module has been reached (before the last one's matmul: a module called
+    twice in one pass counts its first call), or after `layer` (the whole model when it is `None`).
 
     Modules that read the same input tensor and transform and quantize it alike (q/k/v, gate/up in one format)
     get the same matrix, computed and stored once. A module the pass never reached has none."""
