@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from optimum_dmx.calibration import CalibrationSettings, calibrate
+from optimum_dmx.nn import linear_modules_to_quantize
+from optimum_dmx.nn.rotation import rotate_model
 
 from .helpers import REPO_ROOT, tiny_llama
 
@@ -22,6 +24,10 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 torch.set_num_threads(1)
 model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=3)
+if {rotated!r}:  # before sharding: the online transform of down_proj replaces the module, which FSDP2 must see
+    from optimum_dmx.nn import linear_modules_to_quantize
+    from optimum_dmx.nn.rotation import rotate_model
+    rotate_model(model, "hadamard", list(linear_modules_to_quantize(model, ["lm_head"])))
 if {sharded!r}:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -35,6 +41,13 @@ linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Lin
 ids = torch.randint(0, model.config.vocab_size, (16, 16), generator=torch.Generator().manual_seed(0))
 settings = CalibrationSettings(**json.loads({settings!r}))
 result = calibrate(model, ids, settings, progress=False)
+weights = [m.weight.full_tensor() if isinstance(m.weight, DTensor) else m.weight for m in linears]  # every process
+refusal = None
+if {sharded!r} and {rotated!r}:  # a rotation that would replace a sharded module: refused before it changes anything
+    try:
+        rotate_model(model, "hadamard", list(linear_modules_to_quantize(model, ["lm_head"])))
+    except ValueError as error:
+        refusal = str(error)
 maps = [None] * dist.get_world_size()
 dist.all_gather_object(maps, result.format_map)
 if is_main_process():
@@ -44,10 +57,34 @@ if is_main_process():
                       "sharded_after": [isinstance(m.weight, DTensor) for m in linears],
                       "local_rows": [m.weight.to_local().shape[0] if isinstance(m.weight, DTensor) else None
                                      for m in linears],
-                      "losses": [h["loss"] for h in result.history]}}))
+                      "losses": [h["loss"] for h in result.history],
+                      "weights": [w.tolist() for w in weights], "refusal": refusal}}))
 if {sharded!r}:
     dist.destroy_process_group()  # the group this script made (see the launch below)
 """
+
+
+def _launch(folder, settings: dict, sharded: bool, rotated: bool = False) -> dict:
+    """Run `SCRIPT` in two processes; what the main one reports."""
+    script = folder / f"calibrate-{sharded}-{rotated}.py"
+    script.write_text(
+        SCRIPT.format(root=str(REPO_ROOT), settings=json.dumps(settings), sharded=sharded, rotated=rotated)
+    )
+    launched = subprocess.run(
+        # No restart: a worker that aborts at exit (a gloo group left to interpreter shutdown, SIGABRT after the
+        # work has finished; `calibration.distributed` now destroys the group it created) must fail the test.
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=folder,
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    lines = [line for line in launched.stdout.splitlines() if line.startswith("{")]
+    assert len(lines) == 1  # only the main process reports
+    reported = json.loads(lines[0])
+    assert reported["world"] == 2 and reported["same_on_every_rank"]
+    return reported
 
 
 @pytest.mark.parametrize(
@@ -65,22 +102,7 @@ def test_two_processes_give_the_single_process_map(method, sharded, tmp_path):
     settings = {"method": method, "target_bits": 5.5, "steps": 6, "batch_size": 4, "seq_len": 16, "num_samples": 16}
     if method == "paper":
         settings["paper"] = {"lr": 10.0}
-    script = tmp_path / "calibrate.py"
-    script.write_text(SCRIPT.format(root=str(REPO_ROOT), settings=json.dumps(settings), sharded=sharded))
-    launched = subprocess.run(
-        # No restart: a worker that aborts at exit (a gloo group left to interpreter shutdown, SIGABRT after the
-        # work has finished; `calibration.distributed` now destroys the group it created) must fail the test.
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    lines = [line for line in launched.stdout.splitlines() if line.startswith("{")]
-    assert len(lines) == 1  # only the main process reports
-    distributed = json.loads(lines[0])
-    assert distributed["world"] == 2 and distributed["same_on_every_rank"]
+    distributed = _launch(tmp_path, settings, sharded=sharded)
 
     torch.set_num_threads(1)
     model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=3)
@@ -97,3 +119,29 @@ def test_two_processes_give_the_single_process_map(method, sharded, tmp_path):
     if sharded:
         full_rows = [m.weight.shape[0] for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
         assert distributed["local_rows"] == [rows // 2 for rows in full_rows]
+    # The weights the processes end with: the single process's, learned rotations merged (into the shards) or not.
+    linears = [m for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    for weight, linear in zip(distributed["weights"], linears, strict=True):
+        torch.testing.assert_close(torch.tensor(weight), linear.weight, rtol=1e-4, atol=1e-5)
+
+
+def test_learned_rotations_on_shards_give_the_whole_model_result_and_are_merged_into_the_shards(tmp_path):
+    # Compared with two processes holding the whole model, not with one process: the Cayley steps (up to 1.0 in
+    # Frobenius norm) turn the last-bit differences of a split gradient (1e-7 in the second step's loss) into
+    # different rotations through the MX rounding (0.3% in the third step's loss, measured), whereas sharding
+    # changes no float operation of the data-parallel run.
+    settings = {"target_bits": 5.5, "steps": 6, "batch_size": 4, "seq_len": 16, "num_samples": 16}
+    settings["learn_rotations"] = True
+    whole = _launch(tmp_path, settings, sharded=False, rotated=True)
+    sharded = _launch(tmp_path, settings, sharded=True, rotated=True)
+    assert sharded["format_map"] == whole["format_map"] and len(set(whole["format_map"].values())) == 2
+    assert sharded["losses"] == pytest.approx(whole["losses"], rel=1e-6)
+    assert sharded["sharded_after"] == [True] * len(sharded["sharded_after"])
+    assert "'model.layers.0.mlp.down_proj'" in sharded["refusal"] and "before fully_shard" in sharded["refusal"]
+    float_model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=3)
+    rotate_model(float_model, "hadamard", list(linear_modules_to_quantize(float_model, ["lm_head"])))
+    linears = [m for m in float_model.model.layers.modules() if isinstance(m, torch.nn.Linear)]
+    for merged, whole_weight, linear in zip(sharded["weights"], whole["weights"], linears, strict=True):
+        merged = torch.tensor(merged)
+        torch.testing.assert_close(merged, torch.tensor(whole_weight), rtol=1e-5, atol=1e-6)
+        assert not torch.allclose(merged, linear.weight, atol=1e-4)  # the learned rotations are in the shards

@@ -1,5 +1,6 @@
 """Calibration of a model whose weights are not all in memory: accelerate's `device_map` offloading half of the
-decoder layers to disk gives the map of a plain load, and keeps them offloaded.
+decoder layers to disk gives the map of a plain load, and keeps them offloaded; rotations, fixed and learned,
+write the weights of a plain load into the offload folder.
 
 On a machine without accelerators, "disk" is the offload target accelerate can exercise (a "cpu" entry is the
 execution device itself); offloading to CPU memory next to a GPU uses the same hook with its weights in memory.
@@ -12,7 +13,9 @@ from transformers import AutoModelForCausalLM
 
 from optimum_dmx.calibration import CalibrationSettings, calibrate
 from optimum_dmx.calibration.dmx_linear import DMXLinear, EndpointProbe
+from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.placement import execution_device, is_offloaded, loaded_weights
+from optimum_dmx.nn.rotation import rotate_model
 
 from .helpers import tiny_llama
 
@@ -80,9 +83,74 @@ def test_a_stand_in_for_an_offloaded_linear_loads_its_weight_per_call_and_keeps_
     assert linear.weight.is_meta
 
 
-def test_learned_rotations_on_an_offloaded_model_are_refused_naming_a_layer(saved_model, tmp_path):
+def _checkpoint_bytes(folder):
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+@pytest.mark.parametrize("rotation", ["hadamard", "online_block_hadamard"])
+def test_rotating_an_offloaded_model_writes_the_weights_of_a_plain_load_and_leaves_its_checkpoint(
+    rotation, saved_model, tmp_path
+):
+    checkpoint = _checkpoint_bytes(saved_model)
+    plain = AutoModelForCausalLM.from_pretrained(saved_model).eval()
     model = _half_on_disk(saved_model, tmp_path / "offload")
+    for each in (plain, model):
+        rotate_model(each, rotation, list(linear_modules_to_quantize(each, ["lm_head"])), seed=3)
+
+    for name, module in plain.named_modules():
+        if getattr(module, "weight", None) is not None:
+            with loaded_weights(model, name) as rotated:
+                assert torch.equal(rotated.weight, module.weight), name
+    down_proj = model.model.layers[3].mlp.down_proj
+    assert is_offloaded(down_proj)  # still offloaded, by the same hook, under the module that replaced it
+    if rotation == "online_block_hadamard":
+        assert type(down_proj).__name__ == "TransformedLinear"
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert torch.allclose(model(ids).logits, plain(ids).logits, rtol=0, atol=1e-5)
+    assert _checkpoint_bytes(saved_model) == checkpoint  # written to the offload folder, never to the checkpoint
+    assert (tmp_path / "offload" / "model.layers.3.mlp.down_proj.weight.dat").is_file()
+
+
+def test_learned_rotations_on_an_offloaded_model_give_the_map_and_weights_of_a_plain_load(saved_model, tmp_path):
     ids = torch.randint(0, 128, (16, 16), generator=torch.Generator().manual_seed(0))
-    settings = CalibrationSettings(learn_rotations=True, **SETTINGS)
-    with pytest.raises(ValueError, match=r"sharded or offloaded \(e\.g\. 'model\.layers\.2\.self_attn\.q_proj'\)"):
-        calibrate(model, ids, settings, progress=False)
+    settings = CalibrationSettings(learn_rotations=True, gradient_checkpointing=True, **SETTINGS)
+    results, models = [], []
+    for model in (AutoModelForCausalLM.from_pretrained(saved_model).eval(), _half_on_disk(saved_model, tmp_path)):
+        rotate_model(model, "hadamard", list(linear_modules_to_quantize(model, ["lm_head"])))
+        results.append(calibrate(model, ids, settings, progress=False))
+        models.append(model)
+    plain, offloaded = results
+
+    assert offloaded.format_map == plain.format_map
+    assert offloaded.beta_hat == pytest.approx(plain.beta_hat, rel=1e-5, abs=1e-7)
+    assert [h["loss"] for h in offloaded.history] == pytest.approx([h["loss"] for h in plain.history], rel=1e-5)
+    learned = 0
+    for name, module in models[0].named_modules():  # the learned rotations merged into the offloaded weights too
+        if isinstance(module, torch.nn.Linear):
+            with loaded_weights(models[1], name) as merged:
+                torch.testing.assert_close(merged.weight, module.weight, rtol=1e-4, atol=1e-6)
+            learned += name.startswith("model.layers.3.")
+    assert learned == 7 and is_offloaded(models[1].model.layers[3].self_attn.q_proj)
+    reference = AutoModelForCausalLM.from_pretrained(saved_model).model.layers[3].self_attn.q_proj.weight
+    with loaded_weights(models[1], "model.layers.3.self_attn.q_proj") as merged:
+        assert not torch.allclose(merged.weight, reference, atol=1e-3)  # rewritten, not left as loaded
+
+
+def test_rotating_a_model_offloaded_to_cpu_memory_writes_into_the_hooks_state_dict():
+    # Accelerate's hook with its weights in a dict in CPU memory (a "cpu" entry of a device map beside a GPU),
+    # here with the CPU as the execution device too.
+    from accelerate import cpu_offload
+
+    plain, model = (tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=2) for _ in range(2))
+    cpu_offload(model.model.layers, execution_device=torch.device("cpu"))
+    stored = model.model.layers[1].mlp.up_proj._hf_hook.weights_map
+    before = stored["weight"].clone()
+    for each in (plain, model):
+        rotate_model(each, "hadamard", list(linear_modules_to_quantize(each, ["lm_head"])), seed=3)
+
+    assert is_offloaded(model.model.layers[1].mlp.up_proj) and not torch.equal(stored["weight"], before)
+    for name, module in plain.named_modules():
+        if getattr(module, "weight", None) is not None:
+            with loaded_weights(model, name) as rotated:
+                assert torch.equal(rotated.weight, module.weight), name

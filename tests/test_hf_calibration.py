@@ -118,10 +118,36 @@ def test_an_offloaded_float_model_quantizes_like_a_plain_load(tmp_path, tiny_lla
         assert torch.equal(AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")(INPUT_IDS).logits, expected)
 
 
-def test_a_rotation_of_an_offloaded_float_model_is_refused_before_calibrating(tmp_path, tiny_llama_dir, tokenizer):
-    config = DMXConfig(target_bits=5.0, dataset=_texts(), tokenizer=tokenizer, rotation="hadamard", **CALIBRATION)
-    with pytest.raises(ValueError, match=r"rotation='hadamard' rewrites every weight .* offloaded or sharded \(e\.g\."):
-        _offloaded_load(tiny_llama_dir, tmp_path / "offload", quantization_config=config)
+def test_an_offloaded_float_model_rotated_and_learning_its_rotations_quantizes_like_a_plain_load(
+    tmp_path, tiny_llama_dir, tokenizer
+):
+    # The rotation and the learned rotations write every rotated weight into the offload folder (never into the
+    # checkpoint); GPTQ and packing then read them from there.
+    def config():
+        return DMXConfig(
+            target_bits=5.0,
+            dataset=_texts(),
+            tokenizer=tokenizer,
+            rotation="hadamard",
+            learn_rotations=True,
+            gradient_checkpointing=True,
+            **CALIBRATION,
+        )
+
+    checkpoint = {p.name: p.read_bytes() for p in tiny_llama_dir.iterdir() if p.is_file()}
+    plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config())
+    offloaded = _offloaded_load(tiny_llama_dir, tmp_path / "offload", quantization_config=config())
+    assert any(p.is_meta for p in offloaded.parameters())  # the embeddings and norms are still on disk
+    assert offloaded.config.quantization_config.format_map == plain.config.quantization_config.format_map
+    assert offloaded.config.quantization_config.input_transforms == plain.config.quantization_config.input_transforms
+    with torch.no_grad():
+        expected = plain(INPUT_IDS).logits
+        torch.testing.assert_close(offloaded(INPUT_IDS).logits, expected, rtol=0, atol=1e-5)
+    assert {p.name: p.read_bytes() for p in tiny_llama_dir.iterdir() if p.is_file()} == checkpoint
+    offloaded.save_pretrained(tmp_path / "dmx")
+    with torch.no_grad():
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")(INPUT_IDS).logits
+        torch.testing.assert_close(reloaded, expected, rtol=0, atol=1e-5)
 
 
 def test_a_saved_checkpoint_loads_with_offloaded_weights(tmp_path, tiny_llama_dir, tokenizer):

@@ -20,8 +20,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ..nn.placement import not_resident
+from ..nn.placement import execution_device
 from ..nn.rotation import RotationSites, has_unit_norm_scales, merge_rotations, rotate_input_side, rotation_sites
+from ..nn.surgery import swapped_modules
 from .distributed import average_across_processes
 from .dmx_linear import DMXLinear
 
@@ -113,13 +114,6 @@ class LearnedRotations:
 def learnable_sites(model: nn.Module) -> RotationSites:
     """`model`'s `RotationSites`, checked to be learnable: raises `ValueError` when the model has no merged rotation
     to start from (its RMSNorm scales are not folded, so rotating its residual stream would change its function)."""
-    elsewhere = not_resident(model)
-    if elsewhere:
-        raise ValueError(
-            f"learned rotations rewrite every weight of the model, so they need all of them in this process's memory, "
-            f"but {len(elsewhere)} modules' weights are sharded or offloaded (e.g. {elsewhere[0]!r}): learn them on a "
-            "model loaded whole, or calibrate this one with learn_rotations=False"
-        )
     sites = rotation_sites(model)
     if sites.residual and not has_unit_norm_scales(model):
         raise ValueError(
@@ -140,7 +134,7 @@ def learned_rotations(
     matrices are merged into the weights; on an error the model is left as it was.
     """
     hidden_size = model.get_input_embeddings().weight.shape[1]
-    rotations = LearnedRotations(sites, hidden_size, model.get_input_embeddings().weight.device, lr)
+    rotations = LearnedRotations(sites, hidden_size, execution_device(model.get_input_embeddings()), lr)
     handles: list[RemovableHandle] = []
     try:
         if rotations.residual is not None:
@@ -160,7 +154,9 @@ def learned_rotations(
             handle.remove()
         for layer in layers.values():
             layer.input_rotation = layer.output_rotation = None
-    rotations.merge_into(model)
+    # The `DMXLinear`s are still installed: merge into the linears they stand in for, where their weights live.
+    with swapped_modules(model, {name: layer.source for name, layer in layers.items()}):
+        rotations.merge_into(model)
 
 
 def _unrotate_input(matrix: torch.Tensor):

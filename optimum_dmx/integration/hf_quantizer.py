@@ -28,7 +28,6 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils import cached_file
 
 from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, linear_modules_to_quantize, replace_with_mx_linear
-from ..nn.placement import not_resident
 from ..nn.rotation import rotate_model
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
@@ -83,7 +82,6 @@ class DMXHfQuantizer(HfQuantizer):
         """Calibrate (or take the explicit map), install the `MXLinear`s, return the config that records it."""
         config = self.quantization_config
         _check_not_quantized(model)
-        _check_rotation_placement(model, config.rotation)
         if config.needs_data:
             _check_sequence_length(model, config.seq_len)
         skip = self.get_modules_to_not_convert(
@@ -165,21 +163,6 @@ def _check_not_quantized(model: PreTrainedModel) -> None:
                 f"the model is already dMX-quantized (module {name!r} is an MXLinear in {module.fmt.name}); "
                 "quantize the float model instead"
             )
-
-
-def _check_rotation_placement(model: PreTrainedModel, rotation: str) -> None:
-    """Refuse a rotation of a model whose weights are offloaded (`device_map` with "disk", or "cpu" beside
-    accelerators) or sharded: a rotation rewrites every weight in place, which needs all of them in memory.
-    Calibration, GPTQ and packing read such weights where they are (`nn.placement`)."""
-    if rotation == "none":
-        return
-    elsewhere = not_resident(model)
-    if elsewhere:
-        raise ValueError(
-            f"rotation={rotation!r} rewrites every weight of the model, but {len(elsewhere)} modules' weights are "
-            f"offloaded or sharded (e.g. {elsewhere[0]!r}; device map: {getattr(model, 'hf_device_map', None)}). "
-            "Load the model with every weight on a device to rotate it, or quantize it with rotation='none'."
-        )
 
 
 def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) -> Path | None:

@@ -27,18 +27,20 @@ online block-diagonal transform of its input (inverse merged into its weight), a
 Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
 each quantized linear's input per call.
 
-All rotations are computed in float64 and written back in each weight's dtype.
+All rotations are computed in float64 and written back in each weight's dtype, where the weight lives: in memory,
+offloaded by accelerate or sharded by FSDP2 (`nn.placement.write_parameters`).
 """
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from .placement import is_resident, is_sharded, loaded_weights, replace_module, write_parameters
 from .transforms import RandomizedHadamard, TransformedLinear
 
 ROTATIONS = ("none", "hadamard", "block_hadamard", "online_block_hadamard")
@@ -73,6 +75,14 @@ def rotate_model(
     """
     if validate_rotation(rotation) == "none":
         return {}
+    replaced = [n for n in quantized if rotation == "online_block_hadamard" or n.endswith("down_proj")]
+    sharded = [name for name in replaced if is_sharded(model.get_submodule(name))]
+    if sharded:  # checked before anything is rotated: FSDP2 gathers a weight into its own module only
+        raise ValueError(
+            f"rotation={rotation!r} replaces {sharded[0]!r} by a module with an online input transform, but FSDP2 "
+            "has sharded it and gathers its weight into the module it sharded: rotate the model before fully_shard "
+            "(learned rotations then train and merge on the shards)"
+        )
     if rotation == "online_block_hadamard":
         return _transform_every_input(model, quantized, block_size, seed)
     sites = rotation_sites(model)
@@ -99,9 +109,8 @@ def rotate_model(
     for (_, o_proj, _), (_, online) in zip(sites.heads, per_layer):
         name = _down_proj(o_proj)
         if name in quantized:
-            down_proj = model.get_submodule(name)
-            _merge_input_side(down_proj, online.matrix())
-            model.set_submodule(name, TransformedLinear(down_proj, online))
+            _merge_input_side(model, name, online.matrix())
+            replace_module(model, name, TransformedLinear(model.get_submodule(name), online))
             transforms[name] = online.to_dict()
     return transforms
 
@@ -143,18 +152,23 @@ def rotation_sites(model: nn.Module) -> RotationSites:
 def has_unit_norm_scales(model: nn.Module) -> bool:
     """Whether every RMSNorm of `model`'s residual stream has an identity scale, as after `rotate_model`'s fold:
     only then does rotating the stream commute with the norms."""
-    return all(bool((_norm_scale(norm) == 1).all()) for norm, _ in _residual_norm_readers(model))
+    for norm_name, _ in _residual_norm_readers(model):
+        with loaded_weights(model, norm_name) as norm:
+            if not bool((_norm_scale(norm) == 1).all()):
+                return False
+    return True
 
 
-def _residual_norm_readers(model: nn.Module) -> list[tuple[nn.Module, list[nn.Linear]]]:
-    """Every RMSNorm of the residual stream with the linears that read its output: the final norm (`lm_head`),
-    and per decoder layer the attention norm (q/k/v) and the MLP norm (gate/up)."""
-    readers = [(_final_norm(model), [_output_linear(model)])]
-    for layer in _decoder_layers(model):
-        attention, mlp = layer.self_attn, layer.mlp
+def _residual_norm_readers(model: nn.Module) -> list[tuple[str, list[str]]]:
+    """Every RMSNorm of the residual stream with the linears that read its output, by name: the final norm
+    (`lm_head`), and per decoder layer the attention norm (q/k/v) and the MLP norm (gate/up)."""
+    readers = [(_module_name(model, _final_norm(model)), [_module_name(model, _output_linear(model))])]
+    prefix = _layers_prefix(model, _decoder_layers(model))
+    for index in range(len(_decoder_layers(model))):
+        layer = f"{prefix}.{index}"
         readers += [
-            (layer.input_layernorm, [attention.q_proj, attention.k_proj, attention.v_proj]),
-            (layer.post_attention_layernorm, [mlp.gate_proj, mlp.up_proj]),
+            (f"{layer}.input_layernorm", [f"{layer}.self_attn.{n}_proj" for n in "qkv"]),
+            (f"{layer}.post_attention_layernorm", [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"]),
         ]
     return readers
 
@@ -177,8 +191,8 @@ def _transform_every_input(
         transform = RandomizedHadamard(
             linear.in_features, block_size, int(torch.randint(0, 2**31 - 1, (), generator=generator))
         )
-        _merge_input_side(linear, transform.matrix())
-        model.set_submodule(name, TransformedLinear(linear, transform))
+        _merge_input_side(model, name, transform.matrix())
+        replace_module(model, name, TransformedLinear(linear, transform))
         transforms[name] = transform.to_dict()
     return transforms
 
@@ -241,11 +255,6 @@ def _norm_scale(norm: nn.Module) -> torch.Tensor:
     return 1.0 + weight if "Gemma" in type(norm).__name__ else weight
 
 
-@torch.no_grad()
-def _set_identity_scale(norm: nn.Module) -> None:
-    norm.weight.fill_(0.0 if "Gemma" in type(norm).__name__ else 1.0)
-
-
 def rotate_input_side(weight: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
     """`weight @ diag(matrix, ..., matrix)`: a layer holding the result expects its input rotated by `matrix`
     (applied to each consecutive group of `len(matrix)` input features)."""
@@ -262,19 +271,31 @@ def rotate_output_side(weight: torch.Tensor, matrix: torch.Tensor) -> torch.Tens
 
 
 @torch.no_grad()
-def _merge_input_side(module: nn.Linear | nn.Embedding, matrix: torch.Tensor) -> None:
-    """`W <- W @ diag(matrix, ...)`: a linear now expects inputs rotated by `matrix`, an embedding's rows come out
-    rotated by it."""
-    weight = module.weight
-    weight.copy_(rotate_input_side(weight.double(), matrix.to(weight.device, torch.float64)).to(weight.dtype))
+def _rewrite(
+    model: nn.Module,
+    name: str,
+    rewrite: Callable[[torch.Tensor], torch.Tensor],
+    parameters: Sequence[str] = ("weight",),
+) -> None:
+    """Replace each of `parameters` of module `name` (those it has) by `rewrite` of it, computed in float64 on its
+    device and written back in its dtype, where it lives (`nn.placement.write_parameters`)."""
+    with loaded_weights(model, name) as module:
+        tensors = {p: getattr(module, p) for p in parameters if getattr(module, p, None) is not None}
+        values = {p: rewrite(tensor.double()).to(tensor.dtype) for p, tensor in tensors.items()}
+    write_parameters(model, name, values)
 
 
-@torch.no_grad()
-def _merge_output_side(linear: nn.Linear, matrix: torch.Tensor) -> None:
-    """`W <- diag(matrix, ...)^T @ W`, `b <- b @ diag(matrix, ...)`: the layer now outputs `y` rotated by `matrix`."""
-    for tensor in (linear.weight, linear.bias):
-        if tensor is not None:
-            tensor.copy_(rotate_output_side(tensor.double(), matrix.to(tensor.device, torch.float64)).to(tensor.dtype))
+def _merge_input_side(model: nn.Module, name: str, matrix: torch.Tensor) -> None:
+    """`W <- W @ diag(matrix, ...)` for module `name`: a linear now expects inputs rotated by `matrix`, an
+    embedding's rows come out rotated by it."""
+    _rewrite(model, name, lambda weight: rotate_input_side(weight, matrix.to(weight.device, torch.float64)))
+
+
+def _merge_output_side(model: nn.Module, name: str, matrix: torch.Tensor) -> None:
+    """`W <- diag(matrix, ...)^T @ W`, `b <- b @ diag(matrix, ...)` for linear `name`: it now outputs `y` rotated by
+    `matrix`."""
+    rotate = lambda tensor: rotate_output_side(tensor, matrix.to(tensor.device, torch.float64))  # noqa: E731
+    _rewrite(model, name, rotate, ("weight", "bias"))
 
 
 def _final_norm(model: nn.Module) -> nn.Module:
@@ -290,14 +311,20 @@ def fold_norm_scales(model: nn.Module) -> None:
     the identity. Tied input and output embeddings are untied first (the folded `lm_head` needs its own matrix)."""
     embeddings, head = model.get_input_embeddings(), _output_linear(model)
     if head.weight is embeddings.weight:
+        if not (is_resident(embeddings) and is_resident(head)):
+            raise ValueError(
+                "rotation unties the tied input and output embeddings, which needs them in memory, but they are "
+                "offloaded or sharded: keep the embeddings and lm_head on a device (device_map) to rotate this model"
+            )
         head.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=embeddings.weight.requires_grad)
         for config in {id(c): c for c in (model.config, _text_config(model))}.values():
             config.tie_word_embeddings = False
-    for norm, linears in _residual_norm_readers(model):
-        scale = _norm_scale(norm)
-        for linear in linears:
-            linear.weight.copy_((linear.weight.double() * scale.to(linear.weight.device)).to(linear.weight.dtype))
-        _set_identity_scale(norm)
+    for norm_name, linear_names in _residual_norm_readers(model):
+        with loaded_weights(model, norm_name) as norm:
+            scale, gemma = _norm_scale(norm), "Gemma" in type(norm).__name__
+        for name in linear_names:
+            _rewrite(model, name, lambda weight, scale=scale: weight * scale.to(weight.device))
+        _rewrite(model, norm_name, torch.zeros_like if gemma else torch.ones_like)  # the identity scale
 
 
 @torch.no_grad()
@@ -308,14 +335,14 @@ def merge_rotations(
     by `residual` (R1; None leaves it; the norms' scales must be folded already, `has_unit_norm_scales`) and
     each layer's value heads by its matrix of `heads` (R2, `[head_dim, head_dim]`, in the order of `sites.heads`)."""
     if residual is not None:
-        _merge_input_side(model.get_input_embeddings(), residual)
+        _merge_input_side(model, _module_name(model, model.get_input_embeddings()), residual)
         for name in sites.readers:
-            _merge_input_side(model.get_submodule(name), residual)
+            _merge_input_side(model, name, residual)
         for name in sites.writers:
-            _merge_output_side(model.get_submodule(name), residual)
+            _merge_output_side(model, name, residual)
     for (v_proj, o_proj, _), rotation in zip(sites.heads, heads, strict=True):
-        _merge_output_side(model.get_submodule(v_proj), rotation)
-        _merge_input_side(model.get_submodule(o_proj), rotation)
+        _merge_output_side(model, v_proj, rotation)
+        _merge_input_side(model, o_proj, rotation)
 
 
 def _down_proj(o_proj: str) -> str:
