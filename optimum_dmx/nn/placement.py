@@ -171,8 +171,8 @@ def _store_offloaded(module: nn.Module, name: str, values: Mapping[str, torch.Te
             held = in_memory[key]
             in_memory[key] = value.detach().to(held.device, held.dtype).clone()
         elif isinstance(dataset, OffloadedWeightsLoader) and dataset.save_folder is not None:
-            dtype = getattr(torch, dataset.index[key]["dtype"])
-            offload_weight(value.detach().to("cpu", dtype), key, dataset.save_folder, index=dataset.index)
+            # In the dtype the hook loaded it in (the value's): the index entry records it for the next load.
+            offload_weight(value.detach().cpu(), key, dataset.save_folder, index=dataset.index)
         else:
             raise ValueError(
                 f"module {name!r} is offloaded to files without an offload folder to write its new {parameter_name} "
