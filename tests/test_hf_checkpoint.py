@@ -122,6 +122,24 @@ def test_dmx_quantizer_quantizes_and_saves(tmp_path, tiny_qwen3_dir):
     assert "dmx_format_map.png" in (tmp_path / "dmx" / "README.md").read_text()  # the dMX model card
 
 
+def test_a_model_rotated_before_quantizing_records_its_online_transforms(tmp_path, tiny_llama_dir):
+    # Rotated by the caller (as before sharding a model with FSDP2), quantized with rotation="none": config.json must
+    # still carry the online transforms the MX linears compute with, or the reload would silently drop them.
+    from optimum_dmx.nn import linear_modules_to_quantize
+    from optimum_dmx.nn.rotation import rotate_model
+
+    format_map = cycling_format_map(tiny_llama_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama_dir)
+    transforms = rotate_model(model, "hadamard", list(linear_modules_to_quantize(model, ["lm_head"])), seed=5)
+    assert transforms  # every down_proj
+    DMXQuantizer(DMXConfig(format_map=format_map)).quantize_model(model)
+    assert model.config.quantization_config.input_transforms == transforms
+    model.save_pretrained(tmp_path / "dmx")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")
+    with torch.no_grad():
+        assert torch.equal(model(INPUT_IDS).logits, reloaded(INPUT_IDS).logits)
+
+
 def test_dmx_quantizer_quantize_is_quantize_model_then_save(tmp_path, tiny_qwen3_dir):
     format_map = cycling_format_map(tiny_qwen3_dir)
     quantizer = DMXQuantizer(DMXConfig(format_map=format_map))

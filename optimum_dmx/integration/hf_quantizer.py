@@ -89,9 +89,7 @@ class DMXHfQuantizer(HfQuantizer):
         )
         skip = sorted(set(skip))
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
-        transforms = rotate_model(
-            model, config.rotation, linear_modules_to_quantize(model, skip), config.block_size, config.seed
-        )
+        rotate_model(model, config.rotation, linear_modules_to_quantize(model, skip), config.block_size, config.seed)
         # Imported when needed, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
         # loading a saved dMX checkpoint (the other use of this module) never needs.
         input_ids = None
@@ -120,6 +118,13 @@ class DMXHfQuantizer(HfQuantizer):
             round_weights_by_gptq(model, float_linears, sequences, config.batch_size)
         shapes = {name: model.get_submodule(name).weight_shape for name in format_map}
         bits = format_map_bits(format_map, shapes, config.quantize_activations, config.block_size)
+        # What the MX linears compute with, rotated here or by the caller before (`rotate_model` on the float model):
+        # a transform config.json did not record would be missing on load.
+        transforms = {
+            name: module.input_transform.to_dict()
+            for name in format_map
+            if (module := model.get_submodule(name)).input_transform is not None
+        }
         return config.with_result(
             format_map, input_transforms=transforms, achieved_bits=bits, modules_to_not_convert=skip
         )
