@@ -115,6 +115,42 @@ def test_calibrate_sharded_example_learns_the_single_process_map_and_saves_the_m
     assert saved.format_map == learned and saved.weight_rounding == "gptq"
 
 
+@pytest.mark.slow  # two processes learning rotations, then a quantization
+def test_calibrate_sharded_example_learns_rotations_on_the_shards_and_saves_them(tiny_text_model_dir, tmp_path):
+    """With `--rotation hadamard --learn-rotations`: the saved model holds the rotations learned on the shards (its
+    float lm_head is the seeded random rotation's, turned further: the same row norms, other values) and records
+    the online transforms of its down_proj layers, so that it reloads as it was saved."""
+    from transformers import AutoModelForCausalLM
+
+    from optimum_dmx import DMXConfig
+
+    root, out = tiny_text_model_dir, tmp_path / "dmx"
+    sizes = {"steps": 4, "seq_len": 16, "batch_size": 2, "num_samples": 8}
+    options = [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
+    run_example(
+        "calibrate_sharded.py",
+        root / "model",
+        *("--dataset", root / "calibration.txt", "--rotation", "hadamard", "--learn-rotations"),
+        *("--device", "cpu", "--dtype", "float32", "--preset", "cpu-demo", "--output", out, *options),
+        processes=2,
+    )
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    config = saved.config.quantization_config
+    assert config.format_map == json.loads((out / "format_map.json").read_text())
+    down_projs = [name for name in config.format_map if name.endswith("down_proj")]
+    assert sorted(config.input_transforms) == sorted(down_projs) and down_projs
+
+    from optimum_dmx.nn import linear_modules_to_quantize
+    from optimum_dmx.nn.rotation import rotate_model
+
+    random = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+    seed = DMXConfig().seed
+    rotate_model(random, "hadamard", list(linear_modules_to_quantize(random, ["lm_head"])), seed=seed)
+    learned_head, random_head = saved.lm_head.weight, random.lm_head.weight
+    torch.testing.assert_close(learned_head.norm(dim=1), random_head.norm(dim=1), rtol=1e-4, atol=1e-6)
+    assert not torch.allclose(learned_head, random_head, atol=1e-4)
+
+
 def test_serve_with_vllm_example_exports_then_needs_vllm(tiny_text_model_dir, tmp_path):
     """vLLM needs a GPU and is not installed here: the example exports, then stops at `import vllm`."""
     from transformers import AutoModelForCausalLM
