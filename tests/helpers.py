@@ -231,3 +231,8 @@ def adversarial_blocks(fmt) -> torch.Tensor:
         -torch.zeros(32),
     ]
     return torch.stack([torch.nn.functional.pad(r, (0, 32 * math.ceil(len(r) / 32) - len(r)))[:32] for r in rows])
+
+
+def file_bytes(folder: Path) -> dict[str, bytes]:
+    """Every file directly in `folder`, by name: what a test compares to show nothing in it was written."""
+    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}

@@ -17,7 +17,7 @@ from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.placement import execution_device, is_offloaded, loaded_weights
 from optimum_dmx.nn.rotation import rotate_model
 
-from .helpers import tiny_llama
+from .helpers import file_bytes, tiny_llama
 
 SETTINGS = {"target_bits": 5.5, "steps": 6, "batch_size": 4, "seq_len": 16, "num_samples": 16}
 
@@ -85,10 +85,6 @@ def test_a_stand_in_for_an_offloaded_linear_loads_its_weight_per_call_and_keeps_
     assert linear.weight.is_meta
 
 
-def _checkpoint_bytes(folder):
-    return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
-
-
 @pytest.mark.parametrize(
     "rotation, dtype",
     [("hadamard", torch.float32), ("online_block_hadamard", torch.float32), ("hadamard", torch.bfloat16)],
@@ -96,7 +92,7 @@ def _checkpoint_bytes(folder):
 def test_rotating_an_offloaded_model_writes_the_weights_of_a_plain_load_and_leaves_its_checkpoint(
     rotation, dtype, saved_model, tmp_path
 ):
-    checkpoint = _checkpoint_bytes(saved_model)
+    checkpoint = file_bytes(saved_model)
     plain = AutoModelForCausalLM.from_pretrained(saved_model, dtype=dtype).eval()
     model = _half_on_disk(saved_model, tmp_path / "offload", dtype=dtype)
     for each in (plain, model):
@@ -113,7 +109,7 @@ def test_rotating_an_offloaded_model_writes_the_weights_of_a_plain_load_and_leav
     ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(model(ids).logits, plain(ids).logits)  # the same weights, computed the same way
-    assert _checkpoint_bytes(saved_model) == checkpoint  # written to the offload folder, never to the checkpoint
+    assert file_bytes(saved_model) == checkpoint  # written to the offload folder, never to the checkpoint
     assert (tmp_path / "offload" / "model.layers.3.mlp.down_proj.weight.dat").is_file()
 
 

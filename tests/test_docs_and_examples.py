@@ -83,6 +83,21 @@ def test_quantize_save_load_generate_examples(tiny_text_model_dir, tmp_path):
     assert "14 MX linear layers" in stdout and stdout.strip().splitlines()[-1].startswith("w1 w2 w3")
 
 
+SHARDED_EXAMPLE_SIZES = {"steps": 4, "seq_len": 16, "batch_size": 2, "num_samples": 8}
+
+
+def _run_sharded_example(root, out, *options) -> None:
+    """`examples/calibrate_sharded.py` on two CPU processes, at `SHARDED_EXAMPLE_SIZES`."""
+    sizes = [f"--{key.replace('_', '-')}={value}" for key, value in SHARDED_EXAMPLE_SIZES.items()]
+    run_example(
+        "calibrate_sharded.py",
+        root / "model",
+        *("--dataset", root / "calibration.txt", *options),
+        *("--device", "cpu", "--dtype", "float32", "--preset", "cpu-demo", "--output", out, *sizes),
+        processes=2,
+    )
+
+
 @pytest.mark.slow  # two processes, calibration, then a quantization: about a minute
 def test_calibrate_sharded_example_learns_the_single_process_map_and_saves_the_model(tiny_text_model_dir, tmp_path):
     """The FSDP2 recipe, as its docstring runs it, on two CPU processes (gloo): the map it writes is the one a single
@@ -93,16 +108,8 @@ def test_calibrate_sharded_example_learns_the_single_process_map_and_saves_the_m
     from optimum_dmx.calibration import build_calibration_batches, calibrate
 
     root, out = tiny_text_model_dir, tmp_path / "dmx"
-    sizes = {"steps": 4, "seq_len": 16, "batch_size": 2, "num_samples": 8}
-    options = [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
-    run_example(
-        "calibrate_sharded.py",
-        root / "model",
-        "--dataset",
-        root / "calibration.txt",
-        *("--device", "cpu", "--dtype", "float32", "--preset", "cpu-demo", "--output", out, *options),
-        processes=2,
-    )
+    _run_sharded_example(root, out)
+    sizes = SHARDED_EXAMPLE_SIZES
     learned = json.loads((out / "format_map.json").read_text())
 
     tokenizer = AutoTokenizer.from_pretrained(root / "model")
@@ -125,15 +132,7 @@ def test_calibrate_sharded_example_learns_rotations_on_the_shards_and_saves_them
     from optimum_dmx import DMXConfig
 
     root, out = tiny_text_model_dir, tmp_path / "dmx"
-    sizes = {"steps": 4, "seq_len": 16, "batch_size": 2, "num_samples": 8}
-    options = [f"--{key.replace('_', '-')}={value}" for key, value in sizes.items()]
-    run_example(
-        "calibrate_sharded.py",
-        root / "model",
-        *("--dataset", root / "calibration.txt", "--rotation", "hadamard", "--learn-rotations"),
-        *("--device", "cpu", "--dtype", "float32", "--preset", "cpu-demo", "--output", out, *options),
-        processes=2,
-    )
+    _run_sharded_example(root, out, "--rotation", "hadamard", "--learn-rotations")
     saved = AutoModelForCausalLM.from_pretrained(out)
     config = saved.config.quantization_config
     assert config.format_map == json.loads((out / "format_map.json").read_text())

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear
 
-from .helpers import INPUT_IDS, cycling_format_map
+from .helpers import INPUT_IDS, cycling_format_map, file_bytes
 
 CALIBRATION = {"num_samples": 8, "seq_len": 16, "batch_size": 4, "steps": 3, "seed": 3}
 
@@ -134,7 +134,7 @@ def test_an_offloaded_float_model_rotated_and_learning_its_rotations_quantizes_l
             **CALIBRATION,
         )
 
-    checkpoint = {p.name: p.read_bytes() for p in tiny_llama_dir.iterdir() if p.is_file()}
+    checkpoint = file_bytes(tiny_llama_dir)
     plain = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config())
     offloaded = _offloaded_load(tiny_llama_dir, tmp_path / "offload", quantization_config=config())
     assert any(p.is_meta for p in offloaded.parameters())  # the embeddings and norms are still on disk
@@ -143,7 +143,7 @@ def test_an_offloaded_float_model_rotated_and_learning_its_rotations_quantizes_l
     with torch.no_grad():
         expected = plain(INPUT_IDS).logits
         torch.testing.assert_close(offloaded(INPUT_IDS).logits, expected, rtol=0, atol=1e-5)
-    assert {p.name: p.read_bytes() for p in tiny_llama_dir.iterdir() if p.is_file()} == checkpoint
+    assert file_bytes(tiny_llama_dir) == checkpoint
     offloaded.save_pretrained(tmp_path / "dmx")
     with torch.no_grad():
         reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")(INPUT_IDS).logits

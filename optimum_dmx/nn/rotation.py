@@ -75,17 +75,11 @@ def rotate_model(
     """
     if validate_rotation(rotation) == "none":
         return {}
-    replaced = [n for n in quantized if rotation == "online_block_hadamard" or n.endswith("down_proj")]
-    sharded = [name for name in replaced if is_sharded(model.get_submodule(name))]
-    if sharded:  # checked before anything is rotated: FSDP2 gathers a weight into its own module only
-        raise ValueError(
-            f"rotation={rotation!r} replaces {sharded[0]!r} by a module with an online input transform, but FSDP2 "
-            "has sharded it and gathers its weight into the module it sharded: rotate the model before fully_shard "
-            "(learned rotations then train and merge on the shards)"
-        )
     if rotation == "online_block_hadamard":
+        _refuse_sharded(model, rotation, quantized)
         return _transform_every_input(model, quantized, block_size, seed)
     sites = rotation_sites(model)
+    _refuse_sharded(model, rotation, [_down_proj(o) for _, o, _ in sites.heads if _down_proj(o) in quantized])
     seeds = iter(
         torch.randint(0, 2**31 - 1, (3 * len(sites.heads) + 1,), generator=torch.Generator().manual_seed(seed)).tolist()
     )
@@ -113,6 +107,18 @@ def rotate_model(
             replace_module(model, name, TransformedLinear(model.get_submodule(name), online))
             transforms[name] = online.to_dict()
     return transforms
+
+
+def _refuse_sharded(model: nn.Module, rotation: str, replaced: Collection[str]) -> None:
+    """Raise, before anything is rotated, if a module the rotation replaces (by one with an online input transform)
+    is sharded by FSDP2, which gathers a weight only into the module it sharded."""
+    sharded = [name for name in replaced if is_sharded(model.get_submodule(name))]
+    if sharded:
+        raise ValueError(
+            f"rotation={rotation!r} replaces {sharded[0]!r} by a module with an online input transform, but FSDP2 "
+            "has sharded it and gathers its weight into the module it sharded: rotate the model before fully_shard "
+            "(learned rotations then train and merge on the shards)"
+        )
 
 
 @dataclass(frozen=True)
