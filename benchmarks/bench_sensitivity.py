@@ -3,12 +3,15 @@
 
 The default recipe blends its learned offsets with KL sensitivities: per layer, KL(float || only this layer in the
 pair's low format), one pass per layer (`calibration.sensitivity`). That scan is the larger part of a default run on
-a CPU. Can a cheaper signal rank the layers the same way? Rows, each against the scan on `KL_SAMPLES` sequences:
+a CPU. Can a cheaper signal rank the layers the same way? Rows, each against the scan on `KL_SAMPLES` sequences over
+the whole vocabulary (`head_tokens=None`):
 
 * `kl, element-wise`: the same scan with each pass's KL divergence computed by `F.kl_div`, as it was before
   `calibration.sensitivity.next_token_kl` took it as one dot product per position: the time that saves, and that
   the values stay the same;
 * `kl`: the same scan on fewer sequences;
+* `kl, head K`: the scan as the library runs it, each divergence computed from the final hidden states, exactly on
+  the `K` most probable tokens and to second order on the rest (`calibration.vocabulary_head`);
 * `fisher`: a second-order estimate from one forward pass and `S` backward passes, every layer at once. A layer's
   low-format quantization moves its output by `delta` (computed in the forward pass); with `g_s` the gradient of the
   log-likelihood of tokens sampled from the model's own next-token distributions with respect to that output,
@@ -110,7 +113,9 @@ def main() -> None:
     p = calibration_benchmark_parser(__doc__)
     p.add_argument("--pair", default="mxfp8-mxfp4")
     p.add_argument("--kl-sequences", default="1,2", help="comma list: sequences of the cheaper KL scans")
+    p.add_argument("--head-tokens", default="2048,8192", help="comma list: vocabulary heads of the library's scan")
     p.add_argument("--kl-only", action="store_true", help="only the KL scans (no Fisher estimates)")
+    p.add_argument("--skip-elementwise", action="store_true", help="no `kl, element-wise` row")
     p.add_argument(
         "--fisher", default="4:1,4:4,4:16,16:1,16:4", help="comma list of SEQUENCES:SAMPLES of the Fisher estimates"
     )
@@ -127,7 +132,7 @@ def main() -> None:
     )
 
     start = time.perf_counter()
-    reference = kl_sensitivities(model, ids, settings, progress=False)
+    reference = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
     reference_seconds = time.perf_counter() - start
     names = list(reference)
     expected = [reference[name] for name in names]
@@ -147,14 +152,20 @@ def main() -> None:
         "| signal | sequences | samples | seconds | / KL scan | Spearman vs KL scan | median ratio to KL |",
         "|---|---|---|---|---|---|---|",
     ]
-    start = time.perf_counter()
-    with elementwise_kl():
-        values = kl_sensitivities(model, ids, settings, progress=False)
-    lines.append(row("kl, element-wise", KL_SAMPLES, "-", time.perf_counter() - start, values))
-    print(lines[-1], flush=True)
-    for sequences in [int(n) for n in a.kl_sequences.split(",")]:
+    for head_tokens in [int(n) for n in a.head_tokens.split(",") if n]:
         start = time.perf_counter()
-        values = kl_sensitivities(model, ids[:sequences], settings, progress=False)
+        values = kl_sensitivities(model, ids, settings, progress=False, head_tokens=head_tokens)
+        lines.append(row(f"kl, head {head_tokens}", KL_SAMPLES, "-", time.perf_counter() - start, values))
+        print(lines[-1], flush=True)
+    if not a.skip_elementwise:
+        start = time.perf_counter()
+        with elementwise_kl():
+            values = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+        lines.append(row("kl, element-wise", KL_SAMPLES, "-", time.perf_counter() - start, values))
+        print(lines[-1], flush=True)
+    for sequences in [int(n) for n in a.kl_sequences.split(",") if n]:
+        start = time.perf_counter()
+        values = kl_sensitivities(model, ids[:sequences], settings, progress=False, head_tokens=None)
         lines.append(row("kl", sequences, "-", time.perf_counter() - start, values))
         print(lines[-1], flush=True)
     for sequences, samples in fisher_runs:

@@ -117,12 +117,13 @@ def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
     assert kl_sensitivities(model, different, CalibrationSettings(batch_size=4), progress=False) != sensitivities
 
 
-def test_kl_scan_equals_one_whole_pass_per_layer(sensitive, sensitivities):
+def test_kl_scan_equals_one_whole_pass_per_layer(sensitive):
     """Replaying the decoder layers before a layer's own gives what a whole forward pass per layer gives."""
     from optimum_dmx.calibration.sensitivity import NextTokenReference, next_token_kl, next_token_log_probs
 
     model, ids = sensitive
     batch = ids[:4]
+    sensitivities = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), progress=False, head_tokens=None)
     with torch.no_grad():
         reference = NextTokenReference.from_log_probs(next_token_log_probs(model, batch))
         for name, value in sensitivities.items():

@@ -1,0 +1,132 @@
+"""The KL scan's divergence from the vocabulary's head and a second-order tail (`calibration.vocabulary_head`),
+against torch's `F.kl_div` over the whole vocabulary, and in the scan."""
+
+from contextlib import contextmanager
+
+import pytest
+import torch
+from scipy.stats import spearmanr
+from torch.nn import functional as F
+from transformers import Gemma2Config, Gemma2ForCausalLM
+
+from optimum_dmx.calibration import CalibrationSettings, kl_sensitivities
+from optimum_dmx.calibration.vocabulary_head import VocabularyHeadReference
+
+from .helpers import sensitive_llama_and_data
+
+
+def exact_kl(hidden, shifted, weight, bias):
+    """`sum KL(p || q)` over the positions, by `F.kl_div` in float64 over every token."""
+    p = F.linear(hidden.double(), weight.double(), bias.double()).log_softmax(-1)
+    q = F.linear(shifted.double(), weight.double(), bias.double()).log_softmax(-1)
+    return F.kl_div(q, p, log_target=True, reduction="sum").item()
+
+
+def embedding_and_hidden(positions=40, scale=2.0, vocab=300, width=16):
+    """An output embedding and final hidden states; the larger `scale`, the more peaked the distributions."""
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(vocab, width, generator=generator)
+    bias = torch.randn(vocab, generator=generator)
+    hidden = scale * torch.randn(positions, width, generator=generator)
+    direction = torch.randn(positions, width, generator=generator)
+    return weight, bias, hidden, direction
+
+
+def test_with_the_whole_vocabulary_as_head_it_is_the_kl_divergence():
+    weight, bias, hidden, direction = embedding_and_hidden()
+    reference = VocabularyHeadReference.from_hidden(hidden, weight, bias, head_tokens=300)
+    assert reference.head_rows.shape == (300, 16) and torch.isneginf(reference.tail_log_mass).all()
+    for scale in [1e-2, 1e-1, 1.0]:
+        shifted = hidden + scale * direction
+        # float32 rounding: about 1e-8 per position against divergences of 1e-4 (at 1e-2) to 1 per position
+        assert reference.kl(shifted).item() == pytest.approx(exact_kl(hidden, shifted, weight, bias), rel=1e-3)
+    assert abs(reference.kl(hidden).item()) < 1e-3 * exact_kl(hidden, hidden + 1e-2 * direction, weight, bias)
+
+
+def test_the_tail_is_exact_to_second_order_at_one_position():
+    """At one position the pooled tail covariance is that position's: the error is third order in the shift, so
+    the relative error falls with it; without the covariance term it does not."""
+    weight, bias, hidden, direction = embedding_and_hidden(positions=1, scale=0.3)
+    reference = VocabularyHeadReference.from_hidden(hidden, weight, bias, head_tokens=30)
+    tail_mass = reference.tail_log_mass.exp().item()
+    assert 0.05 < tail_mass < 0.95  # the tail matters
+    first_order = VocabularyHeadReference(**{**vars(reference), "tail_covariance": 0 * reference.tail_covariance})
+    errors, first_order_errors = [], []
+    for scale in [1e-1, 1e-2]:
+        shifted = hidden + scale * direction
+        exact = exact_kl(hidden, shifted, weight, bias)
+        errors.append(abs(reference.kl(shifted).item() / exact - 1))
+        first_order_errors.append(abs(first_order.kl(shifted).item() / exact - 1))
+    assert errors[1] < errors[0] / 5 and errors[1] < 1e-2
+    assert min(first_order_errors) > 10 * errors[1]
+
+
+def test_over_many_positions_the_pooled_tail_stays_close():
+    weight, bias, hidden, direction = embedding_and_hidden(positions=200, scale=0.3)
+    reference = VocabularyHeadReference.from_hidden(hidden, weight, bias, head_tokens=60)
+    for scale in [1e-2, 1e-1]:
+        shifted = hidden + scale * direction
+        assert reference.kl(shifted).item() == pytest.approx(exact_kl(hidden, shifted, weight, bias), rel=0.05)
+
+
+@pytest.fixture(scope="module")
+def sensitive():
+    model, ids = sensitive_llama_and_data()
+    return model, ids[:4]
+
+
+@contextmanager
+def counting_forwards(module):
+    """The forward passes `module` computes within the block (a forward installed on the instance, as
+    accelerate's hooks install theirs)."""
+    calls = []
+
+    def forward(*args, **kwargs):
+        calls.append(1)
+        return type(module).forward(module, *args, **kwargs)
+
+    module.forward = forward
+    try:
+        yield calls
+    finally:
+        del module.forward
+
+
+def test_the_scan_skips_the_output_embedding_and_gives_the_whole_vocabularys_divergences(sensitive):
+    model, ids = sensitive
+    settings = CalibrationSettings(batch_size=4)
+    with counting_forwards(model.lm_head) as calls:
+        whole = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+    assert len(calls) == 1 + len(whole)  # the reference pass and one per layer
+    with counting_forwards(model.lm_head) as calls:
+        headed = kl_sensitivities(model, ids, settings, progress=False)  # 128 tokens: the head is the vocabulary
+    assert len(calls) == 1  # only the reference pass runs it
+    assert headed == pytest.approx(whole, rel=1e-5)
+
+
+def test_a_small_head_ranks_the_layers_as_the_whole_vocabulary(sensitive):
+    model, ids = sensitive
+    settings = CalibrationSettings(batch_size=4)
+    whole = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+    headed = kl_sensitivities(model, ids, settings, progress=False, head_tokens=16)  # of 128
+    names = list(whole)
+    assert spearmanr([whole[n] for n in names], [headed[n] for n in names]).statistic > 0.99
+    assert headed == pytest.approx(whole, rel=0.1)
+    assert headed != pytest.approx(whole, rel=1e-5)  # the tail is approximated
+
+
+def test_soft_capped_logits_are_scanned_over_the_whole_vocabulary():
+    """Gemma 2 caps its logits after the output embedding: the divergence cannot come from the embedding's input,
+    so the scan computes it from the model's logits, as without a head."""
+    torch.manual_seed(0)
+    config = Gemma2Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, final_logit_softcapping=2.0, initializer_range=0.2,
+    )  # fmt: skip
+    model = Gemma2ForCausalLM(config).eval()
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    settings = CalibrationSettings(batch_size=4)
+    with counting_forwards(model.lm_head) as calls:
+        headed = kl_sensitivities(model, ids, settings, progress=False)
+    assert len(calls) == 1 + len(headed)
+    assert headed == kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
