@@ -61,38 +61,38 @@ class VocabularyHeadReference:
         cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head_tokens: int = HEAD_TOKENS
     ) -> VocabularyHeadReference:
         """The reference for final hidden states `hidden` (`[..., hidden]`) under the output embedding `weight`
-        (`[vocab, hidden]`) and `bias`. Its logits and log-probabilities are computed in float64 (a block of
-        positions at a time): in float32, their rounding would be of the order of the smallest divergences."""
-        weight, vocab = weight.detach().float(), weight.shape[0]
+        (`[vocab, hidden]`) and `bias`, a block of positions at a time. The logits are normalised in float64: in
+        float32 the log-probabilities' rounding is of the order of the smallest divergences."""
+        weight = weight.detach().float()  # a float32 copy of a bfloat16 embedding, for the length of this call
+        vocab = weight.shape[0]
         hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight)
+        bias = None if bias is None else bias.detach().float()
         rows = max(1, _BLOCK_ELEMENTS // vocab)
         blocks = [slice(start, start + rows) for start in range(0, len(hidden), rows)]
 
         def log_probs(block: slice) -> torch.Tensor:
-            logits = F.linear(hidden[block].double(), weight.double(), None if bias is None else bias.double())
-            return logits.log_softmax(-1)
+            return F.linear(hidden[block], weight, bias).double().log_softmax(-1)
 
         token_mass = sum(log_probs(block).exp().sum(0) for block in blocks)
         head = token_mass.topk(min(head_tokens, vocab)).indices.sort().values
-        in_tail = torch.ones(vocab, dtype=torch.bool, device=weight.device)
-        in_tail[head] = False
-        tail_rows = weight[in_tail]
+        in_tail = torch.ones(vocab, device=weight.device)
+        in_tail[head] = 0
 
         head_log_probs, mean_rows, tail_masses, tail_means = [], [], [], []
         for block in blocks:
             block_log_probs = log_probs(block)
             probabilities = block_log_probs.exp().float()
-            tail_probabilities = probabilities[:, in_tail]
+            tail_probabilities = probabilities * in_tail
             tail_mass = tail_probabilities.sum(-1)
             head_log_probs.append(block_log_probs[:, head].float())
             mean_rows.append(probabilities @ weight)
             tail_masses.append(tail_mass)
-            tail_means.append((tail_probabilities @ tail_rows) / tail_mass.clamp_min(1e-30).unsqueeze(-1))
+            tail_means.append((tail_probabilities @ weight) / tail_mass.clamp_min(1e-30).unsqueeze(-1))
         head_log_probs, tail_mass, tail_mean = torch.cat(head_log_probs), torch.cat(tail_masses), torch.cat(tail_means)
         tail_log_mass = tail_mass.log()  # -inf where the head is the whole vocabulary
         covariance = torch.zeros(weight.shape[1], weight.shape[1], device=weight.device)
         if tail_mass.sum() > 0:
-            second_moment = (tail_rows.T * token_mass[in_tail].float()) @ tail_rows
+            second_moment = _weighted_gram(weight, token_mass.float() * in_tail)
             covariance = (second_moment - (tail_mean.T * tail_mass) @ tail_mean) / tail_mass.sum()
         return cls(
             hidden=hidden,
@@ -118,3 +118,11 @@ class VocabularyHeadReference:
         )
         divergences = torch.logaddexp(head, tail) - self.log_total - (shift * self.mean_row).sum(-1)
         return divergences.double().sum()
+
+
+def _weighted_gram(weight: torch.Tensor, weights: torch.Tensor, rows: int = 8192) -> torch.Tensor:
+    """`sum_v weights_v w_v w_v^T` over the rows `w_v` of `weight`, a block of rows at a time (no copy of it whole)."""
+    gram = torch.zeros(weight.shape[1], weight.shape[1], device=weight.device)
+    for block, block_weights in zip(weight.split(rows), weights.split(rows)):
+        gram += block.T @ (block * block_weights.unsqueeze(-1))
+    return gram
