@@ -29,8 +29,8 @@ from typing import Any
 # the command handlers, so that `--help` and usage errors answer at once.
 
 EXIT_USAGE = 2
-DEFAULT_RUN_PRESET = "cpu-demo"  # the embedded default run: 7-12 minutes on 2 idle CPU cores (GPTQ included)
-DEFAULT_RUN_MINUTES = 10
+DEFAULT_RUN_PRESET = "cpu-demo"  # the embedded default run: 7-10 minutes on 2 idle CPU cores (GPTQ included)
+DEFAULT_RUN_MINUTES = 8
 EVAL_SEQ_LEN = 512
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_EVAL_TOKENS, EVAL_MAX_TOKENS = 4096, 8192  # before/after perplexity of `quantize`; `eval`'s default
