@@ -44,6 +44,7 @@ else
   # the CUDA tests are mostly compilation, on the host's cores: four pytest workers
   size=4096 repeats=5 shapes=("llama-3.2-1b:2048:" "llama-3.1-8b:1024:memory") test_workers=4  # shape:tokens:memory?
 fi
+[[ $device == cuda* ]] || test_workers=0  # no CUDA: every CUDA test skips, and starting workers is the step's cost
 steps=("tests" "kernels")
 for entry in "${shapes[@]}"; do steps+=("${entry%%:*}"); done
 for name in ${only//,/ }; do
