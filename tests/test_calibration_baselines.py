@@ -11,6 +11,7 @@ from optimum_dmx.calibration import (
     uniform_format_map,
 )
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
+from optimum_dmx.calibration.sensitivity import ScanSplit
 from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
 
@@ -179,6 +180,37 @@ def test_kl_scan_computes_each_decoder_layer_only_from_the_perturbed_one_on(sens
     per_layer = len(linear_modules_to_quantize(model, ["lm_head"])) // len(decoder_layers)
     # the float reference pass, then each decoder layer's linears run layers i.. and their successors
     assert calls == [1 + per_layer * (i + 1) for i in range(len(decoder_layers))]
+
+
+@pytest.mark.parametrize(
+    "world_size, sequences, expected",
+    [
+        (1, 4, (1, 1)),
+        (2, 4, (2, 1)),  # the sequences shared: 14 sequence passes per decoder layer and process
+        (4, 4, (4, 1)),  # 7
+        (3, 4, (1, 3)),  # the layers dealt out: 3 rounds of 4 sequences, 12 (every process scanned everything: 28)
+        (8, 4, (4, 2)),  # both: 4 rounds of 1 sequence, 4 (28); 8 slots would take 1 round of 4 sequences, as many
+        (2, 3, (1, 2)),  # 4 rounds of 3 sequences, 12 (21)
+    ],
+)
+def test_scan_split_gives_each_process_the_fewest_passes(world_size, sequences, expected):
+    split = ScanSplit.choose(world_size, sequences, [7, 7, 7])
+    assert (split.sequence_groups, split.layer_slots) == expected
+
+
+@pytest.mark.parametrize("world_size", range(1, 9))
+def test_scan_split_scans_each_layer_once_per_sequence_group_with_every_process_in_step(world_size):
+    stages = [[(f"{d}.{i}", [f"decoder {e}" for e in range(d)]) for i in range(7)] for d in range(3)]
+    stages.append([("lm_head", [])])
+    split = ScanSplit.choose(world_size, 4, [len(stage) for stage in stages])
+    passes = [split.passes(rank, stages) for rank in range(world_size)]
+    # in step: every process replays the same decoder layers in each of its passes (FSDP2's gathers match)
+    assert len({tuple((tuple(names), tuple(replayed)) for _, names, replayed in p) for p in passes}) == 1
+    scanned = [(name, split.sequence_group(rank)) for rank, p in enumerate(passes) for name, _, _ in p if name]
+    everything = [
+        (name, (g, split.sequence_groups)) for s in stages for name, _ in s for g in range(split.sequence_groups)
+    ]
+    assert sorted(scanned) == sorted(everything)
 
 
 def test_kl_scan_gives_back_a_forward_installed_on_a_layer(sensitive, sensitivities):

@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from optimum_dmx.calibration import CalibrationSettings, calibrate
+from optimum_dmx.calibration import CalibrationSettings, calibrate, kl_sensitivities
 from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
 
@@ -18,7 +18,7 @@ SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
 from tests.helpers import tiny_llama
-from optimum_dmx.calibration import CalibrationSettings, calibrate
+from optimum_dmx.calibration import CalibrationSettings, calibrate, kl_sensitivities
 from optimum_dmx.calibration.distributed import is_main_process
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -145,3 +145,60 @@ def test_learned_rotations_on_shards_give_the_whole_model_result_and_are_merged_
         merged = torch.tensor(merged)
         torch.testing.assert_close(merged, torch.tensor(whole_weight), rtol=1e-5, atol=1e-6)
         assert not torch.allclose(merged, linear.weight, atol=1e-4)  # the learned rotations are in the shards
+
+
+SCAN_SCRIPT = """
+import json, sys, torch
+sys.path.insert(0, {root!r})
+from tests.helpers import tiny_llama
+from optimum_dmx.calibration import CalibrationSettings, kl_sensitivities
+import torch.distributed as dist
+torch.set_num_threads(1)
+dist.init_process_group("gloo")
+model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=3)
+if {sharded!r}:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+passes = []
+model.model.norm.register_forward_pre_hook(lambda module, args: passes.append(1))
+ids = torch.randint(0, model.config.vocab_size, ({sequences}, 16), generator=torch.Generator().manual_seed(0))
+kl = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4), progress=False)
+reports = [None] * dist.get_world_size()
+dist.all_gather_object(reports, {{"kl": kl, "passes": len(passes)}})
+if dist.get_rank() == 0:
+    print(json.dumps(reports))
+dist.destroy_process_group()
+"""
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_two_processes_deal_out_the_scans_layers_when_they_cannot_share_its_sequences(sharded, tmp_path):
+    # 3 sequences: two processes cannot take equal shares of them, so each scans every sequence for half of each
+    # decoder layer's linears (4 rounds of 2 for 7 linears, one process running a float pass in the last round).
+    script = tmp_path / "scan.py"
+    script.write_text(SCAN_SCRIPT.format(root=str(REPO_ROOT), sharded=sharded, sequences=3))
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+    )
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    reports = json.loads(next(line for line in launched.stdout.splitlines() if line.startswith("[")))
+
+    torch.set_num_threads(1)
+    model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=3)
+    single_passes = []
+    model.model.norm.register_forward_pre_hook(lambda module, args: single_passes.append(1))
+    ids = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
+    single = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4), progress=False)
+    layers = len(linear_modules_to_quantize(model, ["lm_head"]))
+    assert len(single_passes) == 1 + layers  # the reference pass and one per layer
+    for report in reports:
+        assert report["kl"] == pytest.approx(single, rel=1e-6)
+        assert report["passes"] == 1 + 3 * 4  # the reference pass and 4 rounds per decoder layer: 13 of 22

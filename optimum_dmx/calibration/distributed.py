@@ -19,7 +19,7 @@ import os
 import torch
 import torch.distributed as dist
 
-__all__ = ["process_share", "average_across_processes", "is_main_process", "world"]
+__all__ = ["process_share", "average_across_processes", "sum_across_processes", "is_main_process", "world"]
 
 logger = logging.getLogger(__name__)
 
@@ -58,9 +58,13 @@ def process_share(rows: torch.Tensor, rank: int, world_size: int) -> torch.Tenso
     return rows[rank * share : (rank + 1) * share]
 
 
-def average_across_processes(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
-    """`tensor` averaged over all processes, in place (unchanged in a single process)."""
+def sum_across_processes(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """`tensor` summed over all processes, in place (unchanged in a single process)."""
     if world_size > 1:
         dist.all_reduce(tensor, op=dist.ReduceOp.SUM)
-        tensor.div_(world_size)
     return tensor
+
+
+def average_across_processes(tensor: torch.Tensor, world_size: int) -> torch.Tensor:
+    """`tensor` averaged over all processes, in place (unchanged in a single process)."""
+    return sum_across_processes(tensor, world_size).div_(world_size)

@@ -29,7 +29,7 @@ from ..continuous import get_format_pair
 from ..nn.placement import input_device, loaded_weights
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
 from .checkpointing import decoder_layers as find_decoder_layers
-from .distributed import average_across_processes, process_share, world
+from .distributed import process_share, sum_across_processes, world
 from .settings import CalibrationSettings
 from .vocabulary_head import HEAD_TOKENS, VocabularyHeadReference
 
@@ -50,9 +50,9 @@ def kl_sensitivities(
 
     The scan reads the first `KL_SAMPLES` sequences of `input_ids`: one float forward pass gives the reference
     distributions and the decoder layers' outputs, then one pass per layer from its own decoder layer on, in
-    batches of `settings.batch_size`. Under several processes (`calibration.distributed`) each process scans an
-    equal share of those sequences when they divide evenly (all of them otherwise), and the results are averaged.
-    The low format is the same for both pairs (MXFP4), so the result can be reused across pairs and targets.
+    batches of `settings.batch_size`. Under several processes (`calibration.distributed`) the processes divide the
+    passes (`ScanSplit`) and every process ends with every layer's result. The low format is the same for both
+    pairs (MXFP4), so the result can be reused across pairs and targets.
 
     `low_weights` (by layer name, optional) are weights already on the low format's grid, e.g. rounded by GPTQ,
     that a layer's pass uses instead of its float weight rounded to nearest.
@@ -63,41 +63,111 @@ def kl_sensitivities(
     """
     input_ids = input_ids[:KL_SAMPLES]
     device = input_device(model)
-    rank, world_size = world(device)
-    if world_size > 1 and len(input_ids) % world_size == 0:  # each process scans its share of the sequences
-        input_ids = process_share(input_ids, rank, world_size)
-    else:
-        world_size = 1  # too few sequences to share: every process scans them all
     low = get_format_pair(settings.format_pair).low.name
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     decoder_layers = find_decoder_layers(model)  # none: each pass runs the whole model
+    stages = _stages(list(targets), decoder_layers)
+    rank, world_size = world(device)
+    split = ScanSplit.choose(world_size, len(input_ids), [len(names) for names in stages])
+    input_ids = process_share(input_ids, *split.sequence_group(rank))
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
-    tokens = input_ids.numel()
 
     head = _output_head(model, targets) if head_tokens is not None else None
     with emulate_format_map(model, {}):
         references = [_record(model, b, list(decoder_layers.values()), head, head_tokens) for b in batches]
-    sensitivities = {}
-    for name in tqdm(targets, desc="KL sensitivity", disable=not progress):
-        replayed = _layers_before(name, decoder_layers)
+    # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
+    sums = torch.zeros(len(targets), dtype=torch.float64)
+    index = {name: i for i, name in enumerate(targets)}
+    passes = split.passes(rank, stages)
+    for name, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
+        format_map = {} if name is None else {name: low}  # None: a float pass that keeps the processes in step
         with (
-            _weight_swapped(targets[name], (low_weights or {}).get(name)),
+            _weight_swapped(targets.get(name), (low_weights or {}).get(name)),
             emulate_format_map(
-                model, {name: low}, settings.block_size, settings.quantize_activations, settings.scale_rule
+                model,
+                format_map,
+                settings.block_size,
+                settings.quantize_activations,
+                settings.scale_rule,
+                in_step_with=round_names,
             ),
         ):
             kl = 0.0
             for batch, (reference, outputs) in zip(batches, references):
                 with replaying(replayed, outputs):
                     kl += _divergence(model, batch, reference, head).item()
-        # Equal shares: the mean of the processes' per-token means is the per-token mean of all the sequences.
-        per_token = torch.tensor(kl / tokens, dtype=torch.float64)
-        sensitivities[name] = average_across_processes(per_token, world_size).item()
-    return sensitivities
+        if name is not None:
+            sums[index[name]] = kl
+    # each layer's sums from the processes that scanned it, one per sequence group
+    sums = sum_across_processes(sums.to(device), world_size).cpu()
+    per_token = sums / (input_ids.numel() * split.sequence_groups)
+    return dict(zip(targets, per_token.tolist()))
+
+
+@dataclass(frozen=True)
+class ScanSplit:
+    """How the processes of a calibration divide the scan's passes.
+
+    The processes form `sequence_groups` groups, each scanning an equal share of the sequences; within a group,
+    the layers of each decoder layer (a *stage*: their passes run the same decoder layers) are dealt out to the
+    group's `layer_slots` processes in rounds, one layer per process and round. Every process runs a pass in every
+    round (a float one when a round has fewer layers than slots) and gathers the weights of all of the round's
+    layers in the same order: on a model sharded by FSDP2, whose weights are gathered collectively, every process
+    makes the same collective calls.
+    """
+
+    sequence_groups: int = 1
+    layer_slots: int = 1
+
+    @classmethod
+    def choose(cls, world_size: int, sequences: int, stage_sizes: Sequence[int]) -> ScanSplit:
+        """The split with the fewest sequence passes per process, among those whose sequence groups divide both the
+        processes and the sequences; at equal cost, the most sequence groups (the fewest float passes).
+
+        With the scan's 4 sequences and 7 layers per decoder layer: 2 or 4 processes share the sequences (14 or 7
+        sequence passes per decoder layer and process, against 28 for one process); 8 share the layers as well (4);
+        3 deal out the layers (12)."""
+
+        def cost(groups: int) -> int:
+            slots = world_size // groups
+            return sum(-(-size // slots) for size in stage_sizes) * (sequences // groups)
+
+        candidates = [g for g in range(1, world_size + 1) if world_size % g == 0 and sequences % g == 0]
+        groups = min(candidates, key=lambda g: (cost(g), -g))
+        return cls(groups, world_size // groups)
+
+    def sequence_group(self, rank: int) -> tuple[int, int]:
+        """`(index, count)` of `rank`'s sequence group, as `process_share` takes them."""
+        return rank % self.sequence_groups, self.sequence_groups
+
+    def passes(
+        self, rank: int, stages: Sequence[Sequence[tuple[str, list[nn.Module]]]]
+    ) -> list[tuple[str | None, list[str], list[nn.Module]]]:
+        """`rank`'s passes, in order: the layer it scans (None: a float pass), the names of the layers the
+        processes scan in the same round, and the decoder layers the pass replays."""
+        slot = rank // self.sequence_groups
+        passes = []
+        for stage in stages:
+            for start in range(0, len(stage), self.layer_slots):
+                names = [name for name, _ in stage[start : start + self.layer_slots]]
+                passes.append((names[slot] if slot < len(names) else None, names, stage[start][1]))
+        return passes
+
+
+def _stages(names: Sequence[str], decoder_layers: dict[str, nn.Module]) -> list[list[tuple[str, list[nn.Module]]]]:
+    """`names` in order, grouped into runs of layers whose passes replay the same decoder layers, each with them."""
+    stages: list[list[tuple[str, list[nn.Module]]]] = []
+    for name in names:
+        replayed = _layers_before(name, decoder_layers)
+        if stages and stages[-1][0][1] == replayed:
+            stages[-1].append((name, replayed))
+        else:
+            stages.append([(name, replayed)])
+    return stages
 
 
 @contextmanager
-def _weight_swapped(linear: nn.Linear, weight: torch.Tensor | None) -> Iterator[None]:
+def _weight_swapped(linear: nn.Linear | None, weight: torch.Tensor | None) -> Iterator[None]:
     """`linear` holding `weight` instead of its own (nothing changes when it is None)."""
     if weight is None:
         yield

@@ -77,6 +77,8 @@ def emulate_format_map(
     block_size: int = 32,
     quantize_activations: bool = True,
     scale_rule: str = "ocp",
+    *,
+    in_step_with: Sequence[str] = (),
 ) -> Iterator[None]:
     """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
 
@@ -85,14 +87,20 @@ def emulate_format_map(
     so an assignment is evaluated exactly as a saved dMX model computes (a weight sharded by FSDP2 or offloaded by
     accelerate is gathered or loaded to be packed: `placement`). Weights are frozen and the model is in
     eval mode inside the block; the original linears are restored on exit.
+
+    `in_step_with` names linears whose weights are gathered first, in its order, whether `format_map` names them or
+    not: processes of a sharded model that quantize different linears (the KL scan's passes) then make the same
+    collective calls.
     """
     input_casts = InputCache()
     layers = {}
-    for name, fmt in format_map.items():
+    for name in [*in_step_with, *(name for name in format_map if name not in in_step_with)]:
         with loaded_weights(model, name) as linear:  # a sharded or offloaded weight, gathered or loaded
+            if name not in format_map:
+                continue
             layers[name] = MXLinear.from_linear(
                 linear,
-                fmt,
+                format_map[name],
                 block_size=block_size,
                 quantize_activations=quantize_activations,
                 scale_rule=scale_rule,
