@@ -18,7 +18,7 @@ SCRIPT = """
 import json, sys, torch
 sys.path.insert(0, {root!r})
 from tests.helpers import tiny_llama
-from optimum_dmx.calibration import CalibrationSettings, calibrate, kl_sensitivities
+from optimum_dmx.calibration import CalibrationSettings, calibrate
 from optimum_dmx.calibration.distributed import is_main_process
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
@@ -64,12 +64,8 @@ if {sharded!r}:
 """
 
 
-def _launch(folder, settings: dict, sharded: bool, rotated: bool = False) -> dict:
-    """Run `SCRIPT` in two processes; what the main one reports."""
-    script = folder / f"calibrate-{sharded}-{rotated}.py"
-    script.write_text(
-        SCRIPT.format(root=str(REPO_ROOT), settings=json.dumps(settings), sharded=sharded, rotated=rotated)
-    )
+def _run_in_two_processes(script) -> str:
+    """Run `script` in two processes (`torch.distributed.run`); what they print, once both succeeded."""
     launched = subprocess.run(
         # No restart: a worker that aborts at exit (a gloo group left to interpreter shutdown, SIGABRT after the
         # work has finished; `calibration.distributed` now destroys the group it created) must fail the test.
@@ -77,10 +73,19 @@ def _launch(folder, settings: dict, sharded: bool, rotated: bool = False) -> dic
         capture_output=True,
         text=True,
         timeout=600,
-        cwd=folder,
+        cwd=script.parent,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
-    lines = [line for line in launched.stdout.splitlines() if line.startswith("{")]
+    return launched.stdout
+
+
+def _launch(folder, settings: dict, sharded: bool, rotated: bool = False) -> dict:
+    """Run `SCRIPT` in two processes; what the main one reports."""
+    script = folder / f"calibrate-{sharded}-{rotated}.py"
+    script.write_text(
+        SCRIPT.format(root=str(REPO_ROOT), settings=json.dumps(settings), sharded=sharded, rotated=rotated)
+    )
+    lines = [line for line in _run_in_two_processes(script).splitlines() if line.startswith("{")]
     assert len(lines) == 1  # only the main process reports
     reported = json.loads(lines[0])
     assert reported["world"] == 2 and reported["same_on_every_rank"]
@@ -181,15 +186,7 @@ def test_two_processes_deal_out_the_scans_layers_when_they_cannot_share_its_sequ
     # decoder layer's linears (4 rounds of 2 for 7 linears, one process running a float pass in the last round).
     script = tmp_path / "scan.py"
     script.write_text(SCAN_SCRIPT.format(root=str(REPO_ROOT), sharded=sharded, sequences=3))
-    launched = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(script)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=tmp_path,
-    )
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    reports = json.loads(next(line for line in launched.stdout.splitlines() if line.startswith("[")))
+    reports = json.loads(next(line for line in _run_in_two_processes(script).splitlines() if line.startswith("[")))
 
     torch.set_num_threads(1)
     model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=3)

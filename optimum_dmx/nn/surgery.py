@@ -10,7 +10,7 @@ from torch import nn
 
 from .input_cache import InputCache
 from .mx_linear import MXLinear
-from .placement import loaded_weights
+from .placement import is_sharded, loaded_weights
 from .transforms import RandomizedHadamard, TransformedLinear
 
 __all__ = [
@@ -88,16 +88,18 @@ def emulate_format_map(
     accelerate is gathered or loaded to be packed: `placement`). Weights are frozen and the model is in
     eval mode inside the block; the original linears are restored on exit.
 
-    `in_step_with` names linears whose weights are gathered first, in its order, whether `format_map` names them or
-    not: processes of a sharded model that quantize different linears (the KL scan's passes) then make the same
-    collective calls.
+    `in_step_with` names linears whose sharded weights are gathered first, in its order, whether `format_map` names
+    them or not: processes of a sharded model that quantize different linears (the KL scan's passes) then make the
+    same collective calls.
     """
     input_casts = InputCache()
     layers = {}
     for name in [*in_step_with, *(name for name in format_map if name not in in_step_with)]:
+        if name not in format_map and not is_sharded(model.get_submodule(name)):
+            continue  # nothing to pack, and no collective call to match
         with loaded_weights(model, name) as linear:  # a sharded or offloaded weight, gathered or loaded
             if name not in format_map:
-                continue
+                continue  # gathered only to keep the processes' collective calls in step
             layers[name] = MXLinear.from_linear(
                 linear,
                 format_map[name],
