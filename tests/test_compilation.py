@@ -30,6 +30,7 @@ from optimum_dmx.formats import (
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
 from optimum_dmx.formats.packing import fused_dequantize
+from optimum_dmx.nn.transforms import RandomizedHadamard, _finish_kernel
 
 from .helpers import awkward_tensor, last_json_line, run_python
 
@@ -49,6 +50,23 @@ def test_compiled_cast_is_bit_identical_to_the_eager_cast(compiled, dtype):
             eager = cast_mx(x, fmt, 32, rule)  # the native-float8 path where there is one, else the bit pattern
             assert compiles(x.shape[-1], 32)  # quantize_mx runs the compiled kernel on it
             assert torch.equal(_bits(quantize_mx(x, fmt, 32, rule)), _bits(eager)), (name, rule, dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("size, block_size", [(128, 32), (1024, 512), (96, 96)])  # one factor, 8 x 64, 32 x odd 3
+def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, dtype, size, block_size):
+    """An online transform's kernel (butterflies, division, rounding to the input's dtype and, for `quantize`, the
+    MX cast) gives the bits of the same steps run eagerly, which `quantize_mx(transform(x))` is."""
+    transform = RandomizedHadamard(size, block_size, seed=3)
+    x = awkward_tensor(24, size).to(dtype).reshape(2, 12, size)
+    casts = [(get_format("mxfp4_e2m1"), 32, "ocp"), (get_format("mxfp6_e2m3"), 32, "compressed-tensors")]
+    compiled_results = [transform(x), *(transform.quantize(x, *cast) for cast in casts)]
+    assert _finish_kernel.compiled_variants >= 1 + len(casts) and _finish_kernel.rejected_variants == 0
+    set_compile_enabled(False)
+    eager = transform(x)
+    eager_results = [eager, *(quantize_mx(eager, *cast) for cast in casts)]
+    for got, expected in zip(compiled_results, eager_results, strict=True):
+        assert got.dtype == dtype and torch.equal(_bits(got), _bits(expected))
 
 
 def test_a_padded_last_block_is_cast_eagerly(compiled):
@@ -420,6 +438,7 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
         from optimum_dmx.formats.compilation import _same_bits
         from optimum_dmx.formats.packing import fused_dequantize
+        from optimum_dmx.nn.transforms import RandomizedHadamard, _finish_kernel
 
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
         finite = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
@@ -445,6 +464,11 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
                 runs.append((y.detach(), inputs.grad, beta.grad))
             set_compile_enabled(True)
             assert _same_bits(runs[0], runs[1]), pair
+        transform = RandomizedHadamard(96, 32, seed=1)
+        for dtype in (torch.float32, torch.bfloat16):
+            transformed = transform.quantize(finite.to(dtype), get_format("mxfp4_e2m1"), 32, "ocp")
+            assert _same_bits(transformed, quantize_mx(transform(finite.to(dtype)), "mxfp4_e2m1")), dtype
+        assert _finish_kernel.compiled_variants == 4 and _finish_kernel.rejected_variants == 0
         assert fused_cast_mx.compiled_variants == 2 * len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
         assert fused_dequantize.rejected_variants == 0
         assert _values_kernel.compiled_variants > 0 and _gradients_kernel.compiled_variants > 0

@@ -21,6 +21,7 @@ from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_m
 from optimum_dmx.continuous.fused import _gradients_kernel, _Quantizer, _values_kernel
 from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, quantize_mx, set_compile_enabled
 from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
+from optimum_dmx.nn.transforms import RandomizedHadamard, _finish_kernel
 
 from .helpers import (
     INPUT_IDS,
@@ -63,6 +64,23 @@ def test_compiled_casts_on_cuda_equal_the_eager_casts_on_cuda_and_cpu(compiled, 
                 assert_bitwise_equal(cast_mx(gpu, fmt, 32, rule).cpu(), on_cpu[: len(rows)])
     assert any(signature[0][1].type == "cuda" for signature in fused_cast_mx._kernels)
     assert fused_cast_mx.rejected_variants == rejected
+
+
+@pytest.mark.parametrize("block_size", [32, 512])
+def test_online_transform_on_cuda_equals_the_cpu(compiled, block_size):
+    """A bfloat16 activation's online transform and its fused MX cast (compiled for CUDA) give the CPU's eager bits
+    (the block sums of +-bfloat16 values are exact in float32, whatever order a GPU adds them in)."""
+    transform = RandomizedHadamard(1024, block_size, seed=3)
+    x = torch.randn(16, 1024, generator=torch.Generator().manual_seed(0)).bfloat16()
+    cast = (get_format("mxfp4_e2m1"), 32, "ocp")
+    set_compile_enabled(False)
+    expected = transform(x), transform.quantize(x, *cast)
+    set_compile_enabled(True)
+    gpu = x.to(CUDA)
+    assert_bitwise_equal(transform(gpu).cpu(), expected[0])
+    assert_bitwise_equal(transform.quantize(gpu, *cast).cpu(), expected[1])
+    assert any(signature[0][1].type == "cuda" for signature in _finish_kernel._kernels)
+    assert _finish_kernel.rejected_variants == 0
 
 
 @pytest.mark.parametrize("name", list(MX_FORMATS))

@@ -97,7 +97,7 @@ def _hessians_from_whole_passes(model, modules, ids, batch_size):
 
     def gather(name):
         def hook(module, args, output):
-            x = module.quantized_input(args[0]).reshape(-1, module.in_features).float()
+            x = module.matmul_input(args[0]).reshape(-1, module.in_features).float()
             sums[name] = sums.get(name, 0) + x.T @ x
             counts[name] = counts.get(name, 0) + x.shape[0]
 

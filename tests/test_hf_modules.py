@@ -121,20 +121,20 @@ def _shared_pair(fmt_a: str, fmt_b: str) -> tuple[MXLinear, MXLinear]:
 def test_linears_reading_one_input_in_one_format_quantize_it_once():
     a, b = _shared_pair("mxfp6_e2m3", "mxfp6_e2m3")
     x = torch.randn(3, 64)
-    cast = a.quantized_input(x)
-    assert b.quantized_input(x) is cast and len(a.input_casts) == 1
+    cast = a.matmul_input(x)
+    assert b.matmul_input(x) is cast and len(a.input_casts) == 1
     assert torch.equal(cast, quantize_mx(x, "mxfp6_e2m3"))
     other = torch.randn(3, 64)
-    assert b.quantized_input(other) is not cast and len(a.input_casts) == 2
+    assert b.matmul_input(other) is not cast and len(a.input_casts) == 2
 
 
 def test_shared_input_casts_follow_format_and_in_place_changes():
     a, b = _shared_pair("mxfp4", "mxfp8")
     x = torch.randn(2, 64)
-    assert torch.equal(b.quantized_input(x), quantize_mx(x, "mxfp8"))
-    assert torch.equal(a.quantized_input(x), quantize_mx(x, "mxfp4"))  # another format: its own cast
+    assert torch.equal(b.matmul_input(x), quantize_mx(x, "mxfp8"))
+    assert torch.equal(a.matmul_input(x), quantize_mx(x, "mxfp4"))  # another format: its own cast
     x.mul_(3.0)  # modified in place: the cached casts are stale
-    assert torch.equal(a.quantized_input(x), quantize_mx(x, "mxfp4"))
+    assert torch.equal(a.matmul_input(x), quantize_mx(x, "mxfp4"))
     assert torch.equal(b(x), MXLinear.from_linear(_linear(64, 8), "mxfp8")(x))
 
 
@@ -162,7 +162,7 @@ def test_a_copied_model_gets_its_own_empty_input_cache():
     replace_with_mx_linear(model, {name: "mxfp4" for name in names})
     cache = model.get_submodule(names[0]).input_casts
     x = torch.randn(2, 64)
-    keep = model.get_submodule(names[0]).quantized_input(x)
+    keep = model.get_submodule(names[0]).matmul_input(x)
     copied = copy.deepcopy(model)
     copied_cache = copied.get_submodule(names[0]).input_casts
     assert copied_cache is not cache and len(copied_cache) == 0 and len(cache) == 1

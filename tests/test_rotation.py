@@ -14,6 +14,7 @@ from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrate, dmx_linears
 from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
+from optimum_dmx.nn.surgery import replace_with_mx_linear
 from optimum_dmx.nn.transforms import (
     RandomizedHadamard,
     TransformedLinear,
@@ -115,6 +116,13 @@ def test_rotation_preserves_the_models_function(kind, rotation, dtype):
 def test_online_block_rotation_transforms_every_quantized_input_and_preserves_the_function(kind, dtype):
     model, rotated, transforms, quantized = _rotated_copy(kind, "online_block_hadamard", getattr(torch, dtype))
     assert sorted(transforms) == sorted(quantized) and all(s["block_size"] == 32 for s in transforms.values())
+    for layer in range(2):  # the linears reading one input share its transform; the others have their own
+        prefix = f"model.layers.{layer}."
+        seeds = {name.removeprefix(prefix): s["seed"] for name, s in transforms.items() if name.startswith(prefix)}
+        assert seeds["self_attn.q_proj"] == seeds["self_attn.k_proj"] == seeds["self_attn.v_proj"]
+        assert seeds["mlp.gate_proj"] == seeds["mlp.up_proj"]
+        shared = {seeds[n] for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
+        assert len(shared) == 4
     assert rotated.lm_head.weight is rotated.model.embed_tokens.weight  # nothing merged into the residual stream
     assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)
 
@@ -158,6 +166,28 @@ def test_mx_and_dmx_linears_apply_the_online_transform():
         layer = layers["0"]
         probe.set(2.0, torch.device("cpu"), measure=False)
         assert torch.equal(layer(x), MXLinear.from_linear(linear, "mxfp8_e4m3", input_transform=transform)(x))
+
+
+def test_linears_sharing_an_online_transform_transform_and_quantize_their_input_once(monkeypatch):
+    """q/k/v and gate/up of an `online_block_hadamard` model, each with its own transform object rebuilt from the
+    records (as a reloaded model has them), transform and quantize their input once per forward: 4 times per decoder
+    layer, not 7. The logits are those of modules that share nothing."""
+    model = tiny_decoder("llama", tied=True)
+    quantized = linear_modules_to_quantize(model, ["lm_head"])
+    transforms = rotate_model(model, "online_block_hadamard", quantized)
+    for name in quantized:
+        model.get_submodule(name).input_transform = RandomizedHadamard.from_dict(transforms[name])
+    replace_with_mx_linear(model, dict.fromkeys(quantized, "mxfp4_e2m1"))
+    calls = []
+    quantize = RandomizedHadamard.quantize
+    monkeypatch.setattr(RandomizedHadamard, "quantize", lambda self, *a: calls.append(self.key) or quantize(self, *a))
+    with torch.no_grad():
+        shared = model(INPUT_IDS).logits
+        assert len(calls) == 2 * 4 and len(set(calls)) == 2 * 4
+        for name in quantized:
+            model.get_submodule(name).input_casts = None
+        assert torch.equal(model(INPUT_IDS).logits, shared)
+    assert len(calls) == 2 * 4 + 2 * 7
 
 
 def test_calibrating_a_rotated_model_runs_with_the_online_transforms():

@@ -247,7 +247,7 @@ def _hessians(
     def gather(name: str):
         def hook(module: MXLinear, args: tuple) -> None:
             x = args[0]
-            how = (id(module.input_transform), module.quantize_activations, module.fmt.name, module.scale_rule)
+            how = module.matmul_input_key
             owner = next((o for seen, h, o in inputs if seen is x and h == how), name)
             if owners.setdefault(name, owner) != owner:
                 raise RuntimeError(f"GPTQ: {name!r} shared its input differently from one batch to the next")
@@ -261,11 +261,7 @@ def _hessians(
         return hook
 
     def accumulate(module: MXLinear, x: torch.Tensor, name: str) -> None:
-        if module.input_transform is not None:
-            x = module.input_transform(x)
-        if module.quantize_activations:
-            x = module.quantized_input(x)
-        x = x.reshape(-1, x.shape[-1]).float()
+        x = module.matmul_input(x).reshape(-1, x.shape[-1]).float()
         if name not in sums:
             sums[name] = torch.zeros(x.shape[-1], x.shape[-1], device=x.device)
             counts[name] = 0

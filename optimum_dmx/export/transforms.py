@@ -12,9 +12,9 @@ The product is the same function.
 
 What this cannot carry is refused, naming the layer: a transform with an odd factor (the random orthogonal matrix
 of `rotation="hadamard"` at an intermediate size that is not a power of two: no Hadamard matrix the loaders build
-equals it), a transform on any other layer than a gated MLP's `down_proj` (q/k/v and gate/up read one input with
-different signs each; `o_proj`'s input comes out of attention), and, for Quark, transforms of different block
-sizes in one model (its rotation has one `rotation_size`).
+equals it), a transform on any other layer than a gated MLP's `down_proj` (q/k/v and gate/up read a norm's
+output, with no linear's rows for the signs; `o_proj`'s input comes out of attention), and, for Quark, transforms
+of different block sizes in one model (its rotation has one `rotation_size`).
 """
 
 from __future__ import annotations
@@ -136,8 +136,8 @@ def _producer(module: str, transform: RandomizedHadamard, skeleton: nn.Module, t
     if not module.endswith(f".{_CONSUMER}") or not isinstance(_get(skeleton, producer), nn.Linear):
         raise ValueError(
             f"{module} has an online transform that {target} can carry only on a gated MLP's down_proj "
-            "(its random signs move into up_proj's rows; other layers share their input or read attention's "
-            "output); calibrate with rotation='block_hadamard' or 'hadamard' instead of 'online_block_hadamard'"
+            "(its random signs move into up_proj's rows; other layers read a norm's or attention's output); "
+            "calibrate with rotation='block_hadamard' or 'hadamard' instead of 'online_block_hadamard'"
         )
     outputs = _get(skeleton, producer).out_features
     if outputs != transform.size:

@@ -67,6 +67,18 @@ def pow2(exponent: torch.Tensor) -> torch.Tensor:
     return ((exponent + FP32_EXPONENT_BIAS) << FP32_MANTISSA_BITS).view(torch.float32)
 
 
+def round_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """A float32 tensor rounded to the nearest bfloat16 (ties to even), kept in float32: ``x.bfloat16().float()``
+    computed on the bit pattern, which a compiled kernel vectorises in float32 lanes (a bfloat16 cast inside one
+    makes inductor's C++ kernel narrow and slow). Infinities and NaNs pass unchanged; a value past bfloat16's
+    largest becomes an infinity, as the cast makes it."""
+    bits = x.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & -0x10000  # no overflow: finite magnitudes only
+    signed = (rounded | (bits & torch.iinfo(torch.int32).min)).view(torch.float32)
+    return torch.where(magnitude < 0x7F800000, signed, x)
+
+
 def block_max(blocks: torch.Tensor) -> torch.Tensor:
     """``max|block|`` per block (float32, ``[..., n_blocks, 1]``); NaN or Inf where the block holds one."""
     return blocks.abs().amax(dim=-1, keepdim=True)

@@ -95,11 +95,13 @@ class CompiledKernel:
     ``fn`` must be free of host synchronisation (no ``.item()``, no data-dependent Python branches) so that it
     traces into one graph; its arguments other than tensors (formats, block sizes) are compile-time constants and
     must be hashable. Tensors of two or more dimensions have their rows (tokens) first: their row count is
-    symbolic, their other sizes are part of the kernel's key, as are 0- and 1-dim tensors' sizes.
+    symbolic, their other sizes are part of the kernel's key, as are 0- and 1-dim tensors' sizes. `options`:
+    inductor options of this kernel, added to `INDUCTOR_OPTIONS`.
     """
 
-    def __init__(self, fn: Callable[..., Any]):
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None):
         self.fn = fn
+        self.options = dict(options or {})
         # key -> what runs for it: the compiled kernel once its first call matched the eager function, else `fn`
         self._kernels: dict[tuple, Callable[..., Any]] = {}
         functools.update_wrapper(self, fn)
@@ -129,7 +131,7 @@ class CompiledKernel:
         first_call = kernel is None
         try:
             if first_call:
-                kernel = _compile(self.fn, args, inductor_options(args))
+                kernel = _compile(self.fn, args, {**inductor_options(args), **self.options})
             result = kernel(*args)
         except Exception as error:  # a missing compiler or backend must never break quantization
             global _compilation_failed

@@ -27,12 +27,13 @@ class MXLinear(nn.Module):
     change; without it only the packed form is kept
     (about 1/4 to 1/2 of the bf16 weight memory) and the weight is dequantized on every call.
 
-    An `input_transform` (an online rotation, `nn.transforms`) is applied to the input before its quantization;
-    the stored weight already holds its inverse. Like the format, it is rebuilt from config.json.
+    An `input_transform` (an online rotation, `nn.transforms`) is applied to the input before its quantization (in
+    one compiled kernel with it at inference); the stored weight already holds its inverse. Like the format, it is
+    rebuilt from config.json.
 
     `input_casts`, when set (`replace_with_mx_linear` gives all the modules of a model one), is an `InputCache`
-    shared with the other modules: linears that read the same input tensor in the same format (q/k/v, gate/up)
-    quantize it once per forward pass. The results are the same bits either way.
+    shared with the other modules: linears that read the same input tensor with the same transform and format
+    (q/k/v, gate/up) transform and quantize it once per forward pass. The results are the same bits either way.
     """
 
     def __init__(
@@ -142,23 +143,35 @@ class MXLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.dequantized_weight(x.dtype)
-        if self.input_transform is not None:
-            x = self.input_transform(x)
-        if self.quantize_activations:
-            x = self.quantized_input(x)
+        x = self.matmul_input(x)
         bias = None if self.bias is None else self.bias.to(x.dtype)
         return F.linear(x, weight, bias)
 
-    def quantized_input(self, x: torch.Tensor) -> torch.Tensor:
-        """`x` quantized to the module's format, computed once per input tensor among the modules sharing
-        `input_casts` (not inside `torch.compile`, which traces the cast itself)."""
+    def matmul_input(self, x: torch.Tensor) -> torch.Tensor:
+        """What the matmul multiplies: `x` transformed by `input_transform` and quantized to the module's format
+        (each when the module has it), computed once per input tensor among the modules sharing `input_casts` (not
+        inside `torch.compile`, which traces the steps themselves)."""
+        transform = self.input_transform
+        if transform is None and not self.quantize_activations:
+            return x
 
-        def cast() -> torch.Tensor:
-            return quantize_mx(x, self.fmt, self.block_size, self.scale_rule)
+        def compute() -> torch.Tensor:
+            if not self.quantize_activations:
+                return transform(x)
+            if transform is None:
+                return quantize_mx(x, self.fmt, self.block_size, self.scale_rule)
+            return transform.quantize(x, self.fmt, self.block_size, self.scale_rule)
 
         if self.input_casts is None or torch.compiler.is_compiling():
-            return cast()
-        return self.input_casts.get(x, (self.fmt.name, self.block_size, self.scale_rule), cast)
+            return compute()
+        return self.input_casts.get(x, self.matmul_input_key, compute)
+
+    @property
+    def matmul_input_key(self) -> tuple:
+        """Equal keys, equal `matmul_input` of the same tensor: the transform, and the format when quantized."""
+        transform = None if self.input_transform is None else self.input_transform.key
+        quantized = (self.fmt.name, self.block_size, self.scale_rule) if self.quantize_activations else None
+        return transform, quantized
 
     def extra_repr(self) -> str:
         return (

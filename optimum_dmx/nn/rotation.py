@@ -22,8 +22,9 @@ serving engines apply (`export.transforms`), where a full-size one would need a 
 odd factor. `rotation="block_hadamard"` uses block-diagonal ones aligned to the MX blocks (`block_size`, normally
 32), which mix values only within the blocks that share a scale.
 
-`rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets its own
-online block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale.
+`rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets an online
+block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale; linears
+that read one input (q/k/v, gate/up) share one.
 Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
 each quantized linear's input per call.
 
@@ -40,6 +41,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from .groups import fused_projection_groups
 from .placement import is_resident, is_sharded, loaded_weights, replace_module, write_parameters
 from .transforms import RandomizedHadamard, TransformedLinear
 
@@ -182,8 +184,12 @@ def _residual_norm_readers(model: nn.Module) -> list[tuple[str, list[str]]]:
 def _transform_every_input(
     model: nn.Module, quantized: Collection[str], block_size: int, seed: int
 ) -> dict[str, dict[str, Any]]:
-    """An online block-diagonal randomized Hadamard transform on the input of every quantized linear."""
+    """An online block-diagonal randomized Hadamard transform on the input of every quantized linear; the linears
+    that read one input (q/k/v, gate/up: `nn.groups.fused_projection_groups`) share one transform, so that its
+    result is computed once for them (`MXLinear.matmul_input`) and an engine that fuses them can apply it."""
     generator = torch.Generator().manual_seed(seed)
+    shared_with = {name: group[0] for group in fused_projection_groups(quantized) for name in group}
+    built: dict[str, RandomizedHadamard] = {}
     transforms = {}
     for name in quantized:
         linear = model.get_submodule(name)
@@ -194,9 +200,11 @@ def _transform_every_input(
                 f"rotation='online_block_hadamard' needs in_features divisible by {block_size}; "
                 f"{name!r} has {linear.in_features}"
             )
-        transform = RandomizedHadamard(
-            linear.in_features, block_size, int(torch.randint(0, 2**31 - 1, (), generator=generator))
-        )
+        owner = shared_with.get(name, name)
+        if owner not in built:
+            seed_of_owner = int(torch.randint(0, 2**31 - 1, (), generator=generator))
+            built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner)
+        transform = built[owner]
         _merge_input_side(model, name, transform.matrix())
         replace_module(model, name, TransformedLinear(linear, transform))
         transforms[name] = transform.to_dict()

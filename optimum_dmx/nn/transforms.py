@@ -7,10 +7,11 @@ dimension of row vectors (`x -> x @ T`):
 * `I ⊗ ...`: the same transform on every `block_size` consecutive elements (block-diagonal; `block_size = size`
   is the full-size transform);
 * `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
-  with `Q` (below) as a Kronecker product of matrices of order at most `HADAMARD_FACTOR_ORDER` (64): one small
-  matrix product per factor (one in all for blocks of up to 64 elements), a few dozen multiply-adds per element
-  instead of `block_size`. The factors hold +-1 and the result is divided by `sqrt` of the order once, at the end,
-  as compressed-tensors applies its Hadamard transforms: sums of +-x are exact far more often than sums of
+  with `Q` (below) as a Kronecker product of matrices of order at most `HADAMARD_FACTOR_ORDER` (64): the last
+  factor (all of `H ⊗ Q` for blocks of up to 64 elements) as one small matrix product, the others (Sylvester
+  matrices of order 2^k) as k butterflies of sums and differences, a few dozen additions per element instead of
+  `block_size`. The factors hold +-1 and the result is divided by `sqrt` of the order once, at the end, as
+  compressed-tensors applies its Hadamard transforms: sums of +-x are exact far more often than sums of
   `+-x / sqrt(n)`, so an exported model's transform computes the same bits as this one;
 * `Q`: a random orthogonal matrix (from `seed`) for the odd factor of `block_size` that no Hadamard matrix of
   power-of-two order covers (hidden sizes such as 576 = 64 x 9); the identity when there is none.
@@ -19,15 +20,26 @@ A block size of 32 aligns the transform with the MX blocks: each block's values 
 themselves, so one outlier raises one block scale instead of all of them. The transform is rebuilt exactly from
 `(size, block_size, seed)`, which is all a checkpoint records (`to_dict`); it holds no trainable state and adds
 nothing to a state dict.
+
+At inference (no gradient wanted) everything after the matrix product (the butterflies, the division, the rounding
+to the input's dtype and, through `quantize`, the MX cast that follows) runs as one compiled kernel
+(`formats.compilation`), where each of those steps was a pass over the activation; the kernel is checked bit for
+bit against the same steps run eagerly.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+from ..formats.blocks import round_to_bfloat16
+from ..formats.cast import cast_mx_blocks, compiles, quantize_mx
+from ..formats.compilation import CompiledKernel
+from ..formats.spec import MXFormat
 
 
 def _split_power_of_two(n: int) -> tuple[int, int]:
@@ -69,6 +81,30 @@ def kronecker_factors(power: int, odd: torch.Tensor) -> list[torch.Tensor]:
     return [sylvester_matrix(2**size) for size in sizes] + [last]
 
 
+def _finish_blocks(x: torch.Tensor, butterflies: int, last: int, norm: float | torch.Tensor) -> torch.Tensor:
+    """Rows `x` whose blocks were multiplied by their last Kronecker factor (of order `last`), multiplied by the
+    others, `Sylvester(2) ⊗ ... ⊗ Sylvester(2)` (`butterflies` of them), as sums and differences, then divided by
+    `norm`."""
+    rows, width = x.shape
+    x = x.reshape(rows, -1, *(2,) * butterflies, last)
+    for axis in range(2, 2 + butterflies):
+        first, second = x.unbind(axis)
+        x = torch.stack((first + second, first - second), axis)
+    return x.reshape(rows, width) / norm
+
+
+# Keeps a float16 rounding between the transform and the cast, which inductor otherwise drops.
+@functools.partial(CompiledKernel, options={"emulate_precision_casts": True})
+def _finish_kernel(
+    x: torch.Tensor, butterflies: int, last: int, norm: float, dtype: torch.dtype, cast: tuple | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """`_finish_blocks`, rounded to `dtype` (returned as float32) and, with `cast` (format, block size, scale rule),
+    MX-quantized (the values and the block output of `formats.cast.cast_mx_blocks`)."""
+    finished = _finish_blocks(x, butterflies, last, norm)
+    finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
+    return finished if cast is None else cast_mx_blocks(finished, *cast, native_cast=False)
+
+
 class RandomizedHadamard(nn.Module):
     """The orthogonal transform `x -> x @ T` of the last dimension described in the module docstring.
 
@@ -97,36 +133,64 @@ class RandomizedHadamard(nn.Module):
             0
         ]
         # A block is indexed as a tensor of shape `factor_shape`, one axis per Kronecker factor of `H ⊗ Q`: the
-        # transform multiplies each axis by its factor's matrix.
+        # transform multiplies each axis by its factor's matrix. All but the last are Sylvester matrices
+        # (butterflies); the last is kept as a matrix.
         matrices = kronecker_factors(self.power, odd)
         self.factor_shape = tuple(len(m) for m in matrices)
         self._norm = torch.tensor(self.power, dtype=torch.float64, device="cpu").sqrt()  # H = sylvester / _norm
         # Plain float64 tensors, not buffers: `model.to(torch.bfloat16)` must not round them (the merged weights
         # were computed with these exact values), and a state dict has nothing to hold.
-        self._factors = {(torch.device("cpu"), torch.float64): (signs, matrices)}
+        self._factors = {(torch.device("cpu"), torch.float64): (signs, matrices[-1])}
 
-    def _factors_as(self, x: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """The signs and the factors' matrices on `x`'s device and in its dtype (converted once, then kept)."""
-        key = (x.device, x.dtype)
+    def _factors_as(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The signs and the last factor's matrix on `device` in `dtype` (converted once, then kept)."""
+        key = (device, dtype)
         if key not in self._factors:
-            signs, matrices = self._factors[(torch.device("cpu"), torch.float64)]
-            self._factors[key] = (signs.to(x.device, x.dtype), [m.to(x.device, x.dtype) for m in matrices])
+            signs, last = self._factors[(torch.device("cpu"), torch.float64)]
+            self._factors[key] = (signs.to(device, dtype), last.to(device, dtype))
         return self._factors[key]
 
-    def _apply_float(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ T` in `x`'s (floating) dtype."""
-        signs, matrices = self._factors_as(x)
-        lead = x.shape[:-1]
-        y = (x * signs).reshape(*lead, self.size // self.block_size, *self.factor_shape)
-        for axis, matrix in zip(range(-len(matrices), 0), matrices):
-            y = (y.movedim(axis, -1) @ matrix).movedim(-1, axis)
-        return y.reshape(*lead, self.size) / self._norm
+    def _mixed_last_axis(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x` (rows) times the signs `D`, then each block's last Kronecker factor, as a `dtype` matrix product: the
+        product of a bfloat16 `x` and float32 signs is float32, one pass."""
+        signs, last = self._factors_as(x.device, dtype)
+        return ((x * signs).view(-1, len(last)) @ last).view(x.shape)
+
+    @property
+    def _butterflies(self) -> int:
+        """How many butterfly stages the other factors than the last take (their orders are powers of two)."""
+        return sum(order.bit_length() - 1 for order in self.factor_shape[:-1])
+
+    def _apply(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`x @ T` computed in `dtype` (float32 or float64), eagerly, rows of `x`'s last dimension."""
+        rows = x.reshape(-1, self.size)
+        mixed = _finish_blocks(self._mixed_last_axis(rows, dtype), self._butterflies, self.factor_shape[-1], self._norm)
+        return mixed.view(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ T`, computed in float32 (the MX quantizers' precision) and returned in `x`'s dtype."""
+        return self._transformed(x, None)
+
+    def quantize(self, x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str) -> torch.Tensor:
+        """`formats.quantize_mx(self(x), fmt, block_size, scale_rule)`, the same bits, with the cast in the
+        transform's compiled kernel."""
+        return self._transformed(x, (fmt, block_size, scale_rule))
+
+    def _transformed(self, x: torch.Tensor, cast: tuple[MXFormat, int, str] | None) -> torch.Tensor:
         if x.shape[-1] != self.size:
             raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
-        return self._apply_float(x.float()).to(x.dtype)
+        fused = _finish_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
+        if fused and (cast is None or compiles(self.size, cast[1])):
+            mixed = self._mixed_last_axis(x.reshape(-1, self.size), torch.float32)
+            finished = _finish_kernel(mixed, self._butterflies, self.factor_shape[-1], float(self._norm), x.dtype, cast)
+            return (finished if cast is None else finished[0]).to(x.dtype).view(x.shape)
+        transformed = self._apply(x.float(), torch.float32).to(x.dtype)
+        return transformed if cast is None else quantize_mx(transformed, *cast)
+
+    @property
+    def key(self) -> tuple[int, int, int]:
+        """`(size, block_size, seed)`: equal keys, equal transforms (modules may share the results)."""
+        return self.size, self.block_size, self.seed
 
     def signs(self) -> torch.Tensor:
         """The diagonal of `D`: one sign (+-1, float64) per element of the transformed dimension."""
@@ -134,7 +198,7 @@ class RandomizedHadamard(nn.Module):
 
     def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """`T` itself, `[size, size]`, computed in float64 on the CPU (for merging the transform into weights)."""
-        return self._apply_float(torch.eye(self.size, dtype=torch.float64, device="cpu")).to(dtype)
+        return self._apply(torch.eye(self.size, dtype=torch.float64, device="cpu"), torch.float64).to(dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """What rebuilds this transform exactly (`from_dict`): stored per module in config.json."""
