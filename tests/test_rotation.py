@@ -19,7 +19,7 @@ from optimum_dmx.nn.transforms import (
     RandomizedHadamard,
     TransformedLinear,
     hadamard_matrix,
-    kronecker_factors,
+    kronecker_split,
     sylvester_matrix,
 )
 
@@ -35,19 +35,17 @@ def test_hadamard_matrix_is_sylvesters(n):
 
 
 @pytest.mark.parametrize(
-    "power, odd, orders",
-    [(1, 1, [1]), (32, 1, [32]), (64, 1, [64]), (2048, 1, [32, 64]), (8192, 1, [16, 8, 64]), (512, 3, [32, 48]),
-     (64, 9, [16, 36]), (2048, 7, [16, 16, 56]), (4, 97, [4, 97])],
-)  # fmt: skip
-def test_kronecker_factors_of_the_block_transform(power, odd, orders):
+    "power, odd, butterflies, order",
+    [(1, 1, 0, 1), (16, 1, 0, 16), (32, 1, 1, 16), (2048, 1, 7, 16), (512, 3, 5, 48), (64, 9, 2, 144), (4, 97, 0, 388)],
+)
+def test_kronecker_split_of_the_block_transform(power, odd, butterflies, order):
     q = torch.linalg.qr(torch.randn(odd, odd, dtype=torch.float64))[0].contiguous()
-    factors = kronecker_factors(power, q)
-    assert [len(f) for f in factors] == orders
-    if power * odd <= 2048:
-        product = torch.ones(1, 1, dtype=torch.float64)
-        for factor in factors:
-            product = torch.kron(product, factor)
-        torch.testing.assert_close(product, torch.kron(sylvester_matrix(power), q), rtol=0, atol=1e-12)
+    stages, matrix = kronecker_split(power, q)
+    assert (stages, len(matrix)) == (butterflies, order)
+    product = matrix
+    for _ in range(stages):
+        product = torch.kron(sylvester_matrix(2), product)
+    torch.testing.assert_close(product, torch.kron(sylvester_matrix(power), q), rtol=0, atol=1e-12)
 
 
 @pytest.mark.parametrize(

@@ -7,10 +7,9 @@ dimension of row vectors (`x -> x @ T`):
 * `I ⊗ ...`: the same transform on every `block_size` consecutive elements (block-diagonal; `block_size = size`
   is the full-size transform);
 * `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
-  with `Q` (below) as a Kronecker product of matrices of order at most `HADAMARD_FACTOR_ORDER` (64): the last
-  factor (all of `H ⊗ Q` for blocks of up to 64 elements) as one small matrix product, the others (Sylvester
-  matrices of order 2^k) as k butterflies of sums and differences, a few dozen additions per element instead of
-  `block_size`. The factors hold +-1 and the result is divided by `sqrt` of the order once, at the end, as
+  with `Q` (below) as a Kronecker product `H_2 ⊗ ... ⊗ H_2 ⊗ (H_16 ⊗ Q)` (`kronecker_split`): a matrix product
+  with the last factor, then one butterfly of sums and differences per `H_2`, a few dozen additions per element
+  instead of `block_size`. The factors hold +-1 and the result is divided by `sqrt` of the order once, at the end, as
   compressed-tensors applies its Hadamard transforms: sums of +-x are exact far more often than sums of
   `+-x / sqrt(n)`, so an exported model's transform computes the same bits as this one;
 * `Q`: a random orthogonal matrix (from `seed`) for the odd factor of `block_size` that no Hadamard matrix of
@@ -48,7 +47,7 @@ def _split_power_of_two(n: int) -> tuple[int, int]:
     return power, n // power
 
 
-HADAMARD_FACTOR_ORDER = 64  # largest Hadamard matrix applied as one matrix product
+MATRIX_FACTOR_ORDER = 16  # the power of two in the one Kronecker factor applied as a matrix product
 
 
 def sylvester_matrix(order: int) -> torch.Tensor:
@@ -66,19 +65,14 @@ def hadamard_matrix(order: int) -> torch.Tensor:
     return sylvester_matrix(order) / order**0.5
 
 
-def kronecker_factors(power: int, odd: torch.Tensor) -> list[torch.Tensor]:
-    """Float64 matrices whose Kronecker product is `sylvester_matrix(power) ⊗ odd` (not normalized), each of order
-    at most `HADAMARD_FACTOR_ORDER`
-    (but for an odd factor above it), as few and as even as possible: each is one matrix product, and tiny ones
-    waste most of theirs. The odd factor and the power of two that fits beside it form the last one."""
-    low = 1
-    while low < power and 2 * low * len(odd) <= HADAMARD_FACTOR_ORDER:
-        low *= 2
-    last = torch.kron(sylvester_matrix(low), odd.contiguous())
-    bits = (power // low).bit_length() - 1
-    count = -(-bits // (HADAMARD_FACTOR_ORDER.bit_length() - 1))  # factors of at most 64 for the other bits
-    sizes = [bits // count + (i < bits % count) for i in range(count)] if count else []
-    return [sylvester_matrix(2**size) for size in sizes] + [last]
+def kronecker_split(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """`sylvester_matrix(power) ⊗ odd` as `H_2 ⊗ ... ⊗ H_2 ⊗ M`: the number of `H_2` factors (each a butterfly of
+    sums and differences) and the float64 matrix `M = sylvester_matrix(m) ⊗ odd`, `m = min(power,
+    MATRIX_FACTOR_ORDER)` (one matrix product). Of the splits of a 32-block, a product with a 16 x 16 matrix and one
+    butterfly measured fastest on a CPU: a matrix product's cost grows with its order, and inductor inlines a
+    butterfly's every stage into the kernel that follows, where each stage doubles the reads of an element."""
+    order = min(power, MATRIX_FACTOR_ORDER)
+    return (power // order).bit_length() - 1, torch.kron(sylvester_matrix(order), odd.contiguous())
 
 
 def _finish_blocks(x: torch.Tensor, butterflies: int, last: int, norm: float | torch.Tensor) -> torch.Tensor:
@@ -132,15 +126,14 @@ class RandomizedHadamard(nn.Module):
         odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[
             0
         ]
-        # A block is indexed as a tensor of shape `factor_shape`, one axis per Kronecker factor of `H ⊗ Q`: the
-        # transform multiplies each axis by its factor's matrix. All but the last are Sylvester matrices
-        # (butterflies); the last is kept as a matrix.
-        matrices = kronecker_factors(self.power, odd)
-        self.factor_shape = tuple(len(m) for m in matrices)
+        # A block is indexed as a tensor of shape (2, ..., 2, len(last)), one axis per Kronecker factor of `H ⊗ Q`:
+        # the transform multiplies each axis by its factor's matrix (a butterfly for each axis of 2).
+        self._butterflies, last = kronecker_split(self.power, odd)
         self._norm = torch.tensor(self.power, dtype=torch.float64, device="cpu").sqrt()  # H = sylvester / _norm
         # Plain float64 tensors, not buffers: `model.to(torch.bfloat16)` must not round them (the merged weights
         # were computed with these exact values), and a state dict has nothing to hold.
-        self._factors = {(torch.device("cpu"), torch.float64): (signs, matrices[-1])}
+        self._factors = {(torch.device("cpu"), torch.float64): (signs, last)}
+        self._last_order = len(last)
 
     def _factors_as(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """The signs and the last factor's matrix on `device` in `dtype` (converted once, then kept)."""
@@ -156,15 +149,10 @@ class RandomizedHadamard(nn.Module):
         signs, last = self._factors_as(x.device, dtype)
         return ((x * signs).view(-1, len(last)) @ last).view(x.shape)
 
-    @property
-    def _butterflies(self) -> int:
-        """How many butterfly stages the other factors than the last take (their orders are powers of two)."""
-        return sum(order.bit_length() - 1 for order in self.factor_shape[:-1])
-
     def _apply(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x @ T` computed in `dtype` (float32 or float64), eagerly, rows of `x`'s last dimension."""
         rows = x.reshape(-1, self.size)
-        mixed = _finish_blocks(self._mixed_last_axis(rows, dtype), self._butterflies, self.factor_shape[-1], self._norm)
+        mixed = _finish_blocks(self._mixed_last_axis(rows, dtype), self._butterflies, self._last_order, self._norm)
         return mixed.view(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -182,7 +170,7 @@ class RandomizedHadamard(nn.Module):
         fused = _finish_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
         if fused and (cast is None or compiles(self.size, cast[1])):
             mixed = self._mixed_last_axis(x.reshape(-1, self.size), torch.float32)
-            finished = _finish_kernel(mixed, self._butterflies, self.factor_shape[-1], float(self._norm), x.dtype, cast)
+            finished = _finish_kernel(mixed, self._butterflies, self._last_order, float(self._norm), x.dtype, cast)
             return (finished if cast is None else finished[0]).to(x.dtype).view(x.shape)
         transformed = self._apply(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
