@@ -36,7 +36,17 @@ def test_hadamard_matrix_is_sylvesters(n):
 
 @pytest.mark.parametrize(
     "power, odd, butterflies, order",
-    [(1, 1, 0, 1), (16, 1, 0, 16), (32, 1, 1, 16), (2048, 1, 7, 16), (512, 3, 5, 48), (64, 9, 2, 144), (4, 97, 0, 388)],
+    [
+        (1, 1, 0, 1),
+        (16, 1, 0, 16),
+        (32, 1, 1, 16),
+        (128, 1, 3, 16),
+        (512, 1, 3, 64),
+        (2048, 1, 5, 64),
+        (512, 3, 3, 192),
+        (64, 9, 2, 144),
+        (4, 97, 0, 388),
+    ],
 )
 def test_kronecker_split_of_the_block_transform(power, odd, butterflies, order):
     q = torch.linalg.qr(torch.randn(odd, odd, dtype=torch.float64))[0].contiguous()

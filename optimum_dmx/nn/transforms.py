@@ -47,7 +47,9 @@ def _split_power_of_two(n: int) -> tuple[int, int]:
     return power, n // power
 
 
-MATRIX_FACTOR_ORDER = 16  # the power of two in the one Kronecker factor applied as a matrix product
+# The power of two in the one Kronecker factor applied as a matrix product: at least 16, at most 64, large enough
+# that at most 3 butterflies follow up to blocks of 512 (each is a pass over memory when a gradient is wanted).
+MATRIX_FACTOR_ORDERS = (16, 64)
 
 
 def sylvester_matrix(order: int) -> torch.Tensor:
@@ -67,11 +69,13 @@ def hadamard_matrix(order: int) -> torch.Tensor:
 
 def kronecker_split(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
     """`sylvester_matrix(power) ⊗ odd` as `H_2 ⊗ ... ⊗ H_2 ⊗ M`: the number of `H_2` factors (each a butterfly of
-    sums and differences) and the float64 matrix `M = sylvester_matrix(m) ⊗ odd`, `m = min(power,
-    MATRIX_FACTOR_ORDER)` (one matrix product). Of the splits of a 32-block, a product with a 16 x 16 matrix and one
-    butterfly measured fastest on a CPU: a matrix product's cost grows with its order, and inductor inlines a
-    butterfly's every stage into the kernel that follows, where each stage doubles the reads of an element."""
-    order = min(power, MATRIX_FACTOR_ORDER)
+    sums and differences) and the float64 matrix `M = sylvester_matrix(m) ⊗ odd` (one matrix product), `m` between
+    `MATRIX_FACTOR_ORDERS` (`power / 8` where that falls between them; all of `power` below the lower one). Of the
+    splits of a 32-block, a product with a 16 x 16 matrix and one butterfly measured fastest on a CPU at inference
+    (a matrix product's cost grows with its order; inductor inlines the butterflies into the kernel that follows);
+    eagerly, with a gradient, each butterfly is a pass over the activation, so larger blocks take a larger matrix."""
+    low, high = MATRIX_FACTOR_ORDERS
+    order = min(power, max(low, min(high, power // 8)))
     return (power // order).bit_length() - 1, torch.kron(sylvester_matrix(order), odd.contiguous())
 
 
