@@ -59,10 +59,12 @@ def test_kronecker_split_of_the_block_transform(power, odd, butterflies, order):
 
 
 @pytest.mark.parametrize(
-    "size, block_size", [(96, 32), (96, 96), (576, 32), (576, 576), (64, None), (2048, 2048), (1536, 1536)]
+    "size, block_size, sign_copies",
+    [(96, 32, None), (96, 96, None), (576, 32, None), (576, 576, None), (64, None, None), (2048, 2048, None)]
+    + [(1536, 1536, None), (256, 32, (4, 32)), (384, 32, (3, 64))],
 )
-def test_randomized_hadamard_is_orthogonal_block_diagonal_and_rebuilds_exactly(size, block_size):
-    transform = RandomizedHadamard(size, block_size, seed=5)
+def test_randomized_hadamard_is_orthogonal_block_diagonal_and_rebuilds_exactly(size, block_size, sign_copies):
+    transform = RandomizedHadamard(size, block_size, seed=5, sign_copies=sign_copies)
     matrix = transform.matrix()
     torch.testing.assert_close(matrix @ matrix.T, torch.eye(size, dtype=torch.float64), rtol=0, atol=1e-12)
     block = block_size or size
@@ -71,7 +73,12 @@ def test_randomized_hadamard_is_orthogonal_block_diagonal_and_rebuilds_exactly(s
     torch.testing.assert_close(transform(x), (x.double() @ matrix).float(), rtol=0, atol=1e-5)
     rebuilt = RandomizedHadamard.from_dict(json.loads(json.dumps(transform.to_dict())))
     assert torch.equal(rebuilt.matrix(), matrix)
-    assert not torch.equal(RandomizedHadamard(size, block_size, seed=6).matrix(), matrix)
+    assert not torch.equal(RandomizedHadamard(size, block_size, seed=6, sign_copies=sign_copies).matrix(), matrix)
+    copies, run = sign_copies or (1, size)
+    signs = transform.signs().view(-1, copies, run)  # each run of signs used `copies` times in a row
+    assert torch.equal(signs, signs[:, :1].expand_as(signs)) and rebuilt.key == transform.key
+    if copies > 1:  # one drawn sign per copied run: the runs differ from one another
+        assert not torch.equal(signs[0, 0], signs[1, 0])
 
 
 def test_randomized_hadamard_rejects_bad_sizes():
@@ -79,6 +86,9 @@ def test_randomized_hadamard_rejects_bad_sizes():
         RandomizedHadamard(64, 48)
     with pytest.raises(ValueError, match="unknown input transform"):
         RandomizedHadamard.from_dict({"type": "givens", "size": 4})
+    for bad in ((5, 32), (2,), (0, 32), "2x32", (2.0, 32)):
+        with pytest.raises(ValueError, match=r"sign_copies \(copies, run\).*size=96"):
+            RandomizedHadamard(96, 32, sign_copies=bad)
 
 
 def _rotated_copy(kind: str, rotation: str, dtype: torch.dtype) -> tuple[nn.Module, nn.Module, dict, list[str]]:
@@ -131,6 +141,13 @@ def test_online_block_rotation_transforms_every_quantized_input_and_preserves_th
         assert seeds["mlp.gate_proj"] == seeds["mlp.up_proj"]
         shared = {seeds[n] for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
         assert len(shared) == 4
+        # grouped-query attention (4 query heads, 2 value heads of 32): o_proj's signs are equal across the query
+        # heads reading one value head, its own signs for each value head
+        o_proj = rotated.get_submodule(f"{prefix}self_attn.o_proj").input_transform
+        assert transforms[f"{prefix}self_attn.o_proj"]["sign_copies"] == [2, 32]
+        by_head = o_proj.signs().view(2, 2, 32)
+        assert torch.equal(by_head[:, 0], by_head[:, 1]) and not torch.equal(by_head[0, 0], by_head[1, 0])
+        assert all("sign_copies" not in transforms[f"{prefix}{n}"] for n in ("self_attn.q_proj", "mlp.down_proj"))
     assert rotated.lm_head.weight is rotated.model.embed_tokens.weight  # nothing merged into the residual stream
     assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)
 

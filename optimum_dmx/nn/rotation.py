@@ -24,7 +24,8 @@ odd factor. `rotation="block_hadamard"` uses block-diagonal ones aligned to the 
 
 `rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets an online
 block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale; linears
-that read one input (q/k/v, gate/up) share one.
+that read one input (q/k/v, gate/up) share one, and an `o_proj`'s signs are equal across the query heads that read
+one value head (so that an export can move every transform's signs into the layer or norm producing its input).
 Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
 each quantized linear's input per call.
 
@@ -203,12 +204,25 @@ def _transform_every_input(
         owner = shared_with.get(name, name)
         if owner not in built:
             seed_of_owner = int(torch.randint(0, 2**31 - 1, (), generator=generator))
-            built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner)
+            copies = _value_head_sign_copies(model, name)
+            built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies)
         transform = built[owner]
         _merge_input_side(model, name, transform.matrix())
         replace_module(model, name, TransformedLinear(linear, transform))
         transforms[name] = transform.to_dict()
     return transforms
+
+
+def _value_head_sign_copies(model: nn.Module, name: str) -> tuple[int, int] | None:
+    """For the `o_proj` of a grouped-query attention, `(query heads per value head, head_dim)`: its transform's signs
+    are then equal across the query heads that read one value head, so that they can move into `v_proj`'s rows
+    (`export.transforms`); None for any other linear."""
+    parent, _, leaf = name.rpartition(".")
+    attention = model.get_submodule(parent) if leaf == "o_proj" else None
+    groups, head_dim = getattr(attention, "num_key_value_groups", 1), getattr(attention, "head_dim", None)
+    if groups > 1 and head_dim and model.get_submodule(name).in_features % (groups * head_dim) == 0:
+        return groups, head_dim
+    return None
 
 
 def _decoder_layers(model: nn.Module) -> nn.ModuleList:

@@ -3,7 +3,9 @@
 `RandomizedHadamard(size, block_size, seed)` is the orthogonal matrix `T = D (I ⊗ H ⊗ Q)` acting on the last
 dimension of row vectors (`x -> x @ T`):
 
-* `D`: a random diagonal of signs (one per element, from `seed`);
+* `D`: a random diagonal of signs (one per element, from `seed`); with `sign_copies = (copies, run)`, each run of
+  `run` drawn signs is used `copies` times in a row (the input of a grouped-query attention's `o_proj`, whose
+  query heads of one group read one value head: signs equal across the group can move into `v_proj`'s rows);
 * `I ⊗ ...`: the same transform on every `block_size` consecutive elements (block-diagonal; `block_size = size`
   is the full-size transform);
 * `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
@@ -45,6 +47,19 @@ def _split_power_of_two(n: int) -> tuple[int, int]:
     """`n = 2**k * m` with `m` odd: returns `(2**k, m)`."""
     power = n & -n
     return power, n // power
+
+
+def _checked_sign_copies(sign_copies: Any, size: int) -> tuple[int, int]:
+    """`sign_copies` as `(copies, run)` (`(1, size)` for None or one copy); raises naming what is allowed."""
+    if sign_copies is None:
+        return 1, size
+    pair = tuple(sign_copies) if isinstance(sign_copies, (tuple, list)) else ()
+    if len(pair) != 2 or not all(isinstance(n, int) and n >= 1 for n in pair) or size % (pair[0] * pair[1]):
+        raise ValueError(
+            f"RandomizedHadamard needs sign_copies (copies, run), two positive integers with copies * run dividing "
+            f"size={size}; got {sign_copies!r}"
+        )
+    return (1, size) if pair[0] == 1 else pair
 
 
 # The power of two in the one Kronecker factor applied as a matrix product: at least 16, at most 64, large enough
@@ -111,9 +126,13 @@ class RandomizedHadamard(nn.Module):
         block_size: the transform is block-diagonal with blocks of this length (`size` for a full transform);
             must divide `size`.
         seed: seeds the signs and the odd-factor rotation; the same arguments always give the same matrix.
+        sign_copies: `(copies, run)`: `size / copies` signs are drawn and each run of `run` of them is used `copies`
+            times in a row; `(1, size)` (default) draws one per element.
     """
 
-    def __init__(self, size: int, block_size: int | None = None, seed: int = 0):
+    def __init__(
+        self, size: int, block_size: int | None = None, seed: int = 0, sign_copies: tuple[int, int] | None = None
+    ):
         super().__init__()
         block_size = size if block_size is None else block_size
         if not (
@@ -123,10 +142,12 @@ class RandomizedHadamard(nn.Module):
                 f"RandomizedHadamard needs a block_size dividing size; got size={size!r}, block_size={block_size!r}"
             )
         self.size, self.block_size, self.seed = size, block_size, int(seed)
+        self.sign_copies = copies, run = _checked_sign_copies(sign_copies, size)
         self.power, self.odd = _split_power_of_two(block_size)
         generator = torch.Generator().manual_seed(self.seed)
         # Explicitly on the CPU: transformers builds checkpoints' modules under a meta-device context.
-        signs = torch.randint(0, 2, (size,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
+        drawn = torch.randint(0, 2, (size // copies,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
+        signs = drawn.view(-1, run).repeat_interleave(copies, 0).flatten()
         odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[
             0
         ]
@@ -180,9 +201,9 @@ class RandomizedHadamard(nn.Module):
         return transformed if cast is None else quantize_mx(transformed, *cast)
 
     @property
-    def key(self) -> tuple[int, int, int]:
-        """`(size, block_size, seed)`: equal keys, equal transforms (modules may share the results)."""
-        return self.size, self.block_size, self.seed
+    def key(self) -> tuple[int, int, int, tuple[int, int]]:
+        """`(size, block_size, seed, sign_copies)`: equal keys, equal transforms (modules may share the results)."""
+        return self.size, self.block_size, self.seed, self.sign_copies
 
     def signs(self) -> torch.Tensor:
         """The diagonal of `D`: one sign (+-1, float64) per element of the transformed dimension."""
@@ -194,16 +215,20 @@ class RandomizedHadamard(nn.Module):
 
     def to_dict(self) -> dict[str, Any]:
         """What rebuilds this transform exactly (`from_dict`): stored per module in config.json."""
-        return {"type": "randomized_hadamard", "size": self.size, "block_size": self.block_size, "seed": self.seed}
+        spec = {"type": "randomized_hadamard", "size": self.size, "block_size": self.block_size, "seed": self.seed}
+        if self.sign_copies[0] > 1:
+            spec["sign_copies"] = list(self.sign_copies)
+        return spec
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> RandomizedHadamard:
         if not isinstance(spec, dict) or spec.get("type") != "randomized_hadamard":
             raise ValueError(f"unknown input transform {spec!r}; allowed: type 'randomized_hadamard'")
-        return cls(int(spec["size"]), int(spec["block_size"]), int(spec["seed"]))
+        return cls(int(spec["size"]), int(spec["block_size"]), int(spec["seed"]), spec.get("sign_copies"))
 
     def extra_repr(self) -> str:
-        return f"size={self.size}, block_size={self.block_size}, seed={self.seed}"
+        copies = f", sign_copies={self.sign_copies}" if self.sign_copies[0] > 1 else ""
+        return f"size={self.size}, block_size={self.block_size}, seed={self.seed}{copies}"
 
 
 class TransformedLinear(nn.Linear):
