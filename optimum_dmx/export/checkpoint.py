@@ -271,16 +271,17 @@ def _convert_tensors(
 def _apply_row_signs(
     tensors: dict[str, torch.Tensor], row_signs: Mapping[str, torch.Tensor], format_map: Mapping[str, str]
 ) -> set[str]:
-    """Negate, in `tensors`, the output rows of each layer of `row_signs` where its sign is -1: packed MX codes by
-    their sign bits (exact), float weights and biases by multiplication. Return the layers whose weight was here."""
+    """Negate, in `tensors`, the outputs of each layer of `row_signs` where its sign is -1: packed MX codes' rows by
+    their sign bits (exact), float weights' rows (a norm's scale elements) and biases by multiplication. Return the
+    layers whose weight was here."""
     done = set()
     for module, signs in row_signs.items():
         if f"{module}.weight_packed" in tensors:
             packed = tensors[f"{module}.weight_packed"]
             tensors[f"{module}.weight_packed"] = negate_rows(packed, format_map[module], signs < 0)
         elif f"{module}.weight" in tensors:
-            weight = tensors[f"{module}.weight"]
-            tensors[f"{module}.weight"] = weight * signs.to(weight.dtype)[:, None]
+            weight = tensors[f"{module}.weight"]  # a linear's [out, in], or a norm's scale [features]
+            tensors[f"{module}.weight"] = weight * signs.to(weight.dtype).view(-1, *(1,) * (weight.dim() - 1))
         else:
             continue
         done.add(module)

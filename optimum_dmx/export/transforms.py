@@ -5,20 +5,29 @@ sign per element, then the normalized Sylvester-Hadamard matrix `H` of order `b`
 elements. The loaders apply such a block-diagonal Hadamard transform to a layer's input and nothing per element:
 compressed-tensors' `"hadamard"` transform (`transform_config`, one matrix per block of `head_dim = b` elements),
 and AMD Quark's online rotation (`algo_config`'s rotation with `rotation_size = b`, a +-1 `input_rotation` per
-layer). So the signs move into the layer that produces the input: a gated MLP's `down_proj` reads
-`act(gate_proj(x)) * up_proj(x)`, and negating `up_proj`'s output channel `i` negates element `i` of that product.
-`up_proj`'s weight rows (the sign bits of their MX codes, exactly) and bias take `D`; the loader applies `I ⊗ H`.
-The product is the same function.
+layer). So the signs move into whatever produces the layer's input, element by element, where negating an output
+is exact (MX codes are sign-magnitude: a row's sign bits):
+
+* a gated MLP's `down_proj` reads `act(gate_proj(x)) * up_proj(x)`: `up_proj`'s output rows and bias;
+* an attention's `o_proj` reads, per query head, a mix over tokens of its value head's `v_proj` outputs:
+  `v_proj`'s rows, when the signs are equal across the query heads sharing a value head (as `nn.rotation` draws
+  them for `rotation="online_block_hadamard"`);
+* q/k/v and gate/up read an RMSNorm's output, the norm's scale times the normalized input, and share one transform:
+  the norm's scale (`weight`).
+
+The loader applies `I ⊗ H`; the product is the same function.
 
 What this cannot carry is refused, naming the layer: a transform with an odd factor (the random orthogonal matrix
-of `rotation="hadamard"` at an intermediate size that is not a power of two: no Hadamard matrix the loaders build
-equals it), a transform on any other layer than a gated MLP's `down_proj` (q/k/v and gate/up read a norm's
-output, with no linear's rows for the signs; `o_proj`'s input comes out of attention), and, for Quark, transforms
-of different block sizes in one model (its rotation has one `rotation_size`).
+of `rotation="hadamard"` at an intermediate size that is not a power of two, in checkpoints of earlier versions: no
+Hadamard matrix the loaders build equals it), signs that differ within a query-head group (`online_block_hadamard`
+checkpoints of earlier versions), a norm that scales by something else than its weight (Gemma's `1 + weight`),
+linears reading one norm with different transforms, and, for Quark, transforms of different block sizes in one
+model (its rotation has one `rotation_size`).
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,11 +35,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn.rotation import residual_norm_readers
 from ..nn.transforms import RandomizedHadamard, sylvester_matrix
 
 __all__ = ["TransformExport", "compressed_tensors_transforms", "quark_transforms"]
-
-_CONSUMER, _PRODUCER = "mlp.down_proj", "mlp.up_proj"
 
 
 @dataclass
@@ -78,8 +86,9 @@ def compressed_tensors_transforms(input_transforms: Mapping[str, dict], skeleton
 def quark_transforms(input_transforms: Mapping[str, dict], skeleton: nn.Module) -> TransformExport:
     """The AMD Quark form of `input_transforms` (module name -> `RandomizedHadamard.to_dict()`) of the model
     `skeleton`: an online rotation (Quark 0.13's `RotationConfig`, no merged rotations, `rotation_size` the blocks'
-    size) on exactly the transformed layers, each storing its +-1 `input_rotation` (int8, as Quark serializes an
-    untrained Hadamard rotation); raise `ValueError` naming a transform it cannot carry."""
+    size) on exactly the transformed layers (listed by name: any linear), each storing its +-1 `input_rotation`
+    (int8, as Quark serializes an untrained Hadamard rotation); raise `ValueError` naming a transform it cannot
+    carry."""
     export = TransformExport(quantization_config={})
     sizes: dict[int, list[str]] = {}
     for module, transform in _transforms(input_transforms, skeleton, export, "quark"):
@@ -97,7 +106,7 @@ def quark_transforms(input_transforms: Mapping[str, dict], skeleton: nn.Module) 
             "r1": False,  # the merged rotations are inside the weights already
             "r2": False,
             "r3": False,
-            "r4": True,  # the online down_proj rotation
+            "r4": True,  # online rotations, on the layers listed
             "rotation_size": size,
             "random_r1": False,
             "random_r2": False,
@@ -114,35 +123,101 @@ def quark_transforms(input_transforms: Mapping[str, dict], skeleton: nn.Module) 
 def _transforms(
     input_transforms: Mapping[str, dict], skeleton: nn.Module, export: TransformExport, target: str
 ) -> list[tuple[str, RandomizedHadamard]]:
-    """The transforms by module, sorted, their signs put into `export.row_signs` of their producing layers."""
-    transforms = []
-    for module, spec in sorted(input_transforms.items()):
-        transform = RandomizedHadamard.from_dict(spec)
-        export.row_signs[_producer(module, transform, skeleton, target)] = transform.signs().float()
-        transforms.append((module, transform))
-    return transforms
+    """The transforms by module, sorted, their signs put into `export.row_signs` of the layers producing their
+    inputs."""
+    transforms = {module: RandomizedHadamard.from_dict(spec) for module, spec in sorted(input_transforms.items())}
+    for module, transform in transforms.items():
+        if transform.odd != 1:
+            raise ValueError(
+                f"{module}'s online transform is a Hadamard matrix of order {transform.power} times a random "
+                f"orthogonal matrix of order {transform.odd} (block size {transform.block_size}), which {target}'s "
+                "Hadamard transforms cannot express; calibrate with rotation='block_hadamard' (blocks of 32) to export"
+            )
+        parent, _, leaf = module.rpartition(".")
+        if leaf == "down_proj":
+            producer, signs = _up_proj_signs(module, transform, skeleton)
+        elif leaf == "o_proj":
+            producer, signs = _v_proj_signs(module, transform, skeleton)
+        else:
+            producer, signs = _norm_signs(module, transforms, skeleton, target)
+        export.row_signs[producer] = signs
+    return list(transforms.items())
 
 
-def _producer(module: str, transform: RandomizedHadamard, skeleton: nn.Module, target: str) -> str:
-    """The layer whose output rows take `transform`'s signs (the `up_proj` beside a `down_proj`)."""
-    if transform.odd != 1:
+def _up_proj_signs(module: str, transform: RandomizedHadamard, skeleton: nn.Module) -> tuple[str, torch.Tensor]:
+    """A gated MLP's `down_proj` reads `act(gate_proj(x)) * up_proj(x)`: `up_proj`'s output rows take the signs."""
+    producer = f"{module.rpartition('.')[0]}.up_proj"
+    _check_outputs(producer, skeleton, transform.size, module)
+    return producer, transform.signs().float()
+
+
+def _v_proj_signs(module: str, transform: RandomizedHadamard, skeleton: nn.Module) -> tuple[str, torch.Tensor]:
+    """Attention mixes `v_proj`'s outputs over tokens, never over features: element `(head, i)` of `o_proj`'s input
+    comes from element `(value head of head, i)` of `v_proj`'s output, so `v_proj`'s rows take the signs if they are
+    equal across the query heads that read one value head (`nn.rotation` draws them so)."""
+    attention = skeleton.get_submodule(module.rpartition(".")[0])
+    producer = f"{module.rpartition('.')[0]}.v_proj"
+    groups = int(getattr(attention, "num_key_value_groups", 1))
+    head_dim = int(getattr(attention, "head_dim", transform.size // groups))
+    by_head = transform.signs().float().view(-1, groups, head_dim)
+    if not torch.equal(by_head, by_head[:, :1].expand_as(by_head)):
         raise ValueError(
-            f"{module}'s online transform is a Hadamard matrix of order {transform.power} times a random orthogonal "
-            f"matrix of order {transform.odd} (block size {transform.block_size}), which {target}'s Hadamard "
-            "transforms cannot express; calibrate with rotation='block_hadamard' (blocks of 32) to export"
+            f"{module}'s online transform has different signs for query heads that read one value head ({groups} "
+            "per value head), which no sign of v_proj's rows can carry; this version draws them equal: calibrate "
+            "again with rotation='online_block_hadamard' to export"
         )
-    parent, _, _ = module.rpartition(".mlp.")
-    producer = f"{parent}.{_PRODUCER}"
-    if not module.endswith(f".{_CONSUMER}") or not isinstance(_get(skeleton, producer), nn.Linear):
+    _check_outputs(producer, skeleton, transform.size // groups, module)
+    return producer, by_head[:, 0].flatten()
+
+
+def _norm_signs(
+    module: str, transforms: Mapping[str, RandomizedHadamard], skeleton: nn.Module, target: str
+) -> tuple[str, torch.Tensor]:
+    """Linears reading an RMSNorm (q/k/v, gate/up) share one transform, whose signs the norm's scale takes: its output
+    is the scale times the normalized input, so a negated scale element negates that output element exactly."""
+    norms = {reader: (norm, readers) for norm, readers in residual_norm_readers(skeleton) for reader in readers}
+    if module not in norms:
         raise ValueError(
-            f"{module} has an online transform that {target} can carry only on a gated MLP's down_proj "
-            "(its random signs move into up_proj's rows; other layers read a norm's or attention's output); "
-            "calibrate with rotation='block_hadamard' or 'hadamard' instead of 'online_block_hadamard'"
+            f"{module} has an online transform, and {target} applies only Hadamard transforms: its random signs "
+            "must move into the layer producing its input, which is known for a gated MLP's down_proj (up_proj), "
+            "an attention's o_proj (v_proj) and the linears reading a decoder layer's RMSNorm (the norm)"
         )
-    outputs = _get(skeleton, producer).out_features
-    if outputs != transform.size:
-        raise ValueError(f"{producer} has {outputs} outputs, but {module}'s transform is of size {transform.size}")
-    return producer
+    norm, readers = norms[module]
+    transform = transforms[module]
+    others = [r for r in readers if r not in transforms or transforms[r].key != transform.key]
+    if others:
+        raise ValueError(
+            f"{module} reads {norm} with an online transform whose signs would move into the norm, but {others[0]} "
+            "reads it too with another transform or none"
+        )
+    if not _negates_with_its_scale(skeleton.get_submodule(norm)):
+        raise ValueError(
+            f"{norm} ({type(skeleton.get_submodule(norm)).__name__}) does not output its weight times the normalized "
+            f"input (Gemma's norms scale by 1 + weight), so the signs of {module}'s online transform cannot move "
+            "into it; calibrate with rotation='block_hadamard' or 'hadamard' to export this model"
+        )
+    return norm, transform.signs().float()
+
+
+@torch.no_grad()
+def _negates_with_its_scale(norm: nn.Module) -> bool:
+    """Whether negating `norm`'s weight negates its output exactly (tried on a float32 copy with random values)."""
+    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(probe.weight.shape, generator=generator)
+    x = torch.randn(3, *probe.weight.shape, generator=generator)
+    probe.weight.copy_(weight)
+    output = probe(x)
+    probe.weight.copy_(-weight)
+    return torch.equal(probe(x), -output)
+
+
+def _check_outputs(producer: str, skeleton: nn.Module, outputs: int, module: str) -> None:
+    layer = _get(skeleton, producer)
+    if not isinstance(layer, nn.Linear):
+        raise ValueError(f"{module}'s online transform needs {producer} as a linear layer to take its signs")
+    if layer.out_features != outputs:
+        raise ValueError(f"{producer} has {layer.out_features} outputs, but {module}'s transform needs {outputs}")
 
 
 def _get(model: nn.Module, name: str) -> nn.Module | None:

@@ -161,23 +161,28 @@ def rotation_sites(model: nn.Module) -> RotationSites:
 def has_unit_norm_scales(model: nn.Module) -> bool:
     """Whether every RMSNorm of `model`'s residual stream has an identity scale, as after `rotate_model`'s fold:
     only then does rotating the stream commute with the norms."""
-    for norm_name, _ in _residual_norm_readers(model):
+    for norm_name, _ in residual_norm_readers(model):
         with loaded_weights(model, norm_name) as norm:
             if not bool((_norm_scale(norm) == 1).all()):
                 return False
     return True
 
 
-def _residual_norm_readers(model: nn.Module) -> list[tuple[str, list[str]]]:
+def residual_norm_readers(model: nn.Module) -> list[tuple[str, list[str]]]:
     """Every RMSNorm of the residual stream with the linears that read its output, by name: the final norm
     (`lm_head`), and per decoder layer the attention norm (q/k/v) and the MLP norm (gate/up)."""
     readers = [(_module_name(model, _final_norm(model)), [_module_name(model, _output_linear(model))])]
-    prefix = _layers_prefix(model, _decoder_layers(model))
-    for index in range(len(_decoder_layers(model))):
+    layers = _decoder_layers(model)
+    prefix = _layers_prefix(model, layers)
+    for index, module in enumerate(layers):
         layer = f"{prefix}.{index}"
+        # Gemma 2/3 norm the attention's output with post_attention_layernorm and the MLP's input with another
+        mlp_norm = (
+            "pre_feedforward_layernorm" if hasattr(module, "pre_feedforward_layernorm") else "post_attention_layernorm"
+        )
         readers += [
             (f"{layer}.input_layernorm", [f"{layer}.self_attn.{n}_proj" for n in "qkv"]),
-            (f"{layer}.post_attention_layernorm", [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"]),
+            (f"{layer}.{mlp_norm}", [f"{layer}.mlp.gate_proj", f"{layer}.mlp.up_proj"]),
         ]
     return readers
 
@@ -347,7 +352,7 @@ def fold_norm_scales(model: nn.Module) -> None:
         head.weight = nn.Parameter(embeddings.weight.detach().clone(), requires_grad=embeddings.weight.requires_grad)
         for config in {id(c): c for c in (model.config, _text_config(model))}.values():
             config.tie_word_embeddings = False
-    for norm_name, linear_names in _residual_norm_readers(model):
+    for norm_name, linear_names in residual_norm_readers(model):
         with loaded_weights(model, norm_name) as norm:
             scale, gemma = _norm_scale(norm), "Gemma" in type(norm).__name__
         for name in linear_names:
