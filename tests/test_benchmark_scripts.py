@@ -203,6 +203,40 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     assert "- `kl`, rtn: weighted lower in" in table and "fewer weighted bits on average" in table
 
 
+@pytest.mark.slow  # a short calibration, then quantizing, exporting and evaluating its map twice: a minute
+def test_served_quality_evaluates_the_exported_map_as_the_loader_runs_it(tiny_text_model_dir, tmp_path):
+    """A rotated, grouped map of the quality benchmark, exported to compressed-tensors and loaded by transformers with
+    compressed-tensors applying the online transforms, scores exactly what this package's checkpoint of it scores
+    (the loader computes the same bits)."""
+    root = tiny_text_model_dir
+    quality, served, output = tmp_path / "quality.jsonl", tmp_path / "served.jsonl", tmp_path / "served.md"
+    inputs = ["--model", root / "model", "--calibration", root / "calibration.txt"]
+    inputs += ["--eval", f"heldout={root / 'heldout.txt'}", "--eval-tokens", 256, "--eval-seq-len", 16]
+    cell = ["--rotation", "online_block_hadamard", "--offset-groups", "fused"]
+    run_benchmark(
+        "bench_quality.py", *inputs, *cell, "--runs", quality, "--methods", "dmx", "--pairs", "mxfp8-mxfp4",
+        "--targets", "5", "--preset", "cpu-demo", "--threads", 1,
+    )  # fmt: skip
+    args = [*inputs, *cell, "--quality-runs", quality, "--runs", served, "--weight-rounding", "rtn", "--threads", 1]
+    run_benchmark("bench_served.py", *args, "--output", output)
+    (row,) = [json.loads(line) for line in served.read_text().splitlines()]
+    (source,) = [json.loads(line) for line in quality.read_text().splitlines()]
+    assert row["to"] == "compressed-tensors" and row["bits_weighted"] == source["bits_weighted"]
+    assert row["quality_ppl_heldout"] == source["ppl_heldout"]
+    assert row["served_ppl_heldout"] == row["dmx_ppl_heldout"] > 1
+    assert "| 1.0000 |" in output.read_text()
+    run_benchmark("bench_served.py", *args)  # done already: nothing added
+    assert len(served.read_text().splitlines()) == 1
+    missing = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_served.py"), *map(str, args), "--target", "6"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env={**os.environ, **EAGER},
+    )
+    assert missing.returncode != 0 and "has no dmx run with a format map" in missing.stderr
+
+
 @pytest.mark.slow  # two calibrations learning rotations and GPTQ: a minute or two
 def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_text_model_dir, tmp_path):
     """The GPTQ row of a learned-rotation cell rounds the weights that cell's calibration learned (kept in the
