@@ -10,6 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from optimum_dmx.nn.groups import mixed_groups
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -173,3 +175,25 @@ def test_serve_with_vllm_example_exports_then_needs_vllm(tiny_text_model_dir, tm
     )
     assert "serving" in result.stdout and (tmp_path / "dmx-compressed-tensors" / "config.json").is_file()
     assert result.returncode != 0 and "No module named 'vllm'" in result.stderr
+
+
+@pytest.mark.slow  # a short calibration in a subprocess
+def test_serve_with_vllm_example_calibrates_a_rotated_grouped_model_and_exports_it(tiny_text_model_dir, tmp_path):
+    """With --calibrate the example calibrates what vLLM serves (online transforms, fused groups, the target's scale
+    rule), exports it with compressed-tensors' transforms, then stops at `import vllm`."""
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "serve_with_vllm.py"), str(tiny_text_model_dir / "model")]
+        + ["--calibrate", str(tiny_text_model_dir / "calibration.txt"), "--preset", "cpu-demo"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp_path,
+        env={**os.environ, "OPTIMUM_DMX_COMPILE": "0"},
+    )
+    assert result.returncode != 0 and "No module named 'vllm'" in result.stderr, result.stderr[-2000:]
+    dmx = json.loads((tmp_path / "model-dmx5" / "config.json").read_text())["quantization_config"]
+    assert dmx["rotation"] == "online_block_hadamard" and dmx["offset_groups"] == "fused"
+    assert dmx["scale_rule"] == "compressed-tensors" and not mixed_groups(dmx["format_map"])
+    exported = json.loads((tmp_path / "model-dmx5-compressed-tensors" / "config.json").read_text())
+    (scheme,) = exported["quantization_config"]["transform_config"]["config_groups"].values()
+    assert sorted(scheme["apply"][0]["targets"]) == sorted(dmx["format_map"])
