@@ -477,6 +477,8 @@ def report(rows: list[dict]) -> str:
         comparison(rows, texts),
         budget_comparison(rows, texts),
         rounding_comparison(rows, texts),
+        setting_comparison(rows, texts, "offset_groups", "fused", "none"),
+        setting_comparison(rows, texts, "rotation", None, "none"),
         peer_comparison(rows, texts),
     ]
     return "\n".join(lines) + "\n\n" + "\n\n".join("\n".join(s) for s in sections if s) + "\n"
@@ -591,6 +593,48 @@ def rounding_comparison(rows: list[dict], texts: list[str]) -> list[str]:
         lines.append(
             f"- {method}: GPTQ lower in {sum(v < 1 for v in values)} of {len(values)} comparisons; geometric mean "
             f"perplexity ratio {mean:.3f}"
+        )
+    return lines
+
+
+def setting_comparison(
+    rows: list[dict], texts: list[str], setting: str, variant: str | None, reference: str
+) -> list[str]:
+    """Rows with `setting` = `variant` (None: any value but `reference`) against the row with `reference`, everything
+    else equal (method, cell, seed, the other settings, rounding), per method, variant and rounding, on each held-out
+    text: what the setting costs or gains on the same budget."""
+    keys = ("method", "pair", "target", "seed", "rotation", "learn_rotations", "sensitivity_rounding", "model")
+    keys += ("eval", "offset_groups", "bit_average", "weight_rounding", "gptq_samples", "peer_samples", "preset")
+
+    def cell(r: dict, value: str) -> tuple:
+        return tuple(
+            str(value if k == setting else r.get(k, ""))
+            for k in keys
+            if k != "learn_rotations" or setting != "rotation"
+        )
+
+    references = {cell(r, reference): r for r in rows if r["pair"] and str(r.get(setting)) == reference}
+    ratios: dict[str, list[float]] = {}
+    for r in rows:
+        value = str(r.get(setting))
+        if not r["pair"] or value == reference or (variant is not None and value != variant):
+            continue
+        match = references.get(cell(r, reference))
+        label = rotation_label(r) if setting == "rotation" else value
+        for t in texts if match else []:
+            name = f"`{method_label(r)}`, {label}, {rounding_label(r)}"
+            ratios.setdefault(name, []).append(r[f"ppl_{t}"] / match[f"ppl_{t}"])
+    if not ratios:
+        return []
+    lines = [
+        f"`{setting}` against `{reference}`, the same method, cell, seed and other settings, on each held-out text:",
+        "",
+    ]
+    for name, values in ratios.items():
+        mean = math.exp(sum(map(math.log, values)) / len(values))
+        lines.append(
+            f"- {name}: lower in {sum(v < 1 for v in values)} of {len(values)} comparisons; geometric mean perplexity "
+            f"ratio {mean:.3f} (from {min(values):.3f} to {max(values):.3f})"
         )
     return lines
 

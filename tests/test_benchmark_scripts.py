@@ -201,6 +201,9 @@ def test_quality_sweep_resumes_and_runs_on_any_model(tiny_text_model_dir, tmp_pa
     assert table.startswith("# Quality: held-out perplexity against bits\n\nCommand: `python benchmarks/bench_quality")
     assert "- vs `kl`: lower in" in table
     assert "- `kl`, rtn: weighted lower in" in table and "fewer weighted bits on average" in table
+    # the fused runs against the ungrouped ones of the same cell: one held-out text, one comparison each
+    assert "`offset_groups` against `none`" in table
+    assert re.search(r"- `dmx`, fused, rtn: lower in [01] of 1 comparisons", table)
 
 
 @pytest.mark.slow  # a short calibration, then quantizing, exporting and evaluating its map twice: a minute
