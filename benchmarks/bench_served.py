@@ -39,20 +39,21 @@ RESULTS = Path(__file__).parent / "results"
 CELL = ("rotation", "offset_groups", "bit_average", "pair", "target", "seed")
 
 
-def quality_run(runs: Path, cell: dict, model: str) -> dict:
-    """The round-to-nearest `dmx` run of `cell` on `model` (its map does not depend on the rounding) in the quality
-    runs."""
-    for row in read_json_lines(runs):
-        if (
-            row.get("method") == "dmx"
-            and row.get("model") == model
-            and all(str(row.get(key)) == str(value) for key, value in cell.items())
-            and "weight_rounding" not in row
-            and not row.get("learn_rotations")
-            and row.get("format_map")
-        ):
-            return row
-    raise SystemExit(f"{runs} has no dmx run with a format map for {cell}: run bench_quality.py for it first")
+def quality_runs(runs: Path, cell: dict, model: str) -> dict[str, dict]:
+    """The `dmx` runs of `cell` on `model` in the quality runs, by weight rounding; the round-to-nearest one, whose
+    map every rounding shares, must be there."""
+    found = {
+        row.get("weight_rounding", "rtn"): row
+        for row in read_json_lines(runs)
+        if row.get("method") == "dmx"
+        and row.get("model") == model
+        and all(str(row.get(key)) == str(value) for key, value in cell.items())
+        and not row.get("learn_rotations")
+        and not row.get("gptq_samples")
+    }
+    if not found.get("rtn", {}).get("format_map"):
+        raise SystemExit(f"{runs} has no dmx run with a format map for {cell}: run bench_quality.py for it first")
+    return found
 
 
 def load_served(folder: Path, target: str) -> torch.nn.Module:
@@ -81,11 +82,12 @@ def perplexities(model: torch.nn.Module, tokenizer, texts: dict[str, str], sweep
         }
 
 
-def run(cell: dict, target: str, rounding: str, quality_runs: Path, sweep: Sweep) -> dict:
+def run(cell: dict, target: str, rounding: str, runs: Path, sweep: Sweep) -> dict:
     """Quantize, save, export and evaluate `cell`'s map (`sweep`: the model, texts and evaluation sizes)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    source = quality_run(quality_runs, cell, sweep.key("dmx", "", "", 0)["model"])
+    found = quality_runs(runs, cell, sweep.key("dmx", "", "", 0)["model"])
+    source, reference = found["rtn"], found.get(rounding, {})
     corpus = None if sweep.calibration and sweep.eval_texts else benchmark_texts()
     model_dir = sweep.model or benchmark_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -106,7 +108,7 @@ def run(cell: dict, target: str, rounding: str, quality_runs: Path, sweep: Sweep
     )
     row = {**cell, "to": target, "weight_rounding": rounding, "preset": source["preset"]}
     row.update({k: source[k] for k in ("bits_simple", "bits_weighted", "storage_bits")})
-    row.update({f"quality_ppl_{name}": source[f"ppl_{name}"] for name in texts})
+    row.update({f"quality_ppl_{name}": reference.get(f"ppl_{name}", "-") for name in texts})
     with tempfile.TemporaryDirectory(prefix="dmx-served-") as folder:
         start = time.perf_counter()
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config)
@@ -180,7 +182,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         append_json_line(a.runs, run(cell, a.to, a.weight_rounding, a.quality_runs, sweep))
     header = (
-        "Each row: a `dmx` map of the quality benchmark (`quality row`: its perplexity there, float32, OCP scale rule) "
+        "Each row: a `dmx` map of the quality benchmark (`quality row`: the same map and rounding's perplexity there, "
+        "float32, OCP scale rule; `-` where it did not run) "
         "quantized with the target's scale rule and rounding, saved, exported, and evaluated in bfloat16 as this "
         "package loads the dMX checkpoint (`dMX bf16`) and as transformers loads the export with the loader library "
         "applying its transforms (`served`); the quality benchmark's evaluation (16384 tokens from 10% into each "
