@@ -269,22 +269,10 @@ with torch.no_grad():
     assert torch.equal(torch.load(tmp_path / "served.pt"), expected)
 
 
-@pytest.mark.slow
-def test_a_hadamard_rotated_smollm2_exported_to_quark_computes_our_function_to_bfloat16_noise(bench, tmp_path):
-    """SmolLM2-135M with the `"hadamard"` rotation (its down_proj transform on blocks of 512), every layer MXFP6 E2M3
-    under Quark's scale rule, exported to Quark and finished by Quark's `post_process_after_loading`. Quark's transform
-    is one matrix product of 512, this package's two smaller ones: their sums round differently, and a few activations
-    then round to another MX value. On a held-out passage the served logits stay closer to this package's bfloat16
-    logits than those are to its own float32 ones (measured: mean difference 0.50 against 0.73, of logits up to 34)."""
+def quark_and_our_logits(folder: Path, texts, dmx: Path, exported: Path) -> tuple[torch.Tensor, ...]:
+    """Logits on a 128-token held-out passage of the Quark export as Quark finishes it (bfloat16), and of this
+    package's checkpoint `dmx` in bfloat16 and float32."""
     from transformers import AutoTokenizer
-
-    folder, texts = bench.benchmark_model(), bench.benchmark_texts()
-    format_map = {name: "mxfp6_e2m3" for name in linear_names(AutoModelForCausalLM.from_pretrained(folder))}
-    config = DMXConfig(format_map=format_map, rotation="hadamard", scale_rule="quark")
-    AutoModelForCausalLM.from_pretrained(folder, quantization_config=config).save_pretrained(tmp_path / "dmx")
-    exported = export_checkpoint(tmp_path / "dmx", tmp_path / "quark", "quark")
-    (rotation_config,) = json.loads((exported / "config.json").read_text())["quantization_config"]["algo_config"]
-    assert rotation_config["rotation_size"] == 512
 
     ids = AutoTokenizer.from_pretrained(folder)(held_out(texts, "pride_prejudice")[:2000], return_tensors="pt")
     ids = ids.input_ids[:, :128]
@@ -294,8 +282,27 @@ def test_a_hadamard_rotated_smollm2_exported_to_quark_computes_our_function_to_b
             module.post_process_after_loading()
     with torch.no_grad():
         served = loaded(ids).logits.float()
-        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)(ids).logits.float()
-        ours_float32 = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.float32)(ids).logits
+        ours = AutoModelForCausalLM.from_pretrained(dmx, dtype=torch.bfloat16)(ids).logits.float()
+        return served, ours, AutoModelForCausalLM.from_pretrained(dmx, dtype=torch.float32)(ids).logits
+
+
+@pytest.mark.slow
+def test_a_hadamard_rotated_smollm2_exported_to_quark_computes_our_function_to_bfloat16_noise(bench, tmp_path):
+    """SmolLM2-135M with the `"hadamard"` rotation (its down_proj transform on blocks of 512), every layer MXFP6 E2M3
+    under Quark's scale rule, exported to Quark and finished by Quark's `post_process_after_loading`. Quark's transform
+    is one matrix product of 512, this package's two smaller ones: their sums round differently, and a few activations
+    then round to another MX value. On a held-out passage the served logits stay closer to this package's bfloat16
+    logits than those are to its own float32 ones (measured: mean difference 0.50 against 0.73, of logits up to 34)."""
+
+    folder, texts = bench.benchmark_model(), bench.benchmark_texts()
+    format_map = {name: "mxfp6_e2m3" for name in linear_names(AutoModelForCausalLM.from_pretrained(folder))}
+    config = DMXConfig(format_map=format_map, rotation="hadamard", scale_rule="quark")
+    AutoModelForCausalLM.from_pretrained(folder, quantization_config=config).save_pretrained(tmp_path / "dmx")
+    exported = export_checkpoint(tmp_path / "dmx", tmp_path / "quark", "quark")
+    (rotation_config,) = json.loads((exported / "config.json").read_text())["quantization_config"]["algo_config"]
+    assert rotation_config["rotation_size"] == 512
+
+    served, ours, ours_float32 = quark_and_our_logits(folder, texts, tmp_path / "dmx", exported)
     assert (served - ours).abs().mean() < (ours_float32 - ours).abs().mean()
 
 
@@ -308,7 +315,6 @@ def test_an_online_rotated_smollm2_exported_to_quark_computes_our_function_to_bf
     about one transformed bfloat16 value in a million differs, and then an MX value. On a held-out passage the served
     logits stay within a tenth of the distance between this package's bfloat16 and float32 logits (measured: mean
     difference 0.012 against 1.32, 93% of the logits bit-equal, the largest difference 1.0 of logits up to 34)."""
-    from transformers import AutoTokenizer
 
     folder, texts = bench.benchmark_model(), bench.benchmark_texts()
     names = linear_names(AutoModelForCausalLM.from_pretrained(folder))
@@ -320,14 +326,5 @@ def test_an_online_rotated_smollm2_exported_to_quark_computes_our_function_to_bf
     assert rotation_config["rotation_size"] == 32
     assert sorted(rotation_config["online_config"]["online_rotation_layers"]) == sorted(names)
 
-    ids = AutoTokenizer.from_pretrained(folder)(held_out(texts, "pride_prejudice")[:2000], return_tensors="pt")
-    ids = ids.input_ids[:, :128]
-    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
-    for module in loaded.modules():
-        if hasattr(module, "input_rotation"):
-            module.post_process_after_loading()
-    with torch.no_grad():
-        served = loaded(ids).logits.float()
-        ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)(ids).logits.float()
-        ours_float32 = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.float32)(ids).logits
+    served, ours, ours_float32 = quark_and_our_logits(folder, texts, tmp_path / "dmx", exported)
     assert (served - ours).abs().mean() < 0.1 * (ours_float32 - ours).abs().mean()

@@ -126,6 +126,7 @@ def _transforms(
     """The transforms by module, sorted, their signs put into `export.row_signs` of the layers producing their
     inputs."""
     transforms = {module: RandomizedHadamard.from_dict(spec) for module, spec in sorted(input_transforms.items())}
+    norms: dict[str, tuple[str, list[str]]] | None = None
     for module, transform in transforms.items():
         if transform.odd != 1:
             raise ValueError(
@@ -139,7 +140,9 @@ def _transforms(
         elif leaf == "o_proj":
             producer, signs = _v_proj_signs(module, transform, skeleton)
         else:
-            producer, signs = _norm_signs(module, transforms, skeleton, target)
+            if norms is None:  # the norms feeding each reader, found once
+                norms = {r: (norm, readers) for norm, readers in residual_norm_readers(skeleton) for r in readers}
+            producer, signs = _norm_signs(module, transforms, norms, skeleton, target)
         export.row_signs[producer] = signs
     return list(transforms.items())
 
@@ -171,11 +174,14 @@ def _v_proj_signs(module: str, transform: RandomizedHadamard, skeleton: nn.Modul
 
 
 def _norm_signs(
-    module: str, transforms: Mapping[str, RandomizedHadamard], skeleton: nn.Module, target: str
+    module: str,
+    transforms: Mapping[str, RandomizedHadamard],
+    norms: Mapping[str, tuple[str, list[str]]],
+    skeleton: nn.Module,
+    target: str,
 ) -> tuple[str, torch.Tensor]:
     """Linears reading an RMSNorm (q/k/v, gate/up) share one transform, whose signs the norm's scale takes: its output
     is the scale times the normalized input, so a negated scale element negates that output element exactly."""
-    norms = {reader: (norm, readers) for norm, readers in residual_norm_readers(skeleton) for reader in readers}
     if module not in norms:
         raise ValueError(
             f"{module} has an online transform, and {target} applies only Hadamard transforms: its random signs "
