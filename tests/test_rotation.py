@@ -287,3 +287,20 @@ def test_rotated_model_stays_close_to_the_float_model_and_dequantizes(rotated_dm
     float_logits = AutoModelForCausalLM.from_pretrained(root / "float")(INPUT_IDS).logits
     # MX weights without activation quantization: nearer the float model than the quantized logits are
     assert (dequantized - float_logits).abs().mean() < (logits - float_logits).abs().mean()
+
+
+def test_a_rotated_model_moves_between_dtypes_and_devices_like_any_model(rotated_dmx):
+    """`.to(...)` and `.bfloat16()` pass the online transforms' modules (`nn.Module._apply`): a move to the same
+    dtype and device changes nothing, and a model moved to bfloat16 computes about what one loaded in it computes
+    (not exactly: transformers keeps a loaded model's rotary frequencies in float32, which a move rounds)."""
+    root, _, logits = rotated_dmx
+
+    def load(dtype: torch.dtype) -> nn.Module:
+        return AutoModelForCausalLM.from_pretrained(root / "dmx", dtype=dtype)
+
+    with torch.no_grad():
+        assert torch.equal(load(torch.float32).to("cpu", torch.float32)(INPUT_IDS).logits, logits)
+        in_bfloat16 = load(torch.bfloat16)(INPUT_IDS).logits
+        for moved in (load(torch.float32).bfloat16(), load(torch.float32).to(torch.bfloat16)):
+            difference = (moved(INPUT_IDS).logits - in_bfloat16).abs().max()
+            assert difference <= 0.05 * in_bfloat16.abs().max()

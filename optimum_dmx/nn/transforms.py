@@ -174,7 +174,7 @@ class RandomizedHadamard(nn.Module):
         signs, last = self._factors_as(x.device, dtype)
         return ((x * signs).view(-1, len(last)) @ last).view(x.shape)
 
-    def _apply(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def _transform_rows(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x @ T` computed in `dtype` (float32 or float64), eagerly, rows of `x`'s last dimension."""
         rows = x.reshape(-1, self.size)
         mixed = _finish_blocks(self._mixed_last_axis(rows, dtype), self._butterflies, self._last_order, self._norm)
@@ -197,7 +197,7 @@ class RandomizedHadamard(nn.Module):
             mixed = self._mixed_last_axis(x.reshape(-1, self.size), torch.float32)
             finished = _finish_kernel(mixed, self._butterflies, self._last_order, float(self._norm), x.dtype, cast)
             return (finished if cast is None else finished[0]).to(x.dtype).view(x.shape)
-        transformed = self._apply(x.float(), torch.float32).to(x.dtype)
+        transformed = self._transform_rows(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
 
     @property
@@ -211,7 +211,7 @@ class RandomizedHadamard(nn.Module):
 
     def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """`T` itself, `[size, size]`, computed in float64 on the CPU (for merging the transform into weights)."""
-        return self._apply(torch.eye(self.size, dtype=torch.float64, device="cpu"), torch.float64).to(dtype)
+        return self._transform_rows(torch.eye(self.size, dtype=torch.float64, device="cpu"), torch.float64).to(dtype)
 
     def to_dict(self) -> dict[str, Any]:
         """What rebuilds this transform exactly (`from_dict`): stored per module in config.json."""
