@@ -30,7 +30,7 @@ from optimum_dmx.formats import (
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
 from optimum_dmx.formats.packing import fused_dequantize
-from optimum_dmx.nn.transforms import RandomizedHadamard, _finish_kernel
+from optimum_dmx.nn.transforms import KERNEL_MATRIX_ORDER, RandomizedHadamard, _transform_kernel
 
 from .helpers import awkward_tensor, last_json_line, run_python
 
@@ -61,7 +61,11 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, d
     x = awkward_tensor(24, size).to(dtype).reshape(2, 12, size)
     casts = [(get_format("mxfp4_e2m1"), 32, "ocp"), (get_format("mxfp6_e2m3"), 32, "compressed-tensors")]
     compiled_results = [transform(x), *(transform.quantize(x, *cast) for cast in casts)]
-    assert _finish_kernel.compiled_variants >= 1 + len(casts) and _finish_kernel.rejected_variants == 0
+    assert _transform_kernel.compiled_variants >= 1 + len(casts) and _transform_kernel.rejected_variants == 0
+    # a 16 x 16 last factor (32-blocks): the kernel gets the signs, and computes the whole transform from the input
+    ours = [key for key in _transform_kernel._kernels if key[0][1].type == "cpu" and key[0][3] == (size,)]
+    whole = {key[1] is not None for key in ours}
+    assert whole == {transform._last_order <= KERNEL_MATRIX_ORDER}
     set_compile_enabled(False)
     eager = transform(x)
     eager_results = [eager, *(quantize_mx(eager, *cast) for cast in casts)]
@@ -438,7 +442,7 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
         from optimum_dmx.formats.compilation import _same_bits
         from optimum_dmx.formats.packing import fused_dequantize
-        from optimum_dmx.nn.transforms import RandomizedHadamard, _finish_kernel
+        from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
         finite = torch.randn(64, 96, generator=torch.Generator().manual_seed(0)) * 3
@@ -468,7 +472,7 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         for dtype in (torch.float32, torch.bfloat16):
             transformed = transform.quantize(finite.to(dtype), get_format("mxfp4_e2m1"), 32, "ocp")
             assert _same_bits(transformed, quantize_mx(transform(finite.to(dtype)), "mxfp4_e2m1")), dtype
-        assert _finish_kernel.compiled_variants == 4 and _finish_kernel.rejected_variants == 0
+        assert _transform_kernel.compiled_variants == 4 and _transform_kernel.rejected_variants == 0
         assert fused_cast_mx.compiled_variants == 2 * len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
         assert fused_dequantize.rejected_variants == 0
         assert _values_kernel.compiled_variants > 0 and _gradients_kernel.compiled_variants > 0

@@ -21,7 +21,7 @@ from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair, weight_block_m
 from optimum_dmx.continuous.fused import _gradients_kernel, _Quantizer, _values_kernel
 from optimum_dmx.formats import MX_FORMATS, SCALE_RULES, get_format, quantize_mx, set_compile_enabled
 from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
-from optimum_dmx.nn.transforms import RandomizedHadamard, _finish_kernel
+from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
 from .helpers import (
     INPUT_IDS,
@@ -79,8 +79,8 @@ def test_online_transform_on_cuda_equals_the_cpu(compiled, block_size):
     gpu = x.to(CUDA)
     assert_bitwise_equal(transform(gpu).cpu(), expected[0])
     assert_bitwise_equal(transform.quantize(gpu, *cast).cpu(), expected[1])
-    assert any(signature[0][1].type == "cuda" for signature in _finish_kernel._kernels)
-    assert _finish_kernel.rejected_variants == 0
+    assert any(signature[0][1].type == "cuda" for signature in _transform_kernel._kernels)
+    assert _transform_kernel.rejected_variants == 0
 
 
 @pytest.mark.parametrize("name", list(MX_FORMATS))

@@ -22,10 +22,15 @@ themselves, so one outlier raises one block scale instead of all of them. The tr
 `(size, block_size, seed)`, which is all a checkpoint records (`to_dict`); it holds no trainable state and adds
 nothing to a state dict.
 
-At inference (no gradient wanted) everything after the matrix product (the butterflies, the division, the rounding
-to the input's dtype and, through `quantize`, the MX cast that follows) runs as one compiled kernel
-(`formats.compilation`), where each of those steps was a pass over the activation; the kernel is checked bit for
-bit against the same steps run eagerly.
+At inference (no gradient wanted) the transform runs as one compiled kernel (`formats.compilation`) with the
+butterflies, the division, the rounding to the input's dtype and, through `quantize`, the MX cast that follows; for
+32-blocks (a 16 x 16 last factor, `KERNEL_MATRIX_ORDER`) the kernel also applies the signs and the matrix product, so
+it reads the activation once and writes nothing but its result: every separate step wrote a buffer as large as the
+activation, and on a CPU fresh buffers that large cost page faults (the online transforms of a 32-block rotation
+went from about +16% to +4% of a float32 SmolLM2 forward over 8 x 128 tokens). A larger last factor (a full-size
+transform's) is a matrix product before the kernel. The kernel is checked bit for bit against the same steps run
+eagerly; that those give the bits of the eager path's matrix product (products by +-1 are exact, and the sums run in
+the order a matrix product's inner loop adds them) is tested.
 """
 
 from __future__ import annotations
@@ -106,13 +111,43 @@ def _finish_blocks(x: torch.Tensor, butterflies: int, last: int, norm: float | t
     return x.reshape(rows, width) / norm
 
 
+# The largest last Kronecker factor the inference kernel multiplies by itself (`order` products per element); a larger
+# one is a matrix product run before the kernel.
+KERNEL_MATRIX_ORDER = 16
+
+
+def _signed_product_in_order(x: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor, order: int) -> torch.Tensor:
+    """Rows `x` times the signs, then each block's last Kronecker factor (`matrix`, `order` x `order`, flattened),
+    in float32, its `order` products added in the order of the factor's rows, one after the other, as a matrix
+    product's inner loop adds them (and, the factor's entries being +-1, as a fused multiply-add rounds them). Compiled,
+    one pass over `x` with nothing stored between; a matrix product writes a buffer as large as `x`."""
+    rows, width = x.shape
+    signed = (x.float() * signs).view(rows, width // order, order)
+    product = signed[..., :1] * matrix[:order]
+    for k in range(1, order):
+        product = product + signed[..., k : k + 1] * matrix[k * order : (k + 1) * order]
+    return product.view(rows, width)
+
+
 # Keeps a float16 rounding between the transform and the cast, which inductor otherwise drops.
 @functools.partial(CompiledKernel, options={"emulate_precision_casts": True})
-def _finish_kernel(
-    x: torch.Tensor, butterflies: int, last: int, norm: float, dtype: torch.dtype, cast: tuple | None
+def _transform_kernel(
+    x: torch.Tensor,
+    signs: torch.Tensor | None,
+    matrix: torch.Tensor | None,
+    butterflies: int,
+    last: int,
+    norm: float,
+    dtype: torch.dtype,
+    cast: tuple | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """`_finish_blocks`, rounded to `dtype` (returned as float32) and, with `cast` (format, block size, scale rule),
-    MX-quantized (the values and the block output of `formats.cast.cast_mx_blocks`)."""
+    """The transform of rows `x` from the product with its last Kronecker factor on: with `signs` and `matrix` (the
+    factor flattened, `_signed_product_in_order`), `x` is the input and the kernel computes that product too;
+    without, `x` is the product. Then `_finish_blocks`, rounded to `dtype` (returned as float32) and, with `cast`
+    (format, block size, scale rule), MX-quantized (the values and the block output of
+    `formats.cast.cast_mx_blocks`)."""
+    if signs is not None:
+        x = _signed_product_in_order(x, signs, matrix, last)
     finished = _finish_blocks(x, butterflies, last, norm)
     finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
     return finished if cast is None else cast_mx_blocks(finished, *cast, native_cast=False)
@@ -192,10 +227,15 @@ class RandomizedHadamard(nn.Module):
     def _transformed(self, x: torch.Tensor, cast: tuple[MXFormat, int, str] | None) -> torch.Tensor:
         if x.shape[-1] != self.size:
             raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
-        fused = _finish_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
+        fused = _transform_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
         if fused and (cast is None or compiles(self.size, cast[1])):
-            mixed = self._mixed_last_axis(x.reshape(-1, self.size), torch.float32)
-            finished = _finish_kernel(mixed, self._butterflies, self._last_order, float(self._norm), x.dtype, cast)
+            rows = x.reshape(-1, self.size)
+            signs, last = self._factors_as(x.device, torch.float32)
+            if self._last_order <= KERNEL_MATRIX_ORDER:  # the whole transform in the kernel
+                inputs = rows, signs, last.view(-1)
+            else:
+                inputs = self._mixed_last_axis(rows, torch.float32), None, None
+            finished = _transform_kernel(*inputs, self._butterflies, self._last_order, float(self._norm), x.dtype, cast)
             return (finished if cast is None else finished[0]).to(x.dtype).view(x.shape)
         transformed = self._transform_rows(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
