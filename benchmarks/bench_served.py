@@ -188,7 +188,9 @@ def main(argv: list[str] | None = None) -> None:
         "package loads the dMX checkpoint (`dMX bf16`) and as transformers loads the export with the loader library "
         "applying its transforms (`served`); the quality benchmark's evaluation (16384 tokens from 10% into each "
         "held-out text, 512-token windows). Rows with groups `none` are exported with `--force` (vLLM fuses q/k/v and "
-        "gate/up and would refuse their maps; transformers' loaders read them).\n\n"
+        "gate/up and would refuse their maps; transformers' loaders read them). A row is added by "
+        "`python benchmarks/bench_served.py --rotation R --offset-groups G --bit-average B --pair P --target T "
+        "--seed S --to X --weight-rounding W` with its columns' values (the quality row must have run first).\n\n"
     )
     write_report(header + report(read_json_lines(a.runs)), a.output, "Served quality: exported checkpoints")
 
