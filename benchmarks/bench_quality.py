@@ -479,6 +479,7 @@ def report(rows: list[dict]) -> str:
         rounding_comparison(rows, texts),
         setting_comparison(rows, texts, "offset_groups", "fused", "none"),
         setting_comparison(rows, texts, "rotation", None, "none"),
+        servable_comparison(rows, texts),
         peer_comparison(rows, texts),
     ]
     return "\n".join(lines) + "\n\n" + "\n\n".join("\n".join(s) for s in sections if s) + "\n"
@@ -637,6 +638,52 @@ def setting_comparison(
             f"ratio {mean:.3f} (from {min(values):.3f} to {max(values):.3f})"
         )
     return lines
+
+
+# The configuration a vLLM user can serve (online transforms on every quantized input, which the exports carry;
+# q/k/v and gate/up fused, as vLLM runs them) and the library's default, as rows' settings.
+SERVABLE = {"rotation": "online_block_hadamard", "offset_groups": "fused"}
+LIBRARY_DEFAULT = {"rotation": "none", "offset_groups": "none"}
+
+
+def servable_comparison(rows: list[dict], texts: list[str]) -> list[str]:
+    """Per cell, the servable configuration (`SERVABLE`) against the library default (`LIBRARY_DEFAULT`), the same
+    method, pair, target, seed, budget, rounding and evaluation: what a vLLM user gains or pays on each held-out text,
+    and what the calibration took."""
+    keys = ("method", "model", "eval", "pair", "target", "seed", "bit_average", "weight_rounding", "gptq_samples")
+
+    def has(r: dict, settings: dict[str, str]) -> bool:
+        return bool(r["pair"]) and not r.get("learn_rotations") and all(r.get(k) == v for k, v in settings.items())
+
+    def cell(r: dict) -> tuple:
+        return tuple(str(r.get(k, "")) for k in keys + ("preset",))
+
+    defaults = {cell(r): r for r in rows if has(r, LIBRARY_DEFAULT)}
+    lines = []
+    for r in rows:
+        default = defaults.get(cell(r)) if has(r, SERVABLE) else None
+        if default is None:
+            continue
+        ratios = [r[f"ppl_{t}"] / default[f"ppl_{t}"] for t in texts]
+        per_text = ", ".join(
+            f"{t} {r[f'ppl_{t}']} vs {default[f'ppl_{t}']} ({ratio:.3f})" for t, ratio in zip(texts, ratios)
+        )
+        seconds = [row["calibration_seconds"] + (row.get("gptq_seconds") or 0) for row in (r, default)]
+        verdict = "lower on every text" if max(ratios) < 1 else "NOT lower on every text"
+        lines.append(
+            f"- `{method_label(r)}`, {r['pair']} {r['target']}, seed {r['seed']}, {r.get('bit_average')}, "
+            f"{rounding_label(r)}: {per_text}; {verdict}; calibration and rounding {seconds[0]:.0f} s vs "
+            f"{seconds[1]:.0f} s"
+        )
+    if not lines:
+        return []
+    return [
+        "The servable configuration (online_block_hadamard, fused groups) against the library default (no rotation, "
+        "no groups), the same method, cell, seed, budget and rounding: held-out perplexity (servable vs default, "
+        "ratio) and seconds (one process among others: a rough guide):",
+        "",
+        *lines,
+    ]
 
 
 def peer_comparison(rows: list[dict], texts: list[str]) -> list[str]:

@@ -490,3 +490,31 @@ def test_format_latency_benchmark_writes_a_cost_table_the_budget_takes(tmp_path)
     packed_mxfp4 = {r[0]: float(re.findall(r"([\d.]+) \(", r[3])[7]) for r in rows}  # the last column
     expected = [packed_mxfp4[f"{o}x{i}"] for o, i in shapes]  # printed to 0.001 ms, stored to 1e-6 ms
     assert all(abs(float(c) - e) <= 0.0005 + 1e-6 for c, e in zip(low, expected))
+
+
+def test_quality_report_sets_the_servable_configuration_against_the_library_default(tmp_path):
+    """Per cell, the servable rows (online transforms, fused groups) against the default's (no rotation, no groups)
+    of the same method, cell, seed, budget and rounding; a row of another seed or rounding has no match."""
+
+    def row(rotation: str, groups: str, seed: int, rounding: str, moby: float, austen: float) -> dict:
+        return {
+            "method": "dmx", "model": "tiny", "eval": "e", "pair": "mxfp8-mxfp4", "target": "5", "seed": seed,
+            "rotation": rotation, "offset_groups": groups, "bit_average": "weighted", "weight_rounding": rounding,
+            "ppl_moby": moby, "ppl_austen": austen, "calibration_seconds": 100.0, "gptq_seconds": 20.0,
+        }  # fmt: skip
+
+    rows = [
+        row("none", "none", 0, "gptq", 60.0, 40.0),
+        row("online_block_hadamard", "fused", 0, "gptq", 54.0, 41.0),
+        row("online_block_hadamard", "fused", 1, "gptq", 50.0, 30.0),  # no default row of seed 1
+        row("online_block_hadamard", "fused", 0, "rtn", 50.0, 30.0),  # nor of rtn
+        row("online_block_hadamard", "none", 0, "gptq", 50.0, 30.0),  # not servable
+    ]
+    runs, output = tmp_path / "runs.jsonl", tmp_path / "quality.md"
+    runs.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    run_benchmark("bench_quality.py", "--report-only", "--runs", runs, "--output", output)
+    section = output.read_text().split("The servable configuration")[1].split("\n\n")[1]
+    assert section.splitlines() == [
+        "- `dmx`, mxfp8-mxfp4 5, seed 0, weighted, gptq: austen 41.0 vs 40.0 (1.025), moby 54.0 vs 60.0 (0.900); "
+        "NOT lower on every text; calibration and rounding 120 s vs 120 s"
+    ]
