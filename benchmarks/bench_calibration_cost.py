@@ -11,8 +11,9 @@ Everything is measured in one run on the same model and batch, so the ratios com
 * **Step** (per batch size, medians over `--repeats` alternated repeats): the reference is a forward + backward
   pass of the float model with every weight trainable. A dMX step is a step of the real trainer (`calibrate`): each
   repeat is one run of `1 + --steps` steps, and the trainer's own per-step times (`step_seconds`) after the first
-  are the samples; the first step pays the kernels' compilation ("first step s"). Rows: the default method, the
-  same with activation checkpointing, the paper's method.
+  are the samples; the first step pays the kernels' compilation ("first step s"). Columns: the default method, the
+  same with activation checkpointing, the paper's method, and the servable configuration (`offset_groups="fused"`
+  on a copy of the model rotated with `online_block_hadamard`: what a vLLM user calibrates).
 * **Run**: one whole default-method calibration at `--preset` sizes, split into its steps, its KL scan (what
   `method="kl"` costs) and its setup, in seconds and in units of unquantized steps of the preset's batch; then the
   GPTQ rounding of its map on the preset's sequences (what `weight_rounding="gptq"` adds).
@@ -27,6 +28,7 @@ Everything is measured in one run on the same model and batch, so the ratios com
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -43,7 +45,8 @@ from optimum_dmx.calibration import (
     get_preset,
     round_weights_by_gptq,
 )
-from optimum_dmx.nn import emulate_format_map
+from optimum_dmx.nn import emulate_format_map, linear_modules_to_quantize
+from optimum_dmx.nn.rotation import rotate_model
 
 from common import (
     MODEL_DTYPES,
@@ -57,8 +60,15 @@ from common import (
     write_report,
 )
 
-# name -> the settings that differ from the default method's
-TRAINERS = {"dMX": {}, "dMX checkpointed": {"gradient_checkpointing": True}, "dMX paper": {"method": "paper"}}
+# name -> the settings that differ from the default method's ("dMX servable": what a vLLM user calibrates)
+TRAINERS = {
+    "dMX": {},
+    "dMX checkpointed": {"gradient_checkpointing": True},
+    "dMX paper": {"method": "paper"},
+    "dMX servable": {"offset_groups": "fused"},
+}
+# trainers that calibrate a rotated copy of the model: name -> its rotation (`DMXConfig(rotation=...)`)
+TRAINER_ROTATIONS = {"dMX servable": "online_block_hadamard"}
 # Memory workloads: name -> the calibration settings that differ from the default method's (None: a training step)
 MEMORY_WORKLOADS = {
     "unquantized": None,
@@ -94,7 +104,11 @@ def preset_ids(a: argparse.Namespace, preset: Preset) -> torch.Tensor:
 
 def step_seconds(name: str, model: torch.nn.Module, batch: torch.Tensor, pair: str, steps: int) -> list[float]:
     """Wall time of each of `1 + steps` steps of trainer `name` on `batch`, from one run (`step_seconds` of its
-    result); the first step pays the kernels' compilation, if any."""
+    result); the first step pays the kernels' compilation, if any. A trainer of `TRAINER_ROTATIONS` calibrates a
+    copy of `model` rotated as `DMXConfig(rotation=...)` rotates it."""
+    if name in TRAINER_ROTATIONS:
+        model = copy.deepcopy(model)
+        rotate_model(model, TRAINER_ROTATIONS[name], linear_modules_to_quantize(model, ["lm_head"]))
     settings = CalibrationSettings(
         target_bits=5.0,
         format_pair=pair,

@@ -56,6 +56,8 @@ def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     )
     rows = re.findall(r"^\| (\d) x 16 \| ([\d.]+) \| ([\d.-]+) \| ([\d.-]+)x \|", stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["1", "2"]
+    # the servable configuration's step (online transforms on a rotated copy, fused groups) has its own column
+    assert "| dMX servable step ms | dMX servable / unquantized |" in output.read_text()
     for _, reference, step, ratio in rows:
         expected = float(step) / float(reference)
         assert float(reference) > 0 and abs(float(ratio) - expected) <= 0.05 * abs(expected) + 0.01
