@@ -293,7 +293,6 @@ def test_a_hadamard_rotated_smollm2_exported_to_quark_computes_our_function_to_b
     is one matrix product of 512, this package's two smaller ones: their sums round differently, and a few activations
     then round to another MX value. On a held-out passage the served logits stay closer to this package's bfloat16
     logits than those are to its own float32 ones (measured: mean difference 0.50 against 0.73, of logits up to 34)."""
-
     folder, texts = bench.benchmark_model(), bench.benchmark_texts()
     format_map = {name: "mxfp6_e2m3" for name in linear_names(AutoModelForCausalLM.from_pretrained(folder))}
     config = DMXConfig(format_map=format_map, rotation="hadamard", scale_rule="quark")
@@ -315,7 +314,6 @@ def test_an_online_rotated_smollm2_exported_to_quark_computes_our_function_to_bf
     about one transformed bfloat16 value in a million differs, and then an MX value. On a held-out passage the served
     logits stay within a tenth of the distance between this package's bfloat16 and float32 logits (measured: mean
     difference 0.012 against 1.32, 93% of the logits bit-equal, the largest difference 1.0 of logits up to 34)."""
-
     folder, texts = bench.benchmark_model(), bench.benchmark_texts()
     names = linear_names(AutoModelForCausalLM.from_pretrained(folder))
     format_map = {name: ("mxfp6_e2m3" if int(name.split(".")[2]) % 2 else "mxfp4_e2m1") for name in names}

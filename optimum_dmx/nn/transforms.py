@@ -26,9 +26,8 @@ At inference (no gradient wanted) the transform runs as one compiled kernel (`fo
 butterflies, the division, the rounding to the input's dtype and, through `quantize`, the MX cast that follows; for
 32-blocks (a 16 x 16 last factor, `KERNEL_MATRIX_ORDER`) the kernel also applies the signs and the matrix product
 (`_signed_product_in_order`), which ran as two operations before it, each writing a new buffer as large as the
-activation: on a CPU, the page faults of such fresh buffers cost more than their arithmetic
-(`benchmarks/results/inference.md`). A larger last factor (a full-size transform's) is a matrix product before the
-kernel. The kernel is checked bit for bit against the same steps run
+activation (on a CPU, fresh buffers that large also cost page faults). A larger last factor (a full-size
+transform's) is a matrix product before the kernel. The kernel is checked bit for bit against the same steps run
 eagerly; that those give the bits of the eager path's matrix product (products by +-1 are exact, and the sums run in
 the order a matrix product's inner loop adds them) is tested.
 """
