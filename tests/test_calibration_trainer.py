@@ -10,8 +10,10 @@ from optimum_dmx.calibration import CalibrationSettings, DMXLinear, PaperRecipe,
 from optimum_dmx.calibration.dmx_linear import SharedInputs
 from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuous_fused
 from optimum_dmx.nn import linear_modules_to_quantize
+from optimum_dmx.nn.rotation import rotate_model
+from optimum_dmx.nn.transforms import RandomizedHadamard
 
-from .helpers import sensitive_llama_and_data, tiny_llama
+from .helpers import sensitive_llama_and_data, tiny_decoder, tiny_llama
 
 
 @pytest.fixture(scope="module")
@@ -110,6 +112,36 @@ def test_reused_quantizations_give_the_same_result_bit_for_bit(sensitive, monkey
     assert reused.format_map == recomputed.format_map
 
 
+def test_layers_reading_one_input_through_one_online_transform_transform_it_once(monkeypatch):
+    """With `online_block_hadamard`, q/k/v share one transform of their input and gate/up another: a step
+    transforms each input once (4 transforms per decoder layer, not 7), which also lets them share its
+    quantization; the map and the offsets are those of transforming it in every layer (to float rounding: the
+    gradients then add in another order)."""
+    model = tiny_decoder("llama", tied=False)
+    rotate_model(model, "online_block_hadamard", linear_modules_to_quantize(model, ["lm_head"]))
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = RandomizedHadamard.forward
+
+    def counting(self, x):
+        if torch.is_grad_enabled():  # the steps' forward passes (the KL scan runs without gradients)
+            calls.append(self.key)
+        return original(self, x)
+
+    monkeypatch.setattr(RandomizedHadamard, "forward", counting)
+    steps, layers = 3, len(model.model.layers)
+    grouped = settings(steps=steps, seq_len=16, num_samples=8, offset_groups="fused")
+    shared = calibrate(model, ids, grouped, progress=False)
+    assert len(calls) == steps * layers * 4
+
+    calls.clear()
+    monkeypatch.setattr(DMXLinear, "transformed_input", lambda self, x: self.input_transform(x))
+    separate = calibrate(model, ids, grouped, progress=False)
+    assert len(calls) == steps * layers * 7
+    assert shared.format_map == separate.format_map and shared.history == separate.history
+    assert shared.beta_hat == pytest.approx(separate.beta_hat, rel=1e-5, abs=1e-9)
+
+
 def test_shared_inputs_quantize_one_input_once_per_endpoint():
     shared = SharedInputs()
     x = torch.randn(4, 64, requires_grad=True)
@@ -118,7 +150,7 @@ def test_shared_inputs_quantize_one_input_once_per_endpoint():
     outputs = [shared.quantize(x, beta, key) for beta in low]  # q, k and v at the low end
     high = shared.quantize(x, torch.tensor(2.0), (2.0, "mxfp8-mxfp4", 32, "ocp"))
     other = shared.quantize(x.detach().clone().requires_grad_(True), low[0], key)  # another tensor: not shared
-    assert len(shared._quantizations) == 3
+    assert len(shared._cache) == 3
     expected = quantize_mx_continuous_fused(x, torch.tensor(0.0), "mxfp8-mxfp4")
     assert all(torch.equal(y, expected) for y in outputs) and torch.equal(other, expected)
     assert torch.equal(high, quantize_mx_continuous_fused(x, torch.tensor(2.0), "mxfp8-mxfp4"))
@@ -130,7 +162,7 @@ def test_shared_inputs_quantize_one_input_once_per_endpoint():
     assert torch.allclose(grads[0], 6 * g_x)
     assert [g.item() for g in grads[1:]] == pytest.approx([g_beta.item() * k for k in (1, 2, 3)], rel=1e-6)
     shared.clear()
-    assert len(shared._quantizations) == 0
+    assert len(shared._cache) == 0
 
 
 @pytest.mark.parametrize("method", ["dmx", "paper"])

@@ -27,34 +27,40 @@ from ..formats import MXFormat
 from ..nn import InputCache
 from ..nn.placement import execution_device, is_offloaded, is_resident, loaded_weights
 from ..nn.rotation import rotate_input_side, rotate_output_side
+from ..nn.transforms import RandomizedHadamard
 from .schedule import T_START, discrete_offset, temperature_sigmoid
 
 ENDPOINTS = (0.0, MAX_OFFSET)  # the offsets at which quantizations are reused (the default method's probes)
 
 
 class SharedInputs:
-    """Input quantizations shared by the layers that read the same input tensor at the same offset within a step.
+    """Input transforms and quantizations shared by the layers that read the same input tensor within a step.
 
-    q/k/v read one normalized hidden state, gate/up another: when they are probed at the same endpoint their
-    input quantizations are identical, so the first layer computes it and the others attach the same values
-    (`ContinuousQuantization`; each layer's backward pass recomputes the derivatives from the input). Entries live
-    as long as their input tensor (`nn.InputCache`: activation checkpointing frees a layer's quantizations with
-    its activations); `clear()` after each step's backward pass drops the rest.
+    q/k/v read one normalized hidden state, gate/up another. With online input transforms they share one transform
+    (`nn.rotation`), so the first layer transforms the input and the others take the same tensor; when they are
+    probed at the same endpoint their input quantizations are identical too, so the first layer computes it and the
+    others attach the same values (`ContinuousQuantization`; each layer's backward pass recomputes the derivatives
+    from the input). Entries live as long as their input tensor (`nn.InputCache`: activation checkpointing frees a
+    layer's entries with its activations); `clear()` after each step's backward pass drops the rest.
     """
 
     def __init__(self) -> None:
-        self._quantizations = InputCache()
+        self._cache = InputCache()
+
+    def transform(self, x: torch.Tensor, transform: RandomizedHadamard) -> torch.Tensor:
+        """``x`` through the online ``transform``, computed once per transform (`RandomizedHadamard.key`)."""
+        return self._cache.get(x, ("transform", transform.key), lambda: transform(x))
 
     def quantize(self, x: torch.Tensor, beta: torch.Tensor, key: tuple) -> torch.Tensor:
         """``x`` quantized at ``beta`` (whose value, pair and block settings ``key`` names), computed once per key."""
         offset, pair, block_size, scale_rule = key
-        quantization = self._quantizations.get(
+        quantization = self._cache.get(
             x, key, lambda: ContinuousQuantization.compute(x, offset, pair, block_size, scale_rule)
         )
         return quantization.attach(x, beta)
 
     def clear(self) -> None:
-        self._quantizations.clear()
+        self._cache.clear()
 
 
 class RelaxedOffset:
@@ -228,6 +234,14 @@ class DMXLinear(nn.Module):
             return quantize_mx_continuous_fused(x, beta, self.pair, self.block_size, self.scale_rule)
         return shared.quantize(x, beta, (offset, self.pair.name, self.block_size, self.scale_rule))
 
+    def transformed_input(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` through the online input transform; computed once for the layers that read `x` through the same
+        transform (q/k/v, gate/up) when the offsets share inputs."""
+        shared = self.offset.shared_inputs
+        if shared is None:
+            return self.input_transform(x)
+        return shared.transform(x, self.input_transform)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if not self._offloaded:
             return self._quantized_forward(x)
@@ -236,7 +250,7 @@ class DMXLinear(nn.Module):
 
     def _quantized_forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.input_transform is not None:
-            x = self.input_transform(x)
+            x = self.transformed_input(x)
         beta, offset = self.offset.beta(self.beta_hat)
         if self.quantize_activations:
             x = self.quantized_input(x, beta, offset)
