@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Calibration cost: a step, the KL scan and a whole run, in time and memory, against an unquantized training step.
 
-Regenerate `results/calibration_cost.md` (about 20 minutes on 2 CPU cores):
+Regenerate `results/calibration_cost.md` (about 35 minutes on 2 CPU cores):
 
     python benchmarks/bench_calibration_cost.py --threads 2 --batch-sizes 4 --repeats 1 --memory \
         --output benchmarks/results/calibration_cost.md
@@ -14,9 +14,10 @@ Everything is measured in one run on the same model and batch, so the ratios com
   are the samples; the first step pays the kernels' compilation ("first step s"). Columns: the default method, the
   same with activation checkpointing, the paper's method, and the servable configuration (`offset_groups="fused"`
   on a copy of the model rotated with `online_block_hadamard`: what a vLLM user calibrates).
-* **Run**: one whole default-method calibration at `--preset` sizes, split into its steps, its KL scan (what
-  `method="kl"` costs) and its setup, in seconds and in units of unquantized steps of the preset's batch; then the
-  GPTQ rounding of its map on the preset's sequences (what `weight_rounding="gptq"` adds).
+* **Run**: one whole calibration at `--preset` sizes by the default method and one by the servable configuration,
+  each split into its steps, its KL scan (what `method="kl"` costs) and its setup, in seconds (the default's also in
+  units of unquantized steps of the preset's batch); then the GPTQ rounding of its map on the preset's sequences
+  (what `weight_rounding="gptq"` adds); and the servable whole run over the default's.
 * **Memory** (`--memory`): peak resident memory (CPU, Linux) or allocated GPU memory of one unquantized step and
   of `--steps` dMX steps, each in a process of its own with glibc's `MALLOC_MMAP_THRESHOLD_=65536` (freed buffers
   go back to the system, so the resident set follows the live tensors), after an untimed warm-up. Besides the
@@ -69,6 +70,8 @@ TRAINERS = {
 }
 # trainers that calibrate a rotated copy of the model: name -> its rotation (`DMXConfig(rotation=...)`)
 TRAINER_ROTATIONS = {"dMX servable": "online_block_hadamard"}
+# the whole runs of the run table: the default method and the servable configuration
+RUN_TRAINERS = ("dMX", "dMX servable")
 # Memory workloads: name -> the calibration settings that differ from the default method's (None: a training step)
 MEMORY_WORKLOADS = {
     "unquantized": None,
@@ -151,43 +154,69 @@ def step_table(model: torch.nn.Module, ids: torch.Tensor, a: argparse.Namespace)
     return lines
 
 
+def whole_run(name: str, model: torch.nn.Module, ids: torch.Tensor, preset: Preset, pair: str) -> dict[str, float]:
+    """Seconds of each part of one whole calibration by trainer `name` at `preset`'s sizes, then GPTQ rounding of
+    its map (what `weight_rounding="gptq"` adds). A trainer of `TRAINER_ROTATIONS` calibrates a rotated copy of
+    `model`; its rotation counts as setup, as it does in `DMXConfig(rotation=...)`."""
+    rotation = 0.0
+    if name in TRAINER_ROTATIONS:
+        model = copy.deepcopy(model)
+        start = time.perf_counter()
+        rotate_model(model, TRAINER_ROTATIONS[name], linear_modules_to_quantize(model, ["lm_head"]))
+        rotation = time.perf_counter() - start
+    settings = CalibrationSettings(format_pair=pair, **preset.settings(), **TRAINERS[name])
+    result = calibrate(model, ids, settings, progress=False)
+    steps = sum(result.step_seconds)
+    gptq = gptq_seconds(model, result.format_map, ids[: preset.gptq_samples], preset.batch_size)
+    return {
+        "steps": steps,
+        "scan": result.scan_seconds,
+        "setup": result.seconds - steps - result.scan_seconds + rotation,
+        "calibration": result.seconds + rotation,
+        "gptq": gptq,
+        "total": result.seconds + rotation + gptq,
+    }
+
+
 def run_table(model: torch.nn.Module, a: argparse.Namespace) -> list[str]:
     preset = get_preset(a.preset)
     ids = preset_ids(a, preset)
-    settings = CalibrationSettings(format_pair=a.pair, **preset.settings())
     reference = fwd_bwd_seconds(model, ids[: preset.batch_size], repeats=3)
-    result = calibrate(model, ids, settings, progress=False)
-    steps = sum(result.step_seconds)
-    setup = result.seconds - steps - result.scan_seconds
-    gptq_ids = ids[: preset.gptq_samples]  # the sequences `weight_rounding="gptq"` reads at this preset
-    gptq = gptq_seconds(model, result.format_map, gptq_ids, preset.batch_size)
+    runs = {name: whole_run(name, model, ids, preset, a.pair) for name in RUN_TRAINERS}
+    default, servable = (runs[name] for name in RUN_TRAINERS)
+    gptq_count = len(ids[: preset.gptq_samples])
     lines = [
         "## Run",
         "",
-        f"Preset `{a.preset}`: {preset.steps} steps of {preset.batch_size} x {preset.seq_len} tokens; one "
-        f"unquantized step of that batch takes {reference * 1e3:.1f} ms.",
+        f"Preset `{a.preset}`: {preset.steps} steps of {preset.batch_size} x {preset.seq_len} tokens, then GPTQ "
+        f"rounding of the map on {gptq_count} sequences; one unquantized step of that batch takes "
+        f"{reference * 1e3:.1f} ms. Columns: the default method, and the servable configuration (rotated with "
+        f"`{TRAINER_ROTATIONS['dMX servable']}`, grouped), each in one run.",
         "",
-        "| what | seconds | unquantized steps | share of the run |",
-        "|---|---|---|---|",
+        "| what | dMX s | dMX unquantized steps | dMX share | dMX servable s | servable / dMX |",
+        "|---|---|---|---|---|---|",
     ]
-    for what, seconds in [
-        (f"{preset.steps} steps", steps),
-        ('KL scan (all that `method="kl"` runs)', result.scan_seconds),
-        ("setup (model surgery, rotations)", setup),
-        ("whole default-method run", result.seconds),
+    for what, part in [
+        (f"{preset.steps} steps", "steps"),
+        ('KL scan (all that `method="kl"` runs)', "scan"),
+        ("setup (model surgery, rotations)", "setup"),
+        ('calibration (`weight_rounding="nearest"`)', "calibration"),
+        (f'GPTQ rounding of the map (`weight_rounding="gptq"`, {gptq_count} sequences)', "gptq"),
+        ("whole run with GPTQ", "total"),
     ]:
-        lines.append(f"| {what} | {seconds:.1f} | {seconds / reference:.0f} | {seconds / result.seconds:.0%} |")
-    lines.append(
-        f'| then GPTQ rounding of the map (`weight_rounding="gptq"`, {len(gptq_ids)} sequences) | {gptq:.1f} | '
-        f"{gptq / reference:.0f} | +{gptq / result.seconds:.0%} |"
-    )
+        ratio = f"{servable[part] / default[part]:.2f}x" if default[part] > 0.05 else "-"
+        lines.append(
+            f"| {what} | {default[part]:.1f} | {default[part] / reference:.0f} | "
+            f"{default[part] / default['total']:.0%} | {servable[part]:.1f} | {ratio} |"
+        )
     lines.append("")
     lines.append(
-        f"The KL scan costs {result.scan_seconds / steps:.0%} of the steps' time "
-        f"({result.scan_seconds / (steps / preset.steps):.1f} steps); GPTQ rounding costs "
-        f"{gptq / result.scan_seconds:.2f}x the KL scan."
+        f"The KL scan costs {default['scan'] / default['steps']:.0%} of the default's steps' time "
+        f"({default['scan'] / (default['steps'] / preset.steps):.1f} steps); GPTQ rounding costs "
+        f"{default['gptq'] / default['scan']:.2f}x the KL scan. The servable configuration's whole run takes "
+        f"{servable['total'] / default['total']:.2f}x the default's."
     )
-    print("\n".join(lines[-8:]), file=sys.stderr, flush=True)
+    print("\n".join(lines[-10:]), file=sys.stderr, flush=True)
     return lines
 
 

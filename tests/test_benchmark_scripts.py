@@ -67,6 +67,37 @@ def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     assert output.read_text().startswith("# Calibration cost\n\nCommand: `python benchmarks/bench_calibration_cost.py")
 
 
+def test_calibration_cost_run_table_times_the_default_and_the_servable_whole_runs(tmp_path):
+    """The run table: each part of a whole `cpu-demo` run with GPTQ, of the default method and of the servable
+    configuration (a rotated copy, grouped), and their ratio, on a randomly initialised tiny model."""
+    stdout = run_benchmark(
+        "bench_calibration_cost.py", "--shape", "tiny", "--no-steps", "--output", tmp_path / "run.md"
+    )
+    rows = dict(
+        (what, (float(default), float(servable), ratio))
+        for what, default, servable, ratio in re.findall(
+            r"^\| ([^|]+?) \| ([\d.]+) \| \d+ \| \d+% \| ([\d.]+) \| ([\d.]+x|-) \|$", stdout, re.MULTILINE
+        )
+    )
+    assert list(rows) == [
+        "40 steps",
+        'KL scan (all that `method="kl"` runs)',
+        "setup (model surgery, rotations)",
+        'calibration (`weight_rounding="nearest"`)',
+        'GPTQ rounding of the map (`weight_rounding="gptq"`, 64 sequences)',
+        "whole run with GPTQ",
+    ]
+    default, servable, ratio = rows["whole run with GPTQ"]
+    assert default > 0 and abs(float(ratio[:-1]) - servable / default) <= 0.05 * servable / default + 0.01
+    parts = ["40 steps", 'KL scan (all that `method="kl"` runs)', "setup (model surgery, rotations)"]
+    for column in (0, 1):  # the parts add up to the calibration, which with GPTQ is the whole run
+        calibration = rows['calibration (`weight_rounding="nearest"`)'][column]
+        assert abs(sum(rows[p][column] for p in parts) - calibration) <= 0.15
+        gptq = rows['GPTQ rounding of the map (`weight_rounding="gptq"`, 64 sequences)'][column]
+        assert abs(calibration + gptq - rows["whole run with GPTQ"][column]) <= 0.15
+    assert f"The servable configuration's whole run takes {ratio} the default's." in stdout
+
+
 def run_gpu_check(device: str, output: Path, *options: str, compile: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", device, "--output", str(output), *options],
