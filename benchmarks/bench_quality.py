@@ -10,7 +10,8 @@ Prejudice and Moby Dick held out, all fetched and cached on first use by `common
 Rows, for every format pair, target and seed:
 
 * `float`, `uniform` (MXFP4, MXFP6 E2M3, MXFP8 E4M3): references;
-* `dmx`: the default method (`DMXConfig()`);
+* `dmx`: the default method (`DMXConfig()`'s; its default rotation and groups are `--rotation online_block_hadamard
+  --offset-groups fused`, this script's defaults are none);
 * `paper`: the dMX paper's procedure (`method="paper"`, the preset's `PaperRecipe`);
 * `kl`: KL pre-selection (`method="kl"`), the cheap baseline;
 * `llmcompressor`: a peer, llm-compressor's GPTQ with its `MXFP4` scheme (uniform MXFP4 W4A4), run by its own
@@ -641,13 +642,14 @@ def setting_comparison(
 
 
 # The configuration a vLLM user can serve (online transforms on every quantized input, which the exports carry;
-# q/k/v and gate/up fused, as vLLM runs them) and the library's default, as rows' settings.
+# q/k/v and gate/up fused, as vLLM runs them: `DMXConfig`'s default, where the model allows it) and the unrotated,
+# ungrouped one (the default before it, and the paper's), as rows' settings.
 SERVABLE = {"rotation": "online_block_hadamard", "offset_groups": "fused"}
-LIBRARY_DEFAULT = {"rotation": "none", "offset_groups": "none"}
+UNROTATED = {"rotation": "none", "offset_groups": "none"}
 
 
 def servable_comparison(rows: list[dict], texts: list[str]) -> list[str]:
-    """Per cell, the servable configuration (`SERVABLE`) against the library default (`LIBRARY_DEFAULT`), the same
+    """Per cell, the servable configuration (`SERVABLE`) against the unrotated, ungrouped one (`UNROTATED`), the same
     method, pair, target, seed, budget, rounding and evaluation: what a vLLM user gains or pays on each held-out text,
     and what the calibration took."""
     keys = ("method", "model", "eval", "pair", "target", "seed", "bit_average", "weight_rounding", "gptq_samples")
@@ -658,17 +660,17 @@ def servable_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     def cell(r: dict) -> tuple:
         return tuple(str(r.get(k, "")) for k in keys + ("preset",))
 
-    defaults = {cell(r): r for r in rows if has(r, LIBRARY_DEFAULT)}
+    unrotated = {cell(r): r for r in rows if has(r, UNROTATED)}
     lines = []
     for r in rows:
-        default = defaults.get(cell(r)) if has(r, SERVABLE) else None
-        if default is None:
+        base = unrotated.get(cell(r)) if has(r, SERVABLE) else None
+        if base is None:
             continue
-        ratios = [r[f"ppl_{t}"] / default[f"ppl_{t}"] for t in texts]
+        ratios = [r[f"ppl_{t}"] / base[f"ppl_{t}"] for t in texts]
         per_text = ", ".join(
-            f"{t} {r[f'ppl_{t}']} vs {default[f'ppl_{t}']} ({ratio:.3f})" for t, ratio in zip(texts, ratios)
+            f"{t} {r[f'ppl_{t}']} vs {base[f'ppl_{t}']} ({ratio:.3f})" for t, ratio in zip(texts, ratios)
         )
-        seconds = [row["calibration_seconds"] + (row.get("gptq_seconds") or 0) for row in (r, default)]
+        seconds = [row["calibration_seconds"] + (row.get("gptq_seconds") or 0) for row in (r, base)]
         verdict = "lower on every text" if max(ratios) < 1 else "NOT lower on every text"
         lines.append(
             f"- `{method_label(r)}`, {r['pair']} {r['target']}, seed {r['seed']}, {r.get('bit_average')}, "
@@ -678,9 +680,10 @@ def servable_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     if not lines:
         return []
     return [
-        "The servable configuration (online_block_hadamard, fused groups) against the library default (no rotation, "
-        "no groups), the same method, cell, seed, budget and rounding: held-out perplexity (servable vs default, "
-        "ratio) and seconds (one process among others: a rough guide):",
+        "The servable configuration (online_block_hadamard, fused groups: the library's default since it was measured "
+        "here) against no rotation and no groups (the default before), the same method, cell, seed, budget and "
+        "rounding: held-out perplexity (servable vs unrotated, ratio) and seconds (one process among others: a rough "
+        "guide):",
         "",
         *lines,
     ]

@@ -64,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     from .continuous import FORMAT_PAIRS
     from .export.targets import EXPORT_TARGETS
     from .nn.bits import BIT_AVERAGES
-    from .nn.rotation import ROTATIONS
+    from .nn.rotation import AUTO_ROTATION, ROTATIONS
 
     parser = argparse.ArgumentParser(prog="optimum-dmx", description="dMX mixed-precision MX quantization.")
     parser.add_argument("--debug", action="store_true", help="show the traceback of an error (OPTIMUM_DMX_DEBUG=1)")
@@ -102,8 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     quantize.add_argument(
         "--rotation",
-        choices=list(ROTATIONS),
-        help="rotate the model before calibration (default none; see docs/method.md)",
+        choices=[AUTO_ROTATION, *ROTATIONS],
+        help="rotate the model before calibration (default auto: online_block_hadamard where an exported checkpoint "
+        "can carry it, else none; none with --method paper; see docs/rotations.md)",
     )
     quantize.add_argument(
         "--learn-rotations",
@@ -128,7 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument(
         "--offset-groups",
         choices=["none", "fused"],
-        help="fused: q/k/v and gate/up share one format, as vLLM needs to serve the map",
+        help="fused (default; none with --method paper): q/k/v and gate/up share one format, as vLLM needs to "
+        "serve the map",
     )
     quantize.add_argument(
         "--weight-rounding",

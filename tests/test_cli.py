@@ -158,7 +158,7 @@ def test_quantize_with_a_device_map_offloading_to_disk_gives_the_same_map(quanti
         (["quantize", "{root}/model", "--preset", "huge"], ["invalid choice", "huge"]),
         (
             ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--learn-rotations"],
-            ["learn_rotations=True", "rotation='hadamard' or 'block_hadamard'", "rotation='none'"],
+            ["learn_rotations=True", "rotation='hadamard' or 'block_hadamard'", "rotation='auto'"],
         ),
         (
             ["quantize", "{root}/model", "--dataset", "{root}/calibration.txt", "--cost-table", "{tmp}/table.csv"],

@@ -63,7 +63,12 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, d
     compiled_results = [transform(x), *(transform.quantize(x, *cast) for cast in casts)]
     assert _transform_kernel.compiled_variants >= 1 + len(casts) and _transform_kernel.rejected_variants == 0
     # a 16 x 16 last factor (32-blocks): the kernel gets the signs, and computes the whole transform from the input
-    ours = [key for key in _transform_kernel._kernels if key[0][1].type == "cpu" and key[0][3] == (size,)]
+    # (this transform's kernels: its input width and last factor; other tests' transforms may share the width)
+    ours = [
+        key
+        for key in _transform_kernel._kernels
+        if key[0][1].type == "cpu" and key[0][3] == (size,) and key[4] == transform._last_order
+    ]
     whole = {key[1] is not None for key in ours}
     assert whole == {transform._last_order <= KERNEL_MATRIX_ORDER}
     set_compile_enabled(False)

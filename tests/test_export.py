@@ -210,14 +210,15 @@ def test_fused_projection_groups_from_names():
 
 
 @pytest.mark.slow  # a whole calibration before the export: the fused-map exports above run by default
-def test_a_map_calibrated_with_fused_offset_groups_exports_for_vllm_unforced(tiny_text_model_dir, tmp_path):
-    """The whole path a vLLM user takes: calibrate with shared q/k/v and gate/up offsets, save, export."""
+def test_a_map_calibrated_with_the_defaults_exports_for_vllm_unforced(tiny_text_model_dir, tmp_path):
+    """The whole path a vLLM user takes with the defaults (q/k/v and gate/up sharing offsets, online transforms):
+    calibrate, save, export; compressed-tensors' own code applies the exported transforms."""
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
     from transformers import AutoTokenizer
 
     root = tiny_text_model_dir
     config = DMXConfig(
         target_bits=6.0,
-        offset_groups="fused",
         scale_rule="compressed-tensors",
         dataset=[str(root / "calibration.txt")],
         tokenizer=AutoTokenizer.from_pretrained(root / "model"),
@@ -230,9 +231,12 @@ def test_a_map_calibrated_with_fused_offset_groups_exports_for_vllm_unforced(tin
     format_map = model.config.quantization_config.format_map
     assert mixed_groups(format_map) == [] and len(set(format_map.values())) == 2
     model.save_pretrained(tmp_path / "dmx")
-    assert json.loads((tmp_path / "dmx" / "config.json").read_text())["quantization_config"]["offset_groups"] == "fused"
+    saved = json.loads((tmp_path / "dmx" / "config.json").read_text())["quantization_config"]
+    assert saved["offset_groups"] == "fused" and saved["rotation"] == "online_block_hadamard"
     out = export_checkpoint(tmp_path / "dmx", tmp_path / "ct")
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.bfloat16)
+    transforms = json.loads((out / "config.json").read_text())["quantization_config"]["transform_config"]
+    apply_transform_config(loaded, TransformConfig.model_validate(transforms))
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(loaded(INPUT_IDS % 120).logits, ours(INPUT_IDS % 120).logits)

@@ -60,6 +60,17 @@ def test_from_pretrained_calibrates_and_records_the_result(tmp_path, tiny_llama_
         assert saved[key] == value, key
     assert saved["achieved_bits"] == achieved and saved["method"] == "dmx" and saved["preset"] == "paper"
     assert "paper" not in saved and "gradient_checkpointing" not in saved  # nothing the map does not depend on
+    # by default servable: the rotation `"auto"` resolved to online transforms on every quantized linear (recorded,
+    # rebuilt on load), and q/k/v and gate/up of a layer in one format
+    assert saved["rotation"] == "online_block_hadamard" and set(saved["input_transforms"]) == set(formats)
+    assert saved["offset_groups"] == "fused"
+    for layer in {name.rsplit(".", 2)[0] for name in formats}:
+        assert (
+            formats[f"{layer}.self_attn.q_proj"]
+            == formats[f"{layer}.self_attn.k_proj"]
+            == formats[f"{layer}.self_attn.v_proj"]
+        )
+        assert formats[f"{layer}.mlp.gate_proj"] == formats[f"{layer}.mlp.up_proj"]
 
     # the reload has no dataset: it can only succeed without calibrating
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")
@@ -109,6 +120,8 @@ def test_an_offloaded_float_model_quantizes_like_a_plain_load(tmp_path, tiny_lla
         tiny_llama_dir, tmp_path / "offload", quantization_config=_calibrating_config(tokenizer)
     )
     assert offloaded.config.quantization_config.weight_rounding == "gptq"
+    # the default rotation resolves alike with the norms' weights on disk (their accelerate hooks left out of it)
+    assert offloaded.config.quantization_config.rotation == "online_block_hadamard"
     assert offloaded.config.quantization_config.format_map == plain.config.quantization_config.format_map
     with torch.no_grad():
         expected = plain(INPUT_IDS).logits

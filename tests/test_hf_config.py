@@ -25,12 +25,25 @@ def _tokenizer():
     return PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]")
 
 
-def test_defaults_come_from_calibration_settings():
+def test_defaults_come_from_calibration_settings_and_make_a_servable_model():
     config = DMXConfig()
     for name, value in vars(CalibrationSettings()).items():
-        assert getattr(config, name) == value, name
+        if name != "offset_groups":
+            assert getattr(config, name) == value, name
     assert config.modules_to_not_convert == ["lm_head"]
     assert config.needs_calibration
+    # a calibration by dMX or KL is servable by default; the paper's procedure and a given map change nothing
+    for given, rotation, groups in [
+        ({}, "auto", "fused"),
+        ({"method": "kl"}, "auto", "fused"),
+        ({"method": "paper"}, "none", "none"),
+        ({"format_map": {"q": "mxfp4"}}, "none", "none"),
+        ({"rotation": "none"}, "none", "fused"),
+        ({"offset_groups": "none"}, "auto", "none"),
+        ({"method": "paper", "rotation": "auto", "offset_groups": "fused"}, "auto", "fused"),
+    ]:
+        config = DMXConfig(**given)
+        assert (config.rotation, config.offset_groups) == (rotation, groups), given
 
 
 @pytest.mark.parametrize(

@@ -3,6 +3,8 @@ and bf16), online transforms in MXLinear / DMXLinear, a rotated dMX checkpoint r
 
 import copy
 import json
+import logging
+import re
 
 import pytest
 import scipy.linalg
@@ -13,7 +15,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrate, dmx_linears
 from optimum_dmx.nn import linear_modules_to_quantize
-from optimum_dmx.nn.rotation import rotate_model
+from optimum_dmx.nn.rotation import resolve_rotation, rotate_model
 from optimum_dmx.nn.surgery import replace_with_mx_linear
 from optimum_dmx.nn.transforms import (
     RandomizedHadamard,
@@ -163,10 +165,40 @@ def test_rotation_refuses_models_it_cannot_rotate():
     model = GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=64))
     with pytest.raises(ValueError, match="Llama-style decoder layers|decoder-only model"):
         rotate_model(model, "hadamard", {})
-    with pytest.raises(ValueError, match="rotation='givens' is not supported; allowed: none, hadamard"):
+    with pytest.raises(ValueError, match="rotation='givens' is not supported; allowed: auto, none, hadamard"):
         rotate_model(tiny_decoder("llama", tied=False), "givens", {})
     with pytest.raises(ValueError, match="rotation='givens'"):
         DMXConfig(format_map={}, rotation="givens")
+
+
+def test_auto_rotation_is_online_where_an_export_can_carry_it_and_none_elsewhere(caplog):
+    """`"auto"` resolves per model: online transforms on Llama-style models whose transforms' signs an exporter can
+    move (`export.transforms`), no rotation (with a warning naming why) on the others; `rotate_model` refuses it
+    unresolved."""
+    llama = tiny_decoder("llama", tied=True)
+    quantized = linear_modules_to_quantize(llama, ["lm_head"])
+    assert resolve_rotation(llama, "auto", quantized) == "online_block_hadamard"
+    assert resolve_rotation(tiny_decoder("qwen3", tied=False), "auto", quantized) == "online_block_hadamard"
+    assert resolve_rotation(llama, "block_hadamard", quantized) == "block_hadamard"  # anything else: as it is
+    with pytest.raises(ValueError, match="rotation='auto' depends on the model: resolve it"):
+        rotate_model(llama, "auto", quantized)
+    cases = [  # model, quantized linears, what the warning names
+        (tiny_decoder("gemma3", tied=True), quantized, r"model.norm|input_layernorm \(Gemma3RMSNorm\)"),
+        (tiny_decoder("llama", tied=True, hidden_size=80, head_dim=20), None, "has 80 inputs, not a whole number"),
+        (llama, [n for n in quantized if not n.endswith("k_proj")], "shares model.layers.0.input_layernorm's output"),
+        (
+            GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=64)),
+            ["transformer.h.0.mlp.c_fc"],
+            "needs the final RMSNorm `transformer.norm` of GPT2LMHeadModel",
+        ),
+    ]
+    for model, names, obstacle in cases:
+        names = linear_modules_to_quantize(model, ["lm_head"]) if names is None else names
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="optimum_dmx.nn.rotation"):
+            assert resolve_rotation(model, "auto", names) == "none"
+        assert "rotation='auto' leaves this model unrotated" in caplog.text
+        assert re.search(obstacle, caplog.text), caplog.text
 
 
 def test_mx_and_dmx_linears_apply_the_online_transform():

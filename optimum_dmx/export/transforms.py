@@ -27,7 +27,6 @@ model (its rotation has one `rotation_size`).
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,7 +34,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..nn.rotation import residual_norm_readers
+from ..nn.rotation import negates_with_its_scale, residual_norm_readers
 from ..nn.transforms import RandomizedHadamard, sylvester_matrix
 
 __all__ = ["TransformExport", "compressed_tensors_transforms", "quark_transforms"]
@@ -196,26 +195,13 @@ def _norm_signs(
             f"{module} reads {norm} with an online transform whose signs would move into the norm, but {others[0]} "
             "reads it too with another transform or none"
         )
-    if not _negates_with_its_scale(skeleton.get_submodule(norm)):
+    if not negates_with_its_scale(skeleton.get_submodule(norm)):
         raise ValueError(
             f"{norm} ({type(skeleton.get_submodule(norm)).__name__}) does not output its weight times the normalized "
             f"input (Gemma's norms scale by 1 + weight), so the signs of {module}'s online transform cannot move "
             "into it; calibrate with rotation='block_hadamard' or 'hadamard' to export this model"
         )
     return norm, transform.signs().float()
-
-
-@torch.no_grad()
-def _negates_with_its_scale(norm: nn.Module) -> bool:
-    """Whether negating `norm`'s weight negates its output exactly (tried on a float32 copy with random values)."""
-    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
-    generator = torch.Generator().manual_seed(0)
-    weight = torch.randn(probe.weight.shape, generator=generator)
-    x = torch.randn(3, *probe.weight.shape, generator=generator)
-    probe.weight.copy_(weight)
-    output = probe(x)
-    probe.weight.copy_(-weight)
-    return torch.equal(probe(x), -output)
 
 
 def _check_outputs(producer: str, skeleton: nn.Module, outputs: int, module: str) -> None:

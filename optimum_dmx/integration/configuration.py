@@ -25,7 +25,7 @@ from ..calibration.data import check_calibration_source
 from ..calibration.presets import DEFAULT_PRESET, get_preset
 from ..calibration.settings import MX_BLOCK_SIZE, CalibrationSettings, PaperRecipe
 from ..formats import MX_FORMATS, get_format
-from ..nn.rotation import LEARNABLE_ROTATIONS, validate_rotation
+from ..nn.rotation import AUTO_ROTATION, LEARNABLE_ROTATIONS, validate_rotation
 from ..nn.transforms import RandomizedHadamard
 
 QUANT_METHOD = "dmx"
@@ -112,13 +112,17 @@ class DMXConfig(QuantizationConfigMixin):
             the budget then caps the total cost, `target_bits` placing the cap between the all-low and all-high
             totals as it lies between the pair's element bits. Default None: bits in `bit_average`.
         rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/rotations.md`):
-            `"none"` (default), `"hadamard"`, `"block_hadamard"` or `"online_block_hadamard"`. Merged rotations
+            `"auto"`, `"none"`, `"hadamard"`, `"block_hadamard"` or `"online_block_hadamard"`. Merged rotations
             change the saved weights (tied embeddings are untied); online transforms are recorded in
-            `input_transforms` and rebuilt on load.
+            `input_transforms` and rebuilt on load. `"auto"` is `"online_block_hadamard"` where exported
+            checkpoints can carry its transforms, else `"none"` (`nn.rotation.resolve_rotation`; config.json
+            records which). Default: `"auto"` when calibrating with `method="dmx"` or `"kl"`, `"none"` with
+            `method="paper"` (the paper's procedure, exactly) or a given `format_map`.
         learn_rotations: train the merged rotations (`"hadamard"`, `"block_hadamard"`) with the formats (Cayley
             SGD, SpinQuant's step); merged into the saved weights, nothing is needed at load time.
-        offset_groups: layers that share one format: `"none"` (default), `"fused"` (q/k/v and gate/up of each
-            decoder layer, as vLLM and SGLang fuse them: needed to export a servable map) or lists of module names.
+        offset_groups: layers that share one format: `"fused"` (q/k/v and gate/up of each decoder layer, as vLLM
+            and SGLang fuse them: needed to export a servable map), `"none"` or lists of module names. Default:
+            `"fused"` when calibrating with `method="dmx"` or `"kl"`, else `"none"`.
         scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
             export: `"ocp"` (default: the specification's floor), `"compressed-tensors"` or `"quark"` (those
             loaders' rounding, so that a served model computes what was calibrated).
@@ -181,6 +185,14 @@ class DMXConfig(QuantizationConfigMixin):
                 f"paper={paper!r} sets the hyper-parameters of method='paper'; method="
                 f"{method or 'dmx'!r} has none (pass method='paper', or leave paper out)."
             )
+        # The defaults of a calibration by dMX or KL make a servable model (docs/rotations.md: it scored lower
+        # held-out perplexity than the unrotated, ungrouped map at every measured target); the paper's procedure
+        # and a given map keep the model as it is.
+        servable = format_map is None and method != "paper"
+        if offset_groups is None:
+            offset_groups = "fused" if servable else "none"
+        if rotation is None:
+            rotation = AUTO_ROTATION if servable else "none"
         given = {
             "method": method,
             "target_bits": target_bits,
@@ -206,7 +218,7 @@ class DMXConfig(QuantizationConfigMixin):
         check_calibration_source(dataset)
         self.dataset = dataset
         self.tokenizer = tokenizer
-        self.rotation = validate_rotation("none" if rotation is None else rotation)
+        self.rotation = validate_rotation(rotation)
         if self.learn_rotations and self.rotation not in LEARNABLE_ROTATIONS:
             raise ValueError(
                 f"learn_rotations=True trains merged rotations: it needs rotation="

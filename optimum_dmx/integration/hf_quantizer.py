@@ -28,7 +28,7 @@ from transformers.quantizers.base import HfQuantizer
 from transformers.utils import cached_file
 
 from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, linear_modules_to_quantize, replace_with_mx_linear
-from ..nn.rotation import rotate_model
+from ..nn.rotation import resolve_rotation, rotate_model
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
 from .model_card import attach_model_card, detach_model_card
@@ -89,7 +89,9 @@ class DMXHfQuantizer(HfQuantizer):
         )
         skip = sorted(set(skip))
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
-        rotate_model(model, config.rotation, linear_modules_to_quantize(model, skip), config.block_size, config.seed)
+        quantized = linear_modules_to_quantize(model, skip)
+        rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
+        rotate_model(model, rotation, quantized, config.block_size, config.seed)
         # Imported when needed, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
         # loading a saved dMX checkpoint (the other use of this module) never needs.
         input_ids = None
@@ -126,7 +128,7 @@ class DMXHfQuantizer(HfQuantizer):
             if (module := model.get_submodule(name)).input_transform is not None
         }
         return config.with_result(
-            format_map, input_transforms=transforms, achieved_bits=bits, modules_to_not_convert=skip
+            format_map, input_transforms=transforms, achieved_bits=bits, modules_to_not_convert=skip, rotation=rotation
         )
 
     def _dequantize(self, model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:

@@ -29,12 +29,18 @@ one value head (so that an export can move every transform's signs into the laye
 Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
 each quantized linear's input per call.
 
+`rotation="auto"` (`resolve_rotation`) is `"online_block_hadamard"` where an exported checkpoint can carry it (every
+quantized linear a plain `nn.Linear` with whole MX blocks of inputs, each transform's signs movable into the layer or
+norm producing its input), else `"none"`, with a warning that names the obstacle.
+
 All rotations are computed in float64 and written back in each weight's dtype, where the weight lives: in memory,
 offloaded by accelerate or sharded by FSDP2 (`nn.placement.write_parameters`).
 """
 
 from __future__ import annotations
 
+import copy
+import logging
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -46,7 +52,10 @@ from .groups import fused_projection_groups
 from .placement import is_resident, is_sharded, loaded_weights, replace_module, write_parameters
 from .transforms import RandomizedHadamard, TransformedLinear
 
-ROTATIONS = ("none", "hadamard", "block_hadamard", "online_block_hadamard")
+logger = logging.getLogger(__name__)
+
+ROTATIONS = ("none", "hadamard", "block_hadamard", "online_block_hadamard")  # what `rotate_model` applies
+AUTO_ROTATION = "auto"  # resolved per model by `resolve_rotation`
 LEARNABLE_ROTATIONS = ("hadamard", "block_hadamard")  # the merged ones, which calibration can train further
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
@@ -54,10 +63,75 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 
 
 def validate_rotation(rotation: str) -> str:
-    """Return `rotation` if it is one of `ROTATIONS`; raise naming the allowed values otherwise."""
-    if rotation not in ROTATIONS:
-        raise ValueError(f"rotation={rotation!r} is not supported; allowed: {', '.join(ROTATIONS)}.")
+    """Return `rotation` if it is `"auto"` or one of `ROTATIONS`; raise naming the allowed values otherwise."""
+    if rotation != AUTO_ROTATION and rotation not in ROTATIONS:
+        raise ValueError(f"rotation={rotation!r} is not supported; allowed: {', '.join((AUTO_ROTATION, *ROTATIONS))}.")
     return rotation
+
+
+def resolve_rotation(model: nn.Module, rotation: str, quantized: Collection[str], block_size: int = 32) -> str:
+    """The rotation `rotate_model` applies for `rotation`: `"auto"` becomes `"online_block_hadamard"` where
+    `online_transform_obstacle` finds none, else `"none"` (with a warning naming the obstacle); any other rotation
+    is returned as it is."""
+    if validate_rotation(rotation) != AUTO_ROTATION:
+        return rotation
+    obstacle = online_transform_obstacle(model, quantized, block_size)
+    if obstacle is None:
+        return "online_block_hadamard"
+    logger.warning("rotation='auto' leaves this model unrotated (rotation='none'): %s.", obstacle)
+    return "none"
+
+
+def online_transform_obstacle(model: nn.Module, quantized: Collection[str], block_size: int = 32) -> str | None:
+    """Why `rotation="online_block_hadamard"` does not suit `model` for serving, or None if it does.
+
+    Each quantized linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks, and an exporter
+    must be able to move its transform's random signs into the layer producing its input (compressed-tensors' and
+    Quark's transforms are pure Hadamard matrices): `up_proj`'s rows for a gated MLP's `down_proj`, `v_proj`'s for
+    an attention's `o_proj`, the norm's scale for the linears reading a decoder layer's RMSNorm, which must then
+    all be quantized (they share one transform) and output their weight times the normalized input.
+    """
+    try:
+        norm_readers = residual_norm_readers(model)
+    except ValueError as error:
+        return str(error)
+    norm_of = {reader: norm for norm, readers in norm_readers for reader in readers}
+    readers_of = dict(norm_readers)
+    for name in quantized:
+        linear = model.get_submodule(name)
+        if type(linear) is not nn.Linear:
+            return f"{name} is a {type(linear).__name__}, not a plain nn.Linear"
+        if is_sharded(linear):
+            return f"{name} is sharded by FSDP2 (rotate the model before fully_shard)"
+        if linear.in_features % block_size:
+            return f"{name} has {linear.in_features} inputs, not a whole number of MX blocks of {block_size}"
+        if name.rpartition(".")[2] in ("o_proj", "down_proj"):
+            continue  # decoder layers have v_proj and up_proj (`residual_norm_readers` checked)
+        norm = norm_of.get(name)
+        if norm is None:
+            return f"{name} reads no RMSNorm of the residual stream, so no export can take its transform's signs"
+        in_float = [reader for reader in readers_of[norm] if reader not in quantized]
+        if in_float:
+            return f"{name} shares {norm}'s output with {in_float[0]}, which stays in float"
+        if not negates_with_its_scale(model.get_submodule(norm)):
+            return f"{norm} ({type(model.get_submodule(norm)).__name__}) does not output its weight times the input"
+    return None
+
+
+@torch.no_grad()
+def negates_with_its_scale(norm: nn.Module) -> bool:
+    """Whether negating `norm`'s weight negates its output exactly (tried on a float32 copy with random values):
+    then a sign can move into its scale (not for Gemma's norms, which scale by `1 + weight`). The copy runs its
+    class's forward: an offloaded norm's accelerate hook would load the stored weight over the probe's."""
+    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(probe.weight.shape, generator=generator)
+    x = torch.randn(3, *probe.weight.shape, generator=generator)
+    forward = type(probe).forward
+    probe.weight.copy_(weight)
+    output = forward(probe, x)
+    probe.weight.copy_(-weight)
+    return torch.equal(forward(probe, x), -output)
 
 
 def rotate_model(
@@ -68,7 +142,8 @@ def rotate_model(
     Args:
         model: a Hugging Face decoder-only causal LM with Llama-style decoder layers (`self_attn.{q,k,v,o}_proj`,
             `mlp.{gate,up,down}_proj`, RMSNorms): Llama, Mistral, Qwen2/3, Gemma 3, SmolLM...
-        rotation: one of `ROTATIONS`; `"none"` leaves the model alone.
+        rotation: one of `ROTATIONS` (`"auto"` is resolved first: `resolve_rotation`); `"none"` leaves the model
+            alone.
         quantized: full names of the linears that will be MX-quantized: only those get an online transform
             (a float `down_proj` gains nothing from one).
         block_size: block of the `"block_hadamard"` transforms (the MX block size).
@@ -76,7 +151,9 @@ def rotate_model(
 
     Raises `ValueError`, naming what is missing, for a model whose layers do not have that structure.
     """
-    if validate_rotation(rotation) == "none":
+    if validate_rotation(rotation) == AUTO_ROTATION:
+        raise ValueError("rotation='auto' depends on the model: resolve it with resolve_rotation first")
+    if rotation == "none":
         return {}
     if rotation == "online_block_hadamard":
         _refuse_sharded(model, rotation, quantized)
