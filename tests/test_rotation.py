@@ -199,6 +199,10 @@ def test_auto_rotation_is_online_where_an_export_can_carry_it_and_none_elsewhere
             assert resolve_rotation(model, "auto", names) == "none"
         assert "rotation='auto' leaves this model unrotated" in caplog.text
         assert re.search(obstacle, caplog.text), caplog.text
+    # asked for explicitly, the same per-linear obstacle is a refusal naming the layer
+    narrow = cases[1][0]
+    with pytest.raises(ValueError, match="rotation='online_block_hadamard': model.layers.0.self_attn.q_proj has 80"):
+        rotate_model(narrow, "online_block_hadamard", linear_modules_to_quantize(narrow, ["lm_head"]))
 
 
 def test_mx_and_dmx_linears_apply_the_online_transform():

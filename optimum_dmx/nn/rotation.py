@@ -99,12 +99,11 @@ def online_transform_obstacle(model: nn.Module, quantized: Collection[str], bloc
     readers_of = dict(norm_readers)
     for name in quantized:
         linear = model.get_submodule(name)
-        if type(linear) is not nn.Linear:
-            return f"{name} is a {type(linear).__name__}, not a plain nn.Linear"
+        refusal = _online_transform_refusal(name, linear, block_size)
+        if refusal is not None:
+            return refusal
         if is_sharded(linear):
             return f"{name} is sharded by FSDP2 (rotate the model before fully_shard)"
-        if linear.in_features % block_size:
-            return f"{name} has {linear.in_features} inputs, not a whole number of MX blocks of {block_size}"
         if name.rpartition(".")[2] in ("o_proj", "down_proj"):
             continue  # decoder layers have v_proj and up_proj (`residual_norm_readers` checked)
         norm = norm_of.get(name)
@@ -115,6 +114,15 @@ def online_transform_obstacle(model: nn.Module, quantized: Collection[str], bloc
             return f"{name} shares {norm}'s output with {in_float[0]}, which stays in float"
         if not negates_with_its_scale(model.get_submodule(norm)):
             return f"{norm} ({type(model.get_submodule(norm)).__name__}) does not output its weight times the input"
+    return None
+
+
+def _online_transform_refusal(name: str, linear: nn.Module, block_size: int) -> str | None:
+    """Why module `name` cannot take an online transform of blocks of `block_size` inputs, or None."""
+    if not isinstance(linear, nn.Linear) or isinstance(linear, TransformedLinear):
+        return f"{name} is a {type(linear).__name__}, not a plain nn.Linear"
+    if linear.in_features % block_size:
+        return f"{name} has {linear.in_features} inputs, not a whole number of MX blocks of {block_size}"
     return None
 
 
@@ -276,13 +284,9 @@ def _transform_every_input(
     transforms = {}
     for name in quantized:
         linear = model.get_submodule(name)
-        if not isinstance(linear, nn.Linear) or isinstance(linear, TransformedLinear):
-            raise ValueError(f"rotation='online_block_hadamard' needs {name!r} to be a plain nn.Linear")
-        if linear.in_features % block_size:
-            raise ValueError(
-                f"rotation='online_block_hadamard' needs in_features divisible by {block_size}; "
-                f"{name!r} has {linear.in_features}"
-            )
+        refusal = _online_transform_refusal(name, linear, block_size)
+        if refusal is not None:
+            raise ValueError(f"rotation='online_block_hadamard': {refusal}")
         owner = shared_with.get(name, name)
         if owner not in built:
             seed_of_owner = int(torch.randint(0, 2**31 - 1, (), generator=generator))
