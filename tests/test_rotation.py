@@ -37,26 +37,24 @@ def test_hadamard_matrix_is_sylvesters(n):
 
 
 @pytest.mark.parametrize(
-    "power, odd, butterflies, order",
+    "power, odd, sylvester_order, order",
     [
-        (1, 1, 0, 1),
-        (16, 1, 0, 16),
-        (32, 1, 1, 16),
-        (128, 1, 3, 16),
-        (512, 1, 3, 64),
-        (2048, 1, 5, 64),
-        (512, 3, 3, 192),
-        (64, 9, 2, 144),
-        (4, 97, 0, 388),
+        (1, 1, 1, 1),
+        (16, 1, 1, 16),
+        (32, 1, 2, 16),
+        (128, 1, 8, 16),
+        (512, 1, 8, 64),
+        (2048, 1, 32, 64),
+        (512, 3, 8, 192),
+        (64, 9, 4, 144),
+        (4, 97, 1, 388),
     ],
 )
-def test_kronecker_split_of_the_block_transform(power, odd, butterflies, order):
+def test_kronecker_split_of_the_block_transform(power, odd, sylvester_order, order):
     q = torch.linalg.qr(torch.randn(odd, odd, dtype=torch.float64))[0].contiguous()
     stages, matrix = kronecker_split(power, q)
-    assert (stages, len(matrix)) == (butterflies, order)
-    product = matrix
-    for _ in range(stages):
-        product = torch.kron(sylvester_matrix(2), product)
+    assert (2**stages, len(matrix)) == (sylvester_order, order)
+    product = torch.kron(sylvester_matrix(2**stages), matrix)
     torch.testing.assert_close(product, torch.kron(sylvester_matrix(power), q), rtol=0, atol=1e-12)
 
 

@@ -9,10 +9,10 @@ dimension of row vectors (`x -> x @ T`):
 * `I ⊗ ...`: the same transform on every `block_size` consecutive elements (block-diagonal; `block_size = size`
   is the full-size transform);
 * `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
-  with `Q` (below) as a Kronecker product `H_2 ⊗ ... ⊗ H_2 ⊗ (H_16 ⊗ Q)` (`kronecker_split`): a matrix product
-  with the last factor, then one butterfly of sums and differences per `H_2`, a few dozen additions per element
-  instead of `block_size`. The factors hold +-1 and the result is divided by `sqrt` of the order once, at the end, as
-  compressed-tensors applies its Hadamard transforms: sums of +-x are exact far more often than sums of
+  with `Q` (below) as a Kronecker product `S ⊗ (H_m ⊗ Q)` (`kronecker_split`): a matrix product with the last
+  factor, then one with the Sylvester matrix `S` across the block's runs of its order, a few dozen multiply-adds per
+  element instead of `block_size`. The factors hold +-1 and the result is divided by `sqrt` of the order once, at the
+  end, as compressed-tensors applies its Hadamard transforms: sums of +-x are exact far more often than sums of
   `+-x / sqrt(n)`, so an exported model's transform computes the same bits as this one;
 * `Q`: a random orthogonal matrix (from `seed`) for the odd factor of `block_size` that no Hadamard matrix of
   power-of-two order covers (hidden sizes such as 576 = 64 x 9); the identity when there is none.
@@ -22,14 +22,16 @@ themselves, so one outlier raises one block scale instead of all of them. The tr
 `(size, block_size, seed)`, which is all a checkpoint records (`to_dict`); it holds no trainable state and adds
 nothing to a state dict.
 
-At inference (no gradient wanted) the transform runs as one compiled kernel (`formats.compilation`) with the
-butterflies, the division, the rounding to the input's dtype and, through `quantize`, the MX cast that follows; for
-32-blocks (a 16 x 16 last factor, `KERNEL_MATRIX_ORDER`) the kernel also applies the signs and the matrix product
-(`_signed_product_in_order`), which ran as two operations before it, each writing a new buffer as large as the
-activation (on a CPU, fresh buffers that large also cost page faults). A larger last factor (a full-size
-transform's) is a matrix product before the kernel. The kernel is checked bit for bit against the same steps run
-eagerly; that those give the bits of the eager path's matrix product (products by +-1 are exact, and the sums run in
-the order a matrix product's inner loop adds them) is tested.
+At inference (no gradient wanted) the transform's last steps run as one compiled kernel (`formats.compilation`):
+the division, the rounding to the input's dtype and, through `quantize`, the MX cast that follows. For 32-blocks (a
+16 x 16 last factor and `S` of order 2, `KERNEL_MATRIX_ORDER`) the kernel also applies the signs and both products
+(`_signed_product_in_order`, then one sum and one difference), which ran as separate operations before it, each
+writing a new buffer as large as the activation (on a CPU, fresh buffers that large also cost page faults). Larger
+blocks take the two matrix products before the kernel: inductor's code for more sums and differences in the kernel
+ran several times slower than the products (the online transform of SmolLM2's `down_proj`, on 512-blocks, cost a
+fifth of the forward pass that way). The kernel is checked bit for bit against the same steps run eagerly; that those
+give the bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
+product's inner loop adds them) is tested.
 """
 
 from __future__ import annotations
@@ -66,8 +68,8 @@ def _checked_sign_copies(sign_copies: Any, size: int) -> tuple[int, int]:
     return (1, size) if pair[0] == 1 else pair
 
 
-# The power of two in the one Kronecker factor applied as a matrix product: at least 16, at most 64, large enough
-# that at most 3 butterflies follow up to blocks of 512 (each is a pass over memory when a gradient is wanted).
+# The power of two in the last Kronecker factor: at least 16, at most 64 (a matrix product's cost grows with its order,
+# and so does the product across the factor's runs when the factor is small).
 MATRIX_FACTOR_ORDERS = (16, 64)
 
 
@@ -87,31 +89,33 @@ def hadamard_matrix(order: int) -> torch.Tensor:
 
 
 def kronecker_split(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """`sylvester_matrix(power) ⊗ odd` as `H_2 ⊗ ... ⊗ H_2 ⊗ M`: the number of `H_2` factors (each a butterfly of
-    sums and differences) and the float64 matrix `M = sylvester_matrix(m) ⊗ odd` (one matrix product), `m` between
-    `MATRIX_FACTOR_ORDERS` (`power / 8` where that falls between them; all of `power` below the lower one). Of the
-    splits of a 32-block, a product with a 16 x 16 matrix and one butterfly measured fastest on a CPU at inference
-    (a matrix product's cost grows with its order; inductor inlines the butterflies into the kernel that follows);
-    eagerly, with a gradient, each butterfly is a pass over the activation, so larger blocks take a larger matrix."""
+    """`sylvester_matrix(power) ⊗ odd` as `sylvester_matrix(2**k) ⊗ M`: `k` and the float64 matrix
+    `M = sylvester_matrix(m) ⊗ odd`, `m` between `MATRIX_FACTOR_ORDERS` (`power / 8` where that falls between them;
+    all of `power` below the lower one). For a 32-block, `k = 1` (a 16 x 16 product, then one sum and one difference)
+    measured fastest on a CPU at inference, all in one kernel; for 512-blocks, a 64 x 64 product and one of order 8."""
     low, high = MATRIX_FACTOR_ORDERS
     order = min(power, max(low, min(high, power // 8)))
     return (power // order).bit_length() - 1, torch.kron(sylvester_matrix(order), odd.contiguous())
 
 
-def _finish_blocks(x: torch.Tensor, butterflies: int, last: int, norm: float | torch.Tensor) -> torch.Tensor:
-    """Rows `x` whose blocks were multiplied by their last Kronecker factor (of order `last`), multiplied by the
-    others, `Sylvester(2) ⊗ ... ⊗ Sylvester(2)` (`butterflies` of them), as sums and differences, then divided by
-    `norm`."""
+def _sylvester_product(x: torch.Tensor, sylvester: torch.Tensor | None, last: int) -> torch.Tensor:
+    """Rows `x`, each block seen as `len(sylvester)` runs of `last` elements, multiplied across the runs by the
+    Sylvester matrix (one matrix product for any order; `None`: order 1, nothing to do)."""
+    if sylvester is None:
+        return x
+    return torch.matmul(sylvester, x.reshape(-1, len(sylvester), last)).view(x.shape)
+
+
+def _sum_and_difference(x: torch.Tensor, last: int) -> torch.Tensor:
+    """`_sylvester_product` with the Sylvester matrix of order 2 (`[[1, 1], [1, -1]]`) as one sum and one
+    difference, which compile into the kernel: the same bits (a sum of two terms rounds once, in any order)."""
     rows, width = x.shape
-    x = x.reshape(rows, -1, *(2,) * butterflies, last)
-    for axis in range(2, 2 + butterflies):
-        first, second = x.unbind(axis)
-        x = torch.stack((first + second, first - second), axis)
-    return x.reshape(rows, width) / norm
+    first, second = x.view(rows, -1, 2, last).unbind(2)
+    return torch.stack((first + second, first - second), 2).view(rows, width)
 
 
-# The largest last Kronecker factor the inference kernel multiplies by itself (`order` products per element); a larger
-# one is a matrix product run before the kernel.
+# The largest last Kronecker factor the inference kernel multiplies by itself (`order` products per element), when the
+# Sylvester factor across its runs is of order 2 at most; else the products run before the kernel.
 KERNEL_MATRIX_ORDER = 16
 
 
@@ -134,20 +138,22 @@ def _transform_kernel(
     x: torch.Tensor,
     signs: torch.Tensor | None,
     matrix: torch.Tensor | None,
-    butterflies: int,
+    pairs: bool,
     last: int,
     norm: float,
     dtype: torch.dtype,
     cast: tuple | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The transform of rows `x` from the product with its last Kronecker factor on: with `signs` and `matrix` (the
-    factor flattened, `_signed_product_in_order`), `x` is the input and the kernel computes that product too;
-    without, `x` is the product. Then `_finish_blocks`, rounded to `dtype` (returned as float32) and, with `cast`
+    """The transform of rows `x` divided by `norm`, rounded to `dtype` (returned as float32) and, with `cast`
     (format, block size, scale rule), MX-quantized (the values and the block output of
-    `formats.cast.cast_mx_blocks`)."""
+    `formats.cast.cast_mx_blocks`). With `signs` and `matrix` (the last factor, `last` x `last`, flattened), `x` is
+    the input and the kernel computes the signs and the product (`_signed_product_in_order`) and, with `pairs`, the
+    Sylvester factor of order 2 (`_sum_and_difference`); without, `x` is the whole product."""
     if signs is not None:
         x = _signed_product_in_order(x, signs, matrix, last)
-    finished = _finish_blocks(x, butterflies, last, norm)
+        if pairs:
+            x = _sum_and_difference(x, last)
+    finished = x / norm
     finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
     return finished if cast is None else cast_mx_blocks(finished, *cast, native_cast=False)
 
@@ -185,34 +191,38 @@ class RandomizedHadamard(nn.Module):
         odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[
             0
         ]
-        # A block is indexed as a tensor of shape (2, ..., 2, len(last)), one axis per Kronecker factor of `H ⊗ Q`:
-        # the transform multiplies each axis by its factor's matrix (a butterfly for each axis of 2).
-        self._butterflies, last = kronecker_split(self.power, odd)
+        # A block is indexed as a matrix of shape (2**k, len(last)): the transform multiplies its rows by the last
+        # factor's matrix, then its columns by the Sylvester matrix of order 2**k.
+        sylvester_power, last = kronecker_split(self.power, odd)
         self._norm = torch.tensor(self.power, dtype=torch.float64, device="cpu").sqrt()  # H = sylvester / _norm
+        sylvester = sylvester_matrix(2**sylvester_power) if sylvester_power else None
         # Plain float64 tensors, not buffers: `model.to(torch.bfloat16)` must not round them (the merged weights
         # were computed with these exact values), and a state dict has nothing to hold.
-        self._factors = {(torch.device("cpu"), torch.float64): (signs, last)}
+        self._factors = {(torch.device("cpu"), torch.float64): (signs, last, sylvester)}
         self._last_order = len(last)
+        # The whole transform in the inference kernel: a small last factor and at most one sum and difference.
+        self._whole_in_kernel = self._last_order <= KERNEL_MATRIX_ORDER and sylvester_power <= 1
 
-    def _factors_as(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """The signs and the last factor's matrix on `device` in `dtype` (converted once, then kept)."""
+    def _factors_as(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
+        """The signs, the last factor's matrix and the Sylvester one (or None) on `device` in `dtype` (converted
+        once, then kept)."""
         key = (device, dtype)
         if key not in self._factors:
-            signs, last = self._factors[(torch.device("cpu"), torch.float64)]
-            self._factors[key] = (signs.to(device, dtype), last.to(device, dtype))
+            factors = self._factors[(torch.device("cpu"), torch.float64)]
+            self._factors[key] = tuple(None if f is None else f.to(device, dtype) for f in factors)
         return self._factors[key]
 
-    def _mixed_last_axis(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """`x` (rows) times the signs `D`, then each block's last Kronecker factor, as a `dtype` matrix product: the
-        product of a bfloat16 `x` and float32 signs is float32, one pass."""
-        signs, last = self._factors_as(x.device, dtype)
-        return ((x * signs).view(-1, len(last)) @ last).view(x.shape)
+    def _products(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`rows @ T` times the norm (before the division), computed in `dtype` (float32 or float64): the signs
+        `D`, each block's last factor, then the Sylvester factor, as matrix products (the product of a bfloat16
+        `rows` and float32 signs is float32, one pass)."""
+        signs, last, sylvester = self._factors_as(rows.device, dtype)
+        mixed = ((rows * signs).view(-1, len(last)) @ last).view(rows.shape)
+        return _sylvester_product(mixed, sylvester, len(last))
 
     def _transform_rows(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x @ T` computed in `dtype` (float32 or float64), eagerly, rows of `x`'s last dimension."""
-        rows = x.reshape(-1, self.size)
-        mixed = _finish_blocks(self._mixed_last_axis(rows, dtype), self._butterflies, self._last_order, self._norm)
-        return mixed.view(x.shape)
+        return (self._products(x.reshape(-1, self.size), dtype) / self._norm).view(x.shape)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ T`, computed in float32 (the MX quantizers' precision) and returned in `x`'s dtype."""
@@ -229,12 +239,12 @@ class RandomizedHadamard(nn.Module):
         fused = _transform_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
         if fused and (cast is None or compiles(self.size, cast[1])):
             rows = x.reshape(-1, self.size)
-            signs, last = self._factors_as(x.device, torch.float32)
-            if self._last_order <= KERNEL_MATRIX_ORDER:  # the whole transform in the kernel
-                inputs = rows, signs, last.view(-1)
+            if self._whole_in_kernel:
+                signs, last, sylvester = self._factors_as(x.device, torch.float32)
+                inputs = rows, signs, last.view(-1), sylvester is not None
             else:
-                inputs = self._mixed_last_axis(rows, torch.float32), None, None
-            finished = _transform_kernel(*inputs, self._butterflies, self._last_order, float(self._norm), x.dtype, cast)
+                inputs = self._products(rows, torch.float32), None, None, False
+            finished = _transform_kernel(*inputs, self._last_order, float(self._norm), x.dtype, cast)
             return (finished if cast is None else finished[0]).to(x.dtype).view(x.shape)
         transformed = self._transform_rows(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
