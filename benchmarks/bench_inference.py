@@ -17,11 +17,12 @@ Measures, in one run:
    than its throughput), `from_pretrained`
    time and checkpoint bytes, float vs dMX, and the cached dMX model with every linear casting its own input
    (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence. The dMX model uses
-   a fixed mixed map (every fourth decoder linear MXFP8, the rest MXFP4: 5.0 average bits), applied without
-   calibration. With `--rotation NAME[,NAME...]`
-   one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same map, is timed beside them
-   (the cost of the online transforms: `down_proj`'s input for `hadamard` / `block_hadamard`, every quantized
-   input for `online_block_hadamard`).
+   a fixed mixed map applied without calibration, with one format per fused group as the default
+   `offset_groups="fused"` gives every calibrated map: of the units of one format (q/k/v, o_proj, gate/up,
+   down_proj, layer after layer) every fifth is MXFP8, the rest MXFP4 (4.8 average bits). With
+   `--rotation NAME[,NAME...]` one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same
+   map, is timed beside them (the cost of the online transforms: `down_proj`'s input for `hadamard` /
+   `block_hadamard`, every quantized input for `online_block_hadamard`).
 
 Times are median CPU times (one torch thread by default) over `--repeats` runs after a warm-up: the
 linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32 and, with `--model-bf16`, in bf16 too.
@@ -50,6 +51,7 @@ from optimum_dmx.formats import MX_FORMATS, get_format, quantize_mx
 from optimum_dmx.formats.cast import fused_cast_mx
 from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS
 from optimum_dmx.integration.model_card import checkpoint_bytes
+from optimum_dmx.nn.groups import fused_projection_groups
 from optimum_dmx.nn.rotation import ROTATIONS
 
 from common import benchmark_model, median_seconds, write_report
@@ -134,8 +136,11 @@ def bench_per_call(repeats: int, calls: int = 1000) -> list[list[str]]:
 
 
 def mixed_format_map(model: nn.Module) -> dict[str, str]:
+    """MXFP8 for every fifth unit of one format (a fused group or a single linear, in module order), else MXFP4."""
     names = [name for name, m in model.named_modules() if isinstance(m, nn.Linear) and name != "lm_head"]
-    return {name: "mxfp8_e4m3" if i % 4 == 0 else "mxfp4_e2m1" for i, name in enumerate(names)}
+    group_of = {name: group for group in fused_projection_groups(names) for name in group}
+    units = list(dict.fromkeys(group_of.get(name, (name,)) for name in names))
+    return {name: "mxfp8_e4m3" if i % 5 == 0 else "mxfp4_e2m1" for i, unit in enumerate(units) for name in unit}
 
 
 def generate(model: nn.Module, prompt: torch.Tensor) -> torch.Tensor:

@@ -551,3 +551,36 @@ def test_quality_report_sets_the_servable_configuration_against_the_library_defa
         "- `dmx`, mxfp8-mxfp4 5, seed 0, weighted, gptq: austen 41.0 vs 40.0 (1.025), moby 54.0 vs 60.0 (0.900); "
         "NOT lower on every text; calibration and rounding 120 s vs 120 s"
     ]
+
+
+INFERENCE_MAP = """
+import sys
+sys.path.insert(0, "benchmarks")
+from bench_inference import mixed_format_map
+from optimum_dmx.nn.groups import fused_projection_groups, mixed_groups
+from tests.helpers import tiny_llama
+format_map = mixed_format_map(tiny_llama(num_hidden_layers=5))
+print(len(fused_projection_groups(format_map)), len(mixed_groups(format_map)), sorted(set(format_map.values())))
+"""
+
+
+def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_against_the_cached_model(
+    tiny_text_model_dir, tmp_path
+):
+    """The whole-model table's map gives each fused group (q/k/v, gate/up) one format, as calibrated maps have; each
+    rotated model's cells hold its ratios to the float and to the cached dMX model."""
+    script = [sys.executable, "-c", INFERENCE_MAP]
+    result = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines()[-1] == "10 0 ['mxfp4_e2m1', 'mxfp8_e4m3']"  # 5 layers: 10 groups, none mixed
+    output = tmp_path / "inference.md"
+    rotations = ("hadamard", "online_block_hadamard")
+    args = ("--model", tiny_text_model_dir / "model", "--repeats", "1", "--rotation", ",".join(rotations))
+    run_benchmark("bench_inference.py", *args, "--output", output)
+    forward_rows = [line for line in output.read_text().splitlines() if " forward | float32 |" in line]
+    assert len(forward_rows) == 2  # 1 x 512 and 8 x 128
+    for line in forward_rows:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert len(cells) == 7 + len(rotations)
+        assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for cell in cells[4:7]), cells
+        assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[7:]), cells
