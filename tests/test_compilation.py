@@ -30,6 +30,7 @@ from optimum_dmx.formats import (
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
 from optimum_dmx.formats.packing import fused_dequantize
+from optimum_dmx.nn import transforms
 from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
 from .helpers import awkward_tensor, last_json_line, run_python
@@ -55,24 +56,28 @@ def test_compiled_cast_is_bit_identical_to_the_eager_cast(compiled, dtype):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 # 2 x 16 (all in the kernel), 8 x 16, 8 x 64, 2 x (16 x odd 3)
 @pytest.mark.parametrize("size, block_size", [(128, 32), (256, 128), (1024, 512), (96, 96)])
-def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, dtype, size, block_size):
+def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, monkeypatch, dtype, size, block_size):
     """An online transform's kernel (the products for 32-blocks, the division, rounding to the input's dtype and,
     for `quantize`, the MX cast) gives the bits of the same steps run eagerly, which `quantize_mx(transform(x))`
     is."""
+    given_the_input = []  # per kernel call: whether it got the input and the signs (the whole transform)
+
+    class Recorded:
+        active = property(lambda self: _transform_kernel.active)
+
+        def __call__(self, x, signs, *args):
+            given_the_input.append(signs is not None)
+            return _transform_kernel(x, signs, *args)
+
+    monkeypatch.setattr(transforms, "_transform_kernel", Recorded())
     transform = RandomizedHadamard(size, block_size, seed=3)
     x = awkward_tensor(24, size).to(dtype).reshape(2, 12, size)
     casts = [(get_format("mxfp4_e2m1"), 32, "ocp"), (get_format("mxfp6_e2m3"), 32, "compressed-tensors")]
     compiled_results = [transform(x), *(transform.quantize(x, *cast) for cast in casts)]
     assert _transform_kernel.compiled_variants >= 1 + len(casts) and _transform_kernel.rejected_variants == 0
-    # 32-blocks (a 16 x 16 last factor, then order 2): the kernel gets the signs and computes the whole transform
-    # (this transform's kernels: its input width and last factor; other tests' transforms may share the width)
-    ours = [
-        key
-        for key in _transform_kernel._kernels
-        if key[0][1].type == "cpu" and key[0][3] == (size,) and key[4] == transform._last_order
-    ]
-    whole = {key[1] is not None for key in ours}
-    assert whole == {block_size == 32}
+    # 32-blocks (a 16 x 16 last factor, then order 2): the kernel computes the whole transform; larger blocks and
+    # larger last factors: the matrix products run before it
+    assert given_the_input == [block_size == 32] * (1 + len(casts))
     set_compile_enabled(False)
     eager = transform(x)
     eager_results = [eager, *(quantize_mx(eager, *cast) for cast in casts)]
