@@ -28,8 +28,8 @@ the division, the rounding to the input's dtype and, through `quantize`, the MX 
 (`_signed_product_in_order`, then one sum and one difference), which ran as separate operations before it, each
 writing a new buffer as large as the activation (on a CPU, fresh buffers that large also cost page faults). Larger
 blocks take the two matrix products before the kernel: inductor's code for more sums and differences in the kernel
-ran several times slower than the products (the online transform of SmolLM2's `down_proj`, on 512-blocks, cost a
-fifth of the forward pass that way). The kernel is checked bit for bit against the same steps run eagerly; that those
+ran several times slower than the products (SmolLM2's `down_proj` transform, on 512-blocks, made the forward pass
+about a fifth slower that way). The kernel is checked bit for bit against the same steps run eagerly; that those
 give the bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
 product's inner loop adds them) is tested.
 """
