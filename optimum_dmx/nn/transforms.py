@@ -100,15 +100,19 @@ def kronecker_split(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
 
 def _sylvester_product(x: torch.Tensor, sylvester: torch.Tensor | None, last: int) -> torch.Tensor:
     """Rows `x`, each block seen as `len(sylvester)` runs of `last` elements, multiplied across the runs by the
-    Sylvester matrix (one matrix product for any order; `None`: order 1, nothing to do)."""
+    Sylvester matrix (`None`: order 1, nothing to do). Order 2 (32-blocks, the default rotation's, in every
+    calibration step) is one sum and one difference, about 3x faster than a batch of 2 x 2 products with their
+    gradient; larger orders are one matrix product."""
     if sylvester is None:
         return x
+    if len(sylvester) == 2:
+        return _sum_and_difference(x, last)
     return torch.matmul(sylvester, x.reshape(-1, len(sylvester), last)).view(x.shape)
 
 
 def _sum_and_difference(x: torch.Tensor, last: int) -> torch.Tensor:
-    """`_sylvester_product` with the Sylvester matrix of order 2 (`[[1, 1], [1, -1]]`) as one sum and one
-    difference, which compile into the kernel: the same bits (a sum of two terms rounds once, in any order)."""
+    """Rows `x` multiplied across pairs of runs of `last` elements by the Sylvester matrix of order 2
+    (`[[1, 1], [1, -1]]`): one sum and one difference, which also compile into the inference kernel."""
     rows, width = x.shape
     first, second = x.view(rows, -1, 2, last).unbind(2)
     return torch.stack((first + second, first - second), 2).view(rows, width)
