@@ -10,7 +10,8 @@ Measures, in one run:
 
 1. one SmolLM2-135M-sized decoder linear (mlp.up_proj, 576 -> 1536) at batch x seq 1 x 512 and 8 x 128:
    `nn.Linear` vs `MXLinear` with its cached dequantized weight vs `MXLinear` packed-only (dequantized
-   on every call), in each of the four MX formats; and the time per call on one row and on 64 (`bench_per_call`);
+   on every call), in each of the four MX formats; the time per call on one row and on 64 (`bench_per_call`);
+   and an online transform with its cast against the cast alone, on that model's input widths (`bench_transforms`);
 2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
    `common.py`): forward time of the float model vs the dMX model (cached and packed-only), greedy generation's
    time per token (32 tokens after a 16-token prompt: one row per step, where a cast's per-call cost counts more
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 from torch import nn
@@ -49,8 +51,9 @@ from torch import nn
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, get_format, quantize_mx
 from optimum_dmx.formats.cast import fused_cast_mx
-from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS
+from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS, CompiledKernel
 from optimum_dmx.integration.model_card import checkpoint_bytes
+from optimum_dmx.nn import transforms
 from optimum_dmx.nn.groups import fused_projection_groups
 from optimum_dmx.nn.rotation import ROTATIONS
 
@@ -132,6 +135,39 @@ def bench_per_call(repeats: int, calls: int = 1000) -> list[list[str]]:
         for name, per_call in zip(candidates, seconds):
             log(f"{count} row(s), {name}: {per_call * 1e6:.1f} us per call")
             table.append([str(count), name, f"{per_call * 1e6:.1f}", f"{per_call / reference:.2f}x"])
+    return table
+
+
+def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
+    """Time per call of an online transform with its MX cast (`RandomizedHadamard.quantize`, float32, `tokens`
+    rows: 8 x 128) against the plain cast of the same input: 32-blocks on SmolLM2's two input widths (576: q/k/v,
+    o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input. For 32-blocks, also the
+    same kernel compiled with inductor's default fusion thresholds (how it ran before: the 16 x 16 product split in
+    two passes over a buffer as large as the input)."""
+    fmt = get_format("mxfp4_e2m1")
+    default_thresholds = CompiledKernel(transforms._transform_kernel.fn, options={"emulate_precision_casts": True})
+    table = []
+    for width, block in ((576, 32), (1536, 32), (1536, 512)):
+        x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
+        transform = transforms.RandomizedHadamard(width, block, seed=0)
+
+        def with_default_thresholds() -> None:
+            with mock.patch.object(transforms, "_transform_kernel", default_thresholds):
+                transform.quantize(x, fmt, 32, "ocp")
+
+        candidates = {
+            "MX cast alone (quantize_mx)": lambda: quantize_mx(x, fmt),
+            "transform and cast": lambda: transform.quantize(x, fmt, 32, "ocp"),
+        }
+        if block == 32:
+            candidates["transform and cast, inductor's default fusion thresholds"] = with_default_thresholds
+        with torch.inference_mode():
+            seconds = median_seconds(list(candidates.values()), repeats, time.process_time, calls=20)
+        for name, per_call in zip(candidates, seconds):
+            log(f"{width} wide, {block}-blocks, {name}: {per_call * 1e3:.2f} ms per call")
+            table.append(
+                [f"{tokens} x {width}", str(block), name, f"{per_call * 1e3:.2f}", f"{per_call / seconds[0]:.2f}x"]
+            )
     return table
 
 
@@ -319,6 +355,10 @@ def main() -> None:
         f"### Per call: one row (a generated token) and 64 (a short prompt), wall time in us (median of "
         f"{args.repeats} x 1000 calls)",
         table(["rows", "call", "us per call", "x the cast through torch.compile"], bench_per_call(args.repeats)),
+        "",
+        f"### Online transforms with their MX cast, per call (float32, CPU time in ms, median of {args.repeats} x 20 "
+        "calls)",
+        table(["input", "block", "call", "ms per call", "x the cast alone"], bench_transforms(args.repeats)),
     ]
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)

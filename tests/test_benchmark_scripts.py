@@ -568,7 +568,8 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     tiny_text_model_dir, tmp_path
 ):
     """The whole-model table's map gives each fused group (q/k/v, gate/up) one format, as calibrated maps have; each
-    rotated model's cells hold its ratios to the float and to the cached dMX model."""
+    rotated model's cells hold its ratios to the float and to the cached dMX model; the online transforms' table
+    times each transform with its cast against the cast alone."""
     script = [sys.executable, "-c", INFERENCE_MAP]
     result = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -584,3 +585,17 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
         assert len(cells) == 7 + len(rotations)
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for cell in cells[4:7]), cells
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[7:]), cells
+    transform_rows = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
+    calls = [[cell.strip() for cell in line.strip("|").split("|")] for line in transform_rows]
+    # per input width and block: the cast alone (1.00x), the transform with it, and for 32-blocks the same kernel
+    # compiled with inductor's default fusion thresholds
+    assert [(c[0], c[1], c[2].split(",")[0]) for c in calls] == [
+        (width, block, call)
+        for width, block in (("1024 x 576", "32"), ("1024 x 1536", "32"), ("1024 x 1536", "512"))
+        for call in ("MX cast alone (quantize_mx)", "transform and cast", "transform and cast")[
+            : 3 if block == "32" else 2
+        ]
+    ]
+    assert all(c[4] == "1.00x" for c in calls if c[2].startswith("MX cast")) and all(
+        float(c[4].rstrip("x")) > 1 for c in calls if c[2].startswith("transform")
+    ), calls
