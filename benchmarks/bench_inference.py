@@ -145,7 +145,9 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     same kernel compiled with inductor's default fusion thresholds (how it ran before: the 16 x 16 product split in
     two passes over a buffer as large as the input)."""
     fmt = get_format("mxfp4_e2m1")
-    default_thresholds = CompiledKernel(transforms._transform_kernel.fn, options={"emulate_precision_casts": True})
+    kernel = transforms._transform_kernel
+    options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
+    default_thresholds = CompiledKernel(kernel.fn, options=options)
     table = []
     for width, block in ((576, 32), (1536, 32), (1536, 512)):
         x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
