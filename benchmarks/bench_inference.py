@@ -138,12 +138,19 @@ def bench_per_call(repeats: int, calls: int = 1000) -> list[list[str]]:
     return table
 
 
+def split_64_by_8(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
+    """`transforms.kronecker_split` as it was for blocks of 512 and more: a last factor of order 64 (times the odd
+    one), the rest as the Sylvester factor across its runs."""
+    return (power // 64).bit_length() - 1, torch.kron(transforms.sylvester_matrix(64), odd.contiguous())
+
+
 def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     """Time per call of an online transform with its MX cast (`RandomizedHadamard.quantize`, float32, `tokens`
     rows: 8 x 128) against the plain cast of the same input: 32-blocks on SmolLM2's two input widths (576: q/k/v,
-    o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input. For 32-blocks, also the
-    same kernel compiled with inductor's default fusion thresholds (how it ran before: the 16 x 16 product split in
-    two passes over a buffer as large as the input)."""
+    o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input. As references, how each ran
+    before: for 32-blocks the same kernel compiled with inductor's default fusion thresholds (the 16 x 16 product
+    split in two passes over a buffer as large as the input), for 512-blocks the transform split into a 64 x 64
+    product and a Sylvester factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
     fmt = get_format("mxfp4_e2m1")
     kernel = transforms._transform_kernel
     options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
@@ -163,6 +170,12 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
         }
         if block == 32:
             candidates["transform and cast, inductor's default fusion thresholds"] = with_default_thresholds
+        else:
+            with mock.patch.object(transforms, "kronecker_split", split_64_by_8):
+                split_before = transforms.RandomizedHadamard(width, block, seed=0)
+            candidates["transform and cast, 64 x 64 product then order 8"] = lambda: split_before.quantize(
+                x, fmt, 32, "ocp"
+            )
         with torch.inference_mode():
             seconds = median_seconds(list(candidates.values()), repeats, time.process_time, calls=20)
         for name, per_call in zip(candidates, seconds):

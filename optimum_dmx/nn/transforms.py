@@ -92,10 +92,9 @@ def kronecker_split(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
     """`sylvester_matrix(power) ⊗ odd` as `sylvester_matrix(2**k) ⊗ M`: `k` and the float64 matrix
     `M = sylvester_matrix(m) ⊗ odd`, `m` the power of two at or above `sqrt(power)`, clamped to `MATRIX_FACTOR_ORDERS`
     (all of `power` below the lower bound). For a 32-block, `k = 1` (a 16 x 16 product, then one sum and one
-    difference), all in one kernel at inference. For larger blocks the two factors about equal in order cost least:
-    on 1024 x 1536 float32 rows on one CPU thread, 512-blocks took 2.0 ms as a 32 x 32 product and one of order 16
-    against 2.8 ms as a 64 x 64 product and one of order 8; 1024-blocks (1024 x 3072) 5.8 against 7.0 ms for
-    64 and 16, and 16 x 16 beat 32 x 8 for 256-blocks."""
+    difference), all in one kernel at inference. For larger blocks two factors of about equal order cost least on a
+    CPU: 512-blocks as a 32 x 32 product and one of order 16 (with the MX cast, 3.2 against 3.9 ms per 1024 x 1536
+    float32 input for 64 x 64 and order 8, `benchmarks/bench_inference.py`); 1024-blocks as 32 and 32."""
     low, high = MATRIX_FACTOR_ORDERS
     order = min(power, max(low, min(high, 1 << (power.bit_length() // 2))))
     return (power // order).bit_length() - 1, torch.kron(sylvester_matrix(order), odd.contiguous())
