@@ -88,7 +88,10 @@ def test_calibration_cost_run_table_times_the_default_and_the_servable_whole_run
         "whole run with GPTQ",
     ]
     default, servable, ratio = rows["whole run with GPTQ"]
-    assert default > 0 and abs(float(ratio[:-1]) - servable / default) <= 0.05 * servable / default + 0.01
+    # the table rounds the seconds to 0.1 and the ratio (of the unrounded times) to 0.01: the ratio must lie within
+    # what the rounded seconds allow (on a fast machine the tiny run takes about a second)
+    low, high = (servable - 0.05) / (default + 0.05), (servable + 0.05) / (default - 0.05)
+    assert default > 0.05 and low - 0.005 <= float(ratio[:-1]) <= high + 0.005, (default, servable, ratio)
     parts = ["40 steps", 'KL scan (all that `method="kl"` runs)', "setup (model surgery, rotations)"]
     for column in (0, 1):  # the parts add up to the calibration, which with GPTQ is the whole run
         calibration = rows['calibration (`weight_rounding="nearest"`)'][column]
