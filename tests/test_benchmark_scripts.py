@@ -59,12 +59,20 @@ def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     # the servable configuration's step (online transforms on a rotated copy, fused groups) has its own column
     assert "| dMX servable step ms | dMX servable / unquantized |" in output.read_text()
     for _, reference, step, ratio in rows:
-        expected = float(step) / float(reference)
-        assert float(reference) > 0 and abs(float(ratio) - expected) <= 0.05 * abs(expected) + 0.01
+        assert float(reference) > 0 and ratio_matches_rounded_times(ratio, step, reference, step=0.1), (step, reference)
     memory = re.findall(r"^\| 2 x 16 \| ([^|]+?) \| (\d+) \| (-?\d+) \|", stdout, re.MULTILINE)
     assert [m[0] for m in memory] == ["unquantized", "dMX", "dMX checkpointed", "dMX offloaded", "dMX sharded"]
     assert all(int(peak) > 100 for _, peak, _ in memory)  # whole-process peaks: torch alone is hundreds of MiB
     assert output.read_text().startswith("# Calibration cost\n\nCommand: `python benchmarks/bench_calibration_cost.py")
+
+
+def ratio_matches_rounded_times(ratio: str, numerator: str | float, denominator: str | float, step: float) -> bool:
+    """Whether a table's ratio (of unrounded times, printed to 0.01) lies within what its two times, printed rounded
+    to `step`, allow: a timing table's arithmetic is checked without asserting how fast anything ran."""
+    half = step / 2
+    low = (float(numerator) - half) / (float(denominator) + half)
+    high = (float(numerator) + half) / max(float(denominator) - half, 1e-9)
+    return low - 0.005 <= float(ratio.rstrip("x")) <= high + 0.005
 
 
 def test_calibration_cost_run_table_times_the_default_and_the_servable_whole_runs(tmp_path):
@@ -88,10 +96,8 @@ def test_calibration_cost_run_table_times_the_default_and_the_servable_whole_run
         "whole run with GPTQ",
     ]
     default, servable, ratio = rows["whole run with GPTQ"]
-    # the table rounds the seconds to 0.1 and the ratio (of the unrounded times) to 0.01: the ratio must lie within
-    # what the rounded seconds allow (on a fast machine the tiny run takes about a second)
-    low, high = (servable - 0.05) / (default + 0.05), (servable + 0.05) / (default - 0.05)
-    assert default > 0.05 and low - 0.005 <= float(ratio[:-1]) <= high + 0.005, (default, servable, ratio)
+    # seconds rounded to 0.1 (on a fast machine the tiny run takes about a second)
+    assert default > 0.05 and ratio_matches_rounded_times(ratio, servable, default, step=0.1), (default, ratio)
     parts = ["40 steps", 'KL scan (all that `method="kl"` runs)', "setup (model surgery, rotations)"]
     for column in (0, 1):  # the parts add up to the calibration, which with GPTQ is the whole run
         calibration = rows['calibration (`weight_rounding="nearest"`)'][column]
@@ -598,6 +604,8 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
         *[("1024 x 1536", "32", call) for call in (cast, transform, transform)],
         *[("1024 x 1536", "512", call) for call in (cast, transform, transform)],
     ]
-    assert all(c[4] == "1.00x" for c in calls if c[2].startswith("MX cast")) and all(
-        float(c[4].rstrip("x")) > 1 for c in calls if c[2].startswith("transform")
-    ), calls
+    # each ratio is the row's time over its cast's (a one-repeat run on a busy machine can time the transform below
+    # the cast, so the ratio's size is not asserted)
+    for group in (calls[0:3], calls[3:6], calls[6:9]):
+        assert group[0][4] == "1.00x", group
+        assert all(ratio_matches_rounded_times(row[4], row[3], group[0][3], step=0.01) for row in group[1:]), group
