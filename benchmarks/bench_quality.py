@@ -34,6 +34,13 @@ cell's round-to-nearest row when `--runs` holds it, and the report compares the 
     python benchmarks/bench_quality.py --methods uniform --uniform-formats mxfp4_e2m1 --weight-rounding gptq
     python benchmarks/bench_quality.py --methods dmx --seeds 0,1 --weight-rounding gptq
 
+With `--sensitivity-rounding gptq` the KL scan puts each layer in the low format rounded by GPTQ (every layer
+low, the seed's sequences) instead of to nearest: `kl` ranks by that scan, and `dmx` blends its learned offsets with
+it in place of its own scan (the rows are labelled `(GPTQ scan)`; the report compares the default with them):
+
+    python benchmarks/bench_quality.py --methods dmx --pairs mxfp8-mxfp4 --targets 5 --weight-rounding gptq \
+        --sensitivity-rounding gptq
+
 With `--learn-rotations` (and `--rotation hadamard` or `block_hadamard`) the calibrated methods train the merged
 rotations with the offsets (`learn_rotations=True`); each cell calibrates a copy of the rotated model, whose learned
 weights are kept under the benchmark cache so that the cell's GPTQ row rounds the same model. Uniform MXFP4 with the
@@ -85,6 +92,7 @@ from optimum_dmx.calibration import (
     round_weights_by_gptq,
     uniform_format_map,
 )
+from optimum_dmx.calibration.trainer import blended_format_map
 from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.formats import quantize_mx
@@ -136,7 +144,7 @@ class Sweep:
     weight_rounding: str = "rtn"
     learn_rotations: bool = False
     gptq_samples: int | None = None  # None: every calibration sequence of the preset
-    sensitivity_rounding: str = "rtn"  # how `kl`'s scan rounds a layer in the low format: "rtn" or "gptq"
+    sensitivity_rounding: str = "rtn"  # how the KL scan (`kl`'s, `dmx`'s blend) rounds the low format: rtn or gptq
     peer_samples: int | None = None  # None: map peers read every calibration sequence of the preset
     eval_tokens: int = 16384
     eval_seq_len: int = 512
@@ -175,7 +183,7 @@ class Sweep:
             key.update(learn_rotations=True)
         if method in MAP_PEERS and self.peer_samples is not None:
             key.update(peer_samples=self.peer_samples)
-        if method == "kl" and self.sensitivity_rounding != "rtn":
+        if method in ("kl", "dmx") and self.sensitivity_rounding != "rtn":
             key.update(sensitivity_rounding=self.sensitivity_rounding)
         if self.weight_rounding != "rtn" and method != "float":
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
@@ -237,7 +245,15 @@ class Runner:
             result = kl_preselection(model, self.calibration_ids(seed), settings, sensitivities=sensitivities)
             return result.format_map, seconds + result.seconds
         result = calibrate(model, self.calibration_ids(seed), settings)
-        return result.format_map, result.seconds
+        if method != "dmx" or s.sensitivity_rounding == "rtn":
+            return result.format_map, result.seconds
+        # The same learned offsets blended with the scan of GPTQ-rounded low-format weights instead of rounded ones.
+        sensitivities, scan_seconds = self.sensitivities(model, get_format_pair(pair).low.name, seed, settings)
+        shapes = {name: tuple(self.targets[name].weight.shape) for name in result.format_map}
+        format_map = blended_format_map(result.beta_hat, sensitivities, shapes, settings)
+        changed = sorted(name for name in format_map if format_map[name] != result.format_map[name])
+        print(f"the GPTQ scan changed {len(changed)} layers of the calibration's own map: {changed}", flush=True)
+        return format_map, result.seconds - result.scan_seconds + scan_seconds
 
     def sensitivities(
         self, model: torch.nn.Module, low: str, seed: int, settings: CalibrationSettings
@@ -427,7 +443,7 @@ def rounding_label(row: dict) -> str:
 
 
 def method_label(row: dict) -> str:
-    """The row's method, marked when `kl`'s scan rounded by GPTQ or a peer read fewer calibration sequences."""
+    """The row's method, marked when its KL scan rounded by GPTQ or a peer read fewer calibration sequences."""
     if row.get("sensitivity_rounding") == "gptq":
         return f"{row['method']} (GPTQ scan)"
     if row.get("peer_samples"):
@@ -743,7 +759,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         "--sensitivity-rounding",
         default=d.sensitivity_rounding,
         choices=["rtn", "gptq"],
-        help="`kl`'s scan puts each layer in the low format rounded to nearest (default) or by GPTQ",
+        help="the KL scan (`kl`'s, and the one `dmx` blends with its offsets) puts each layer in the low format "
+        "rounded to nearest (default) or by GPTQ",
     )
     p.add_argument(
         "--peer-samples", type=int, help="map peers (autoscheme) read only the first N calibration sequences"

@@ -8,6 +8,7 @@ from torch import nn
 
 from optimum_dmx.calibration import CalibrationSettings, DMXLinear, PaperRecipe, calibrate
 from optimum_dmx.calibration.dmx_linear import SharedInputs
+from optimum_dmx.calibration.trainer import blended_format_map
 from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuous_fused
 from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import rotate_model
@@ -238,6 +239,21 @@ def test_history_and_json(tmp_path, sensitive, method):
     element_bits = {n: {"mxfp4_e2m1": 4, "mxfp8_e4m3": 8}[f] for n, f in result.format_map.items()}
     expected = sum(numel[n] * (element_bits[n] + 8 / 32) for n in numel) / sum(numel.values())  # in_features % 32 == 0
     assert loaded["storage_bits"] == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("bit_average", ["weighted", "simple"])
+def test_the_default_map_is_its_offsets_blended_with_its_scan(sensitive, bit_average):
+    """`blended_format_map` is how the default method makes its map: given the run's own offsets and KL scan it
+    returns the run's map; given another signal in place of the scan (the scan's order reversed) it ranks by it."""
+    model, ids = sensitive
+    s = settings(bit_average=bit_average)
+    result = calibrate(model, ids, s, progress=False)
+    linears = linear_modules_to_quantize(model, s.modules_to_not_convert)
+    shapes = {name: tuple(linear.weight.shape) for name, linear in linears.items()}
+    assert blended_format_map(result.beta_hat, result.kl_sensitivities, shapes, s) == result.format_map
+    order = sorted(result.kl_sensitivities, key=result.kl_sensitivities.get)
+    reversed_scan = dict(zip(order, sorted(result.kl_sensitivities.values(), reverse=True)))
+    assert blended_format_map(result.beta_hat, reversed_scan, shapes, s) != result.format_map
 
 
 @pytest.mark.parametrize("method", ["dmx", "paper", "kl"])

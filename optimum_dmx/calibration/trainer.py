@@ -172,8 +172,12 @@ def calibrate(
         scan_start = time.perf_counter()
         sensitivities = kl_sensitivities(model, input_ids, settings, progress)
         scan_seconds = time.perf_counter() - scan_start
-    priority = _blend(offsets, sensitivities, settings.bit_average) if sampled else offsets
-    format_map = threshold_map if settings.discretization == "threshold" else _budget_map(priority, shapes, settings)
+    if settings.discretization == "threshold":
+        format_map = threshold_map
+    elif sampled:
+        format_map = blended_format_map(offsets, sensitivities, shapes, settings)
+    else:
+        format_map = _budget_map(offsets, shapes, settings)
     result = result_from_format_map(
         format_map,
         linear_modules_to_quantize(model, settings.modules_to_not_convert),
@@ -202,6 +206,18 @@ def _timed(items: Iterable[T], seconds: list[float]) -> Iterator[T]:
         start = time.perf_counter()
         yield item
         seconds.append(time.perf_counter() - start)
+
+
+def blended_format_map(
+    offsets: dict[str, float],
+    sensitivities: dict[str, float],
+    shapes: dict[str, tuple[int, ...]],
+    settings: CalibrationSettings,
+) -> dict[str, str]:
+    """The default method's format map from its learned offsets and one sensitivity per layer: each layer valued by
+    the blend of the two, then the budget rule of `settings`. `calibrate` passes the KL scan's sensitivities; a study
+    can pass another signal (a scan of GPTQ-rounded weights, say) and keep everything else the method does."""
+    return _budget_map(_blend(offsets, sensitivities, settings.bit_average), shapes, settings)
 
 
 def _blend(offsets: dict[str, float], sensitivities: dict[str, float], bit_average: str) -> dict[str, float]:
