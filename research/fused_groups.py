@@ -27,6 +27,7 @@ Rows are appended to `research/fused_groups.jsonl` as they finish; a finished ro
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -38,9 +39,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_quality import RUNS, Runner, Sweep, _identity  # noqa: E402
 
 from optimum_dmx.calibration import CalibrationSettings, calibrate, get_preset, round_weights_by_gptq  # noqa: E402
-from optimum_dmx.calibration.budget import blended_value, budget_format_map  # noqa: E402
-from optimum_dmx.calibration.groups import offset_groups  # noqa: E402
-from optimum_dmx.calibration.trainer import KL_WEIGHT  # noqa: E402
+from optimum_dmx.calibration.budget import blended_value  # noqa: E402
+from optimum_dmx.calibration.trainer import KL_WEIGHT, blended_format_map  # noqa: E402
 from optimum_dmx.continuous import get_format_pair  # noqa: E402
 from optimum_dmx.evaluation import evaluate_perplexity  # noqa: E402
 from optimum_dmx.nn import emulate_format_map, format_map_bits  # noqa: E402
@@ -90,16 +90,10 @@ def run_cell(runner: Runner, pair: str, target: str, seed: int, done: set[tuple]
     result = calibrate(runner.model, sequences, settings)
     shapes = {name: tuple(runner.targets[name].weight.shape) for name in result.format_map}
     values = blended_value(result.beta_hat, result.kl_sensitivities, KL_WEIGHT)
+    grouped = dataclasses.replace(settings, offset_groups="fused")
     maps = {
         "ungrouped": result.format_map,
-        "grouped-after": budget_format_map(
-            values,
-            shapes,
-            get_format_pair(pair),
-            float(target),
-            "weighted",
-            groups=offset_groups("fused", list(shapes)),
-        ),
+        "grouped-after": blended_format_map(result.beta_hat, result.kl_sensitivities, shapes, grouped),
     }
     committed = table_row(pair, target, seed, "none", "rtn")
     same_as_table = committed is not None and committed["format_map"] == result.format_map
