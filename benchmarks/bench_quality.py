@@ -548,7 +548,7 @@ def budget_comparison(rows: list[dict], texts: list[str]) -> list[str]:
 
     def cell(r: dict) -> tuple:
         keys = ("method", "pair", "target", "seed", "rotation", "model", "eval", "offset_groups", "preset")
-        return (*(str(r.get(k, "")) for k in keys), rounding_label(r), rotation_label(r))
+        return (*(str(r.get(k, "")) for k in keys), rounding_label(r), rotation_label(r), method_label(r))
 
     def between_ends(r: dict) -> bool:
         """At its pair's end bits every layer takes one format whatever the average: no budget to compare."""
@@ -668,7 +668,8 @@ def servable_comparison(rows: list[dict], texts: list[str]) -> list[str]:
     """Per cell, the servable configuration (`SERVABLE`) against the unrotated, ungrouped one (`UNROTATED`), the same
     method, pair, target, seed, budget, rounding and evaluation: what a vLLM user gains or pays on each held-out text,
     and what the calibration took."""
-    keys = ("method", "model", "eval", "pair", "target", "seed", "bit_average", "weight_rounding", "gptq_samples")
+    keys = ("method", "sensitivity_rounding", "model", "eval", "pair", "target", "seed", "bit_average")
+    keys += ("weight_rounding", "gptq_samples")
 
     def has(r: dict, settings: dict[str, str]) -> bool:
         return bool(r["pair"]) and not r.get("learn_rotations") and all(r.get(k) == v for k, v in settings.items())

@@ -316,6 +316,30 @@ def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_te
     assert result.returncode == 2 and "--rotation none has none" in result.stderr
 
 
+def test_the_report_pairs_a_gptq_scan_row_only_with_its_own_variant(tmp_path):
+    """The report's comparisons match rows of the same variant: the servable row is set against the unrotated
+    default row, never against the unrotated GPTQ-scan row of the same cell, and a GPTQ-scan row without a
+    simple-budget twin makes no budget line."""
+    cell = {"pair": "mxfp8-mxfp4", "target": "5", "seed": 0, "model": "m", "eval": "e", "preset": "cpu-bench"}
+    common = {**cell, "method": "dmx", "weight_rounding": "gptq", "calibration_seconds": 1.0, "bits_weighted": 5.0}
+    rows = [
+        {**common, "rotation": "none", "offset_groups": "none", "bit_average": "weighted", "ppl_t": 40.0},
+        {**common, "rotation": "none", "offset_groups": "none", "bit_average": "simple", "ppl_t": 41.0},
+        {**common, "rotation": "none", "offset_groups": "none", "bit_average": "weighted", "ppl_t": 39.0}
+        | {"sensitivity_rounding": "gptq"},
+        {**common, "rotation": "online_block_hadamard", "offset_groups": "fused", "bit_average": "weighted"}
+        | {"ppl_t": 30.0},
+    ]
+    runs, output = tmp_path / "runs.jsonl", tmp_path / "quality.md"
+    runs.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    run_benchmark("bench_quality.py", "--report-only", "--runs", runs, "--output", output)
+    report = output.read_text()
+    assert "t 30.0 vs 40.0 (0.750)" in report and "vs 39.0" not in report
+    assert "- vs `dmx (GPTQ scan)`: lower in 0 of 1 comparisons" in report
+    budget_lines = [line for line in report.splitlines() if "weighted lower in" in line]
+    assert budget_lines == [line for line in budget_lines if line.startswith("- `dmx`, gptq:")] and budget_lines
+
+
 @pytest.mark.slow  # two short calibrations, a GPTQ scan and GPTQ: a minute
 def test_a_gptq_scan_row_blends_the_same_offsets_with_the_scan_of_gptq_rounded_weights(tiny_text_model_dir, tmp_path):
     """`--sensitivity-rounding gptq` for the default method: the calibration's learned offsets are blended with the
