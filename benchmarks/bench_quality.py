@@ -786,6 +786,11 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
             "autoscheme keeps a budget weighted by parameters and chooses each layer alone: pass --bit-average "
             f"weighted and --offset-groups none (got {a.bit_average}, {a.offset_groups})"
         )
+    if a.learn_rotations and a.sensitivity_rounding != "rtn":
+        p.error(
+            f"--sensitivity-rounding {a.sensitivity_rounding} scans the model once per seed; with --learn-rotations "
+            "each cell's model differs (use --sensitivity-rounding rtn)"
+        )
     if a.learn_rotations and a.rotation not in ("hadamard", "block_hadamard"):
         p.error(
             f"--learn-rotations trains merged rotations; --rotation {a.rotation} has none (use hadamard or "

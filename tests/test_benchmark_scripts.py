@@ -285,8 +285,8 @@ def test_served_quality_evaluates_the_exported_map_as_the_loader_runs_it(tiny_te
 @pytest.mark.slow  # two calibrations learning rotations and GPTQ: a minute or two
 def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_text_model_dir, tmp_path):
     """The GPTQ row of a learned-rotation cell rounds the weights that cell's calibration learned (kept in the
-    benchmark cache), not the unlearned model: same map, no second calibration, and GPTQ beats rounding to
-    nearest on it."""
+    benchmark cache), not the unlearned model: same map, no second calibration, and a perplexity close to rounding
+    the same weights to nearest."""
     root = tiny_text_model_dir
     runs, cache = tmp_path / "runs.jsonl", tmp_path / "cache"
     args = [
@@ -305,7 +305,10 @@ def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_te
     assert set(rtn["format_map"].values()) == {"mxfp4_e2m1"} and gptq["format_map"] == rtn["format_map"]
     assert gptq["calibration_seconds"] == rtn["calibration_seconds"]  # the map and weights were reused
     assert stored[0].stat().st_mtime_ns == before
-    assert gptq["ppl_heldout"] < rtn["ppl_heldout"]
+    # GPTQ must stay close to rounding the same weights to nearest (a rounding gone wrong would not); whether it is
+    # lower is not asserted: after learned rotations it is not always (on SmolLM2 0-4% higher at 5.5 and 6 bits;
+    # here 128.91 against 128.69)
+    assert abs(gptq["ppl_heldout"] / rtn["ppl_heldout"] - 1) < 0.02, (gptq["ppl_heldout"], rtn["ppl_heldout"])
     # Without a learnable rotation the flag is refused by name.
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_quality.py"), "--learn-rotations"],
@@ -314,6 +317,15 @@ def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_te
         cwd=ROOT,
     )
     assert result.returncode == 2 and "--rotation none has none" in result.stderr
+    # Nor with a GPTQ scan, which is made once per seed while each cell learns its own rotations.
+    command = ["--rotation", "hadamard", "--learn-rotations", "--sensitivity-rounding", "gptq"]
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_quality.py"), *command],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert result.returncode == 2 and "each cell's model differs" in result.stderr
 
 
 def test_the_report_pairs_a_gptq_scan_row_only_with_its_own_variant(tmp_path):
