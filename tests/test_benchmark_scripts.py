@@ -1,5 +1,6 @@
 """The benchmark scripts run end to end (as subprocesses, on a tiny model) and print their tables."""
 
+import ast
 import json
 import os
 import re
@@ -369,10 +370,8 @@ def test_a_gptq_scan_row_blends_the_same_offsets_with_the_scan_of_gptq_rounded_w
     stdout = run_benchmark("bench_quality.py", *args, "--sensitivity-rounding", "gptq", "--output", tmp_path / "q.md")
     default, scanned = [json.loads(line) for line in runs.read_text().splitlines()]
     assert "sensitivity_rounding" not in default and scanned["sensitivity_rounding"] == "gptq"
-    changed = json.loads(
-        re.search(r"the GPTQ scan changed \d+ layers of the calibration's own map: (.*)$", stdout, re.M)[1].replace(
-            "'", '"'
-        )
+    changed = ast.literal_eval(
+        re.search(r"the GPTQ scan changed \d+ layers of the calibration's own map: (.*)$", stdout, re.M)[1]
     )
     assert sorted(n for n in default["format_map"] if default["format_map"][n] != scanned["format_map"][n]) == changed
     assert abs(scanned["bits_weighted"] - 5) <= 0.3
