@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import sys
 import time
 from pathlib import Path
@@ -39,13 +40,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_quality import RUNS, Runner, Sweep, _identity  # noqa: E402
 
 from optimum_dmx.calibration import CalibrationSettings, calibrate, get_preset, round_weights_by_gptq  # noqa: E402
-from optimum_dmx.calibration.budget import blended_value  # noqa: E402
+from optimum_dmx.calibration.budget import blended_value, budget_limit, layer_costs  # noqa: E402
+from optimum_dmx.calibration.groups import offset_groups  # noqa: E402
 from optimum_dmx.calibration.trainer import KL_WEIGHT, blended_format_map  # noqa: E402
 from optimum_dmx.continuous import get_format_pair  # noqa: E402
 from optimum_dmx.evaluation import evaluate_perplexity  # noqa: E402
 from optimum_dmx.nn import emulate_format_map, format_map_bits  # noqa: E402
 
-from common import append_json_line, read_json_lines  # noqa: E402
+from common import append_json_line, benchmark_model, read_json_lines  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".jsonl")
 ROTATION = "online_block_hadamard"
@@ -153,7 +155,49 @@ def report(rows: list[dict]) -> str:
             )
     same = {r["ungrouped_map_as_table"] for r in rows}
     lines += ["", f"Ungrouped map equal to the table's ungrouped row: {', '.join(sorted(map(str, same)))}."]
+    exact = [
+        f"{r['pair']} {r['target']} s{r['seed']}: {exact_grouped_map(r) == r['format_map']}"
+        for r in rows
+        if r["map"] == "grouped-after" and r["rounding"] == "rtn" and "values" in r
+    ]
+    if exact:
+        lines.append(f"Exact grouped knapsack on the same values picks the greedy's map: {'; '.join(exact)}.")
     return "\n".join(lines)
+
+
+def exact_grouped_map(row: dict) -> dict[str, str]:
+    """The grouped map of greatest summed value within the row's budget, by enumeration: units of equal cost are
+    interchangeable but for their values, so the best map takes, for some count per cost, the units of that cost
+    with the highest values; every combination of counts is tried (SmolLM2: 4 costs of 30 units each)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(benchmark_model()))
+    values = row["values"]
+    names = list(values)
+    shapes = [tuple(model.get_submodule(name).weight.shape) for name in names]
+    pair = get_format_pair(row["pair"])
+    low, high = layer_costs(shapes, pair, "weighted")
+    room = budget_limit(low, high, pair, float(row["target"])) - low.sum().item()
+    index = {name: i for i, name in enumerate(names)}
+    grouped = offset_groups("fused", names)
+    units = grouped + [(name,) for name in names if not any(name in group for group in grouped)]
+    by_cost: dict[float, list[tuple[float, tuple[str, ...]]]] = {}
+    for unit in units:
+        cost = round(sum((high[index[n]] - low[index[n]]).item() for n in unit), 9)
+        by_cost.setdefault(cost, []).append((sum(values[n] for n in unit), unit))
+    costs = sorted(by_cost)
+    for cost in costs:
+        by_cost[cost].sort(key=lambda item: -item[0])
+    best, best_counts = -float("inf"), None
+    for counts in itertools.product(*(range(len(by_cost[c]) + 1) for c in costs)):
+        if sum(n * c for n, c in zip(counts, costs)) > room + 1e-6:
+            continue
+        value = sum(v for n, c in zip(counts, costs) for v, _ in by_cost[c][:n])
+        if value > best:
+            best, best_counts = value, counts
+    raised = {name for n, c in zip(best_counts, costs) for _, unit in by_cost[c][:n] for name in unit}
+    return {name: (pair.high if name in raised else pair.low).name for name in names}
 
 
 def _cell(row: dict | None, reference: dict | None, texts: list[str]) -> str:
