@@ -412,6 +412,7 @@ def run_sweep(sweep: Sweep, runs: Path) -> None:
             known = None  # recovered from the table: its map was not kept
         row = runner.run(*cell, known=known)
         row["seconds_total"] = round(time.perf_counter() - start, 1)
+        row["torch_threads"] = torch.get_num_threads()  # a map can depend on it (float reduction order)
         append_json_line(runs, row)
 
 

@@ -180,7 +180,8 @@ def main(argv: list[str] | None = None) -> None:
             eval_tokens=a.eval_tokens,
             eval_seq_len=a.eval_seq_len,
         )
-        append_json_line(a.runs, run(cell, a.to, a.weight_rounding, a.quality_runs, sweep))
+        row = run(cell, a.to, a.weight_rounding, a.quality_runs, sweep)
+        append_json_line(a.runs, row | {"torch_threads": torch.get_num_threads()})
     header = (
         "Each row: a `dmx` map of the quality benchmark (`quality row`: the same map and rounding's perplexity there, "
         "float32, OCP scale rule; `-` where it did not run) "

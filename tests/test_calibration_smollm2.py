@@ -70,8 +70,18 @@ def test_short_paper_calibration_on_austen_raises_offsets_below_the_target(smoll
     assert offsets.mean() > 0 and offsets.max() > 0.2
 
 
+@pytest.fixture
+def one_thread():
+    """torch on one thread for the test: the thread count changes float reduction order, and so a bit-for-bit
+    result (with two threads this run's map differs from the fixture's in 8 layers)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 4.5)])
-def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts, pair, target):
+def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts, one_thread, pair, target):
     model, tokenizer = smollm2
     ids = build_calibration_batches(texts.calibration, tokenizer, seq_len=128, num_samples=40, seed=0)
     settings = CalibrationSettings(  # the 0.1.0.dev0 default budget: per layer
