@@ -837,7 +837,7 @@ def main(argv: list[str] | None = None) -> None:
         "`rounding` gptq rows, on the calibration sequences at the preset's sizes).\n\n"
         "Rows are added by `python benchmarks/bench_quality.py --seeds 0,1` (float, uniform, dmx, paper, kl and the "
         "llmcompressor peer, at the default weighted budget; `--bit-average simple` for the per-layer one) and the "
-        "AutoScheme peer's rows by `python benchmarks/bench_quality.py --methods autoscheme --seeds 0 --peer-samples "
+        "AutoScheme peer's rows by `python benchmarks/bench_quality.py --methods autoscheme --seeds 0,1 --peer-samples "
         "80`; GPTQ, rotation and grouping rows by the commands at the top of `benchmarks/bench_quality.py`.\n\n"
     )
     write_report(header + report(read_json_lines(a.runs)), a.output, "Quality: held-out perplexity against bits")
