@@ -75,19 +75,43 @@ def table_row(pair: str, target: str, seed: int, groups: str, rounding: str) -> 
     return rows[0] if rows else None
 
 
-def run_cell(runner: Runner, pair: str, target: str, seed: int, done: set[tuple]) -> None:
-    if all((pair, target, seed, m, r) in done for m in MAPS for r in ROUNDINGS):
-        return
-    preset = get_preset(runner.sweep.preset)
-    settings = CalibrationSettings(
+def cell_settings(runner: Runner, pair: str, target: str, seed: int, offset_groups: str) -> CalibrationSettings:
+    """The default recipe's settings for the cell at the sweep's preset sizes, weighted budget."""
+    return CalibrationSettings(
         method="dmx",
         format_pair=pair,
         target_bits=float(target),
         seed=seed,
-        offset_groups="none",
+        offset_groups=offset_groups,
         bit_average="weighted",
-        **preset.settings(),
+        **get_preset(runner.sweep.preset).settings(),
     )
+
+
+def evaluate_map(runner: Runner, format_map: dict[str, str], sequences: torch.Tensor, rounding: str) -> dict:
+    """The map's bits and held-out perplexities on the table's windows, its weights rounded to nearest or by GPTQ
+    (on `sequences` at the preset's sizes; then also the seconds GPTQ took)."""
+    preset = get_preset(runner.sweep.preset)
+    shapes = {name: tuple(runner.targets[name].weight.shape) for name in format_map}
+    row = {k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()}
+    with emulate_format_map(runner.model, format_map):
+        if rounding == "gptq":
+            start = time.perf_counter()
+            linears = {name: runner.targets[name] for name in format_map}
+            round_weights_by_gptq(runner.model, linears, sequences[: preset.gptq_samples], preset.batch_size)
+            row["gptq_seconds"] = round(time.perf_counter() - start, 1)
+        for name, text in runner.texts.items():
+            result = evaluate_perplexity(
+                runner.model, runner.tokenizer, text, runner.sweep.eval_seq_len, runner.sweep.eval_tokens, batch_size=4
+            )
+            row[f"ppl_{name}"] = round(result.perplexity, 4)
+    return row
+
+
+def run_cell(runner: Runner, pair: str, target: str, seed: int, done: set[tuple]) -> None:
+    if all((pair, target, seed, m, r) in done for m in MAPS for r in ROUNDINGS):
+        return
+    settings = cell_settings(runner, pair, target, seed, "none")
     sequences = runner.calibration_ids(seed)
     result = calibrate(runner.model, sequences, settings)
     shapes = {name: tuple(runner.targets[name].weight.shape) for name in result.format_map}
@@ -104,23 +128,7 @@ def run_cell(runner: Runner, pair: str, target: str, seed: int, done: set[tuple]
             if (pair, target, seed, map_name, rounding) in done:
                 continue
             row = {"pair": pair, "target": target, "seed": seed, "map": map_name, "rounding": rounding}
-            row.update({k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()})
-            with emulate_format_map(runner.model, format_map):
-                if rounding == "gptq":
-                    start = time.perf_counter()
-                    linears = {name: runner.targets[name] for name in format_map}
-                    round_weights_by_gptq(runner.model, linears, sequences[: preset.gptq_samples], preset.batch_size)
-                    row["gptq_seconds"] = round(time.perf_counter() - start, 1)
-                for name, text in runner.texts.items():
-                    result_ppl = evaluate_perplexity(
-                        runner.model,
-                        runner.tokenizer,
-                        text,
-                        runner.sweep.eval_seq_len,
-                        runner.sweep.eval_tokens,
-                        batch_size=4,
-                    )
-                    row[f"ppl_{name}"] = round(result_ppl.perplexity, 4)
+            row.update(evaluate_map(runner, format_map, sequences, rounding))
             row["calibration_seconds"] = round(result.seconds, 1)
             row["values"] = {name: round(value, 6) for name, value in values.items()}  # maps can be re-derived
             row["ungrouped_map_as_table"] = same_as_table

@@ -41,8 +41,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from bench_quality import Runner, Sweep  # noqa: E402
+from fused_groups import cell_settings, evaluate_map  # noqa: E402
 
-from optimum_dmx.calibration import CalibrationSettings, calibrate, get_preset, round_weights_by_gptq  # noqa: E402
+from optimum_dmx.calibration import CalibrationSettings, calibrate  # noqa: E402
 from optimum_dmx.calibration.groups import offset_groups  # noqa: E402
 from optimum_dmx.calibration.sensitivity import (  # noqa: E402
     KL_SAMPLES,
@@ -52,8 +53,7 @@ from optimum_dmx.calibration.sensitivity import (  # noqa: E402
 )
 from optimum_dmx.calibration.trainer import blended_format_map  # noqa: E402
 from optimum_dmx.continuous import get_format_pair  # noqa: E402
-from optimum_dmx.evaluation import evaluate_perplexity  # noqa: E402
-from optimum_dmx.nn import emulate_format_map, format_map_bits  # noqa: E402
+from optimum_dmx.nn import emulate_format_map  # noqa: E402
 
 from common import append_json_line, read_json_lines  # noqa: E402
 
@@ -87,16 +87,7 @@ def unit_divergences(
 def run_cell(runner: Runner, pair: str, target: str, seed: int, done: set[tuple]) -> None:
     if all((pair, target, seed, m, r) in done for m in MAPS for r in ROUNDINGS):
         return
-    preset = get_preset(runner.sweep.preset)
-    settings = CalibrationSettings(
-        method="dmx",
-        format_pair=pair,
-        target_bits=float(target),
-        seed=seed,
-        offset_groups="fused",
-        bit_average="weighted",
-        **preset.settings(),
-    )
+    settings = cell_settings(runner, pair, target, seed, "fused")
     sequences = runner.calibration_ids(seed)
     result = calibrate(runner.model, sequences, settings)
     names = list(result.format_map)
@@ -125,22 +116,8 @@ def run_cell(runner: Runner, pair: str, target: str, seed: int, done: set[tuple]
             if (pair, target, seed, map_name, rounding) in done:
                 continue
             row = {"pair": pair, "target": target, "seed": seed, "map": map_name, "rounding": rounding}
-            row.update({k: round(v, 4) for k, v in format_map_bits(format_map, shapes).items()})
+            row.update(evaluate_map(runner, format_map, sequences, rounding))
             row["layers_differing_from_fused"] = sum(format_map[n] != maps["fused"][n] for n in names)
-            with emulate_format_map(runner.model, format_map):
-                if rounding == "gptq":
-                    linears = {name: runner.targets[name] for name in format_map}
-                    round_weights_by_gptq(runner.model, linears, sequences[: preset.gptq_samples], preset.batch_size)
-                for name, text in runner.texts.items():
-                    ppl = evaluate_perplexity(
-                        runner.model,
-                        runner.tokenizer,
-                        text,
-                        runner.sweep.eval_seq_len,
-                        runner.sweep.eval_tokens,
-                        batch_size=4,
-                    )
-                    row[f"ppl_{name}"] = round(ppl.perplexity, 4)
             row.update(
                 calibration_seconds=round(result.seconds, 1),
                 library_scan_seconds=round(result.scan_seconds, 1),
