@@ -139,6 +139,13 @@ def build_parser() -> argparse.ArgumentParser:
         "calibration data's inputs; rtn: to nearest, faster)",
     )
     quantize.add_argument(
+        "--modules-to-not-convert",
+        action="append",
+        metavar="PATTERN",
+        help="keep the modules this names in float: a full module name, or its end or start at a dot (mlp.experts, "
+        "model.layers.0); repeat for several (lm_head and tied embeddings always stay float)",
+    )
+    quantize.add_argument(
         "--gradient-checkpointing",
         action="store_const",
         const=True,
@@ -302,6 +309,7 @@ def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
             "offset_groups",
             "weight_rounding",
             "gradient_checkpointing",
+            "modules_to_not_convert",
         )
     }
     given = {key: value for key, value in given.items() if value is not None}

@@ -13,6 +13,7 @@ quant_method `"dmx"` with transformers (idempotently).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,7 +28,14 @@ from transformers.quantizers.auto import (
 from transformers.quantizers.base import HfQuantizer
 from transformers.utils import cached_file
 
-from ..nn import MXLinear, dequantize_mx_linears, format_map_bits, linear_modules_to_quantize, replace_with_mx_linear
+from ..nn import (
+    MXLinear,
+    dequantize_mx_linears,
+    format_map_bits,
+    linear_modules_to_quantize,
+    packed_weight_modules,
+    replace_with_mx_linear,
+)
 from ..nn.rotation import resolve_rotation, rotate_model
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
@@ -66,6 +74,8 @@ class DMXHfQuantizer(HfQuantizer):
             verify_integrity(
                 _integrity_record_path(model, checkpoint_files or []), checkpoint_files or [], config.format_map
             )
+        else:
+            _check_no_packed_weights(model, self._modules_to_skip(model))
         return model
 
     def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
@@ -84,10 +94,7 @@ class DMXHfQuantizer(HfQuantizer):
         _check_not_quantized(model)
         if config.needs_data:
             _check_sequence_length(model, config.seq_len)
-        skip = self.get_modules_to_not_convert(
-            model, config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
-        )
-        skip = sorted(set(skip))
+        skip = self._modules_to_skip(model)
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
         quantized = linear_modules_to_quantize(model, skip)
         rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
@@ -131,6 +138,14 @@ class DMXHfQuantizer(HfQuantizer):
             format_map, input_transforms=transforms, achieved_bits=bits, modules_to_not_convert=skip, rotation=rotation
         )
 
+    def _modules_to_skip(self, model: PreTrainedModel) -> list[str]:
+        """The config's `modules_to_not_convert` and transformers' default skips (output embeddings, tied weights,
+        `keep_in_fp32` modules), sorted."""
+        skip = self.get_modules_to_not_convert(
+            model, self.quantization_config.modules_to_not_convert, model._keep_in_fp32_modules, add_default_skips=True
+        )
+        return sorted(set(skip))
+
     def _dequantize(self, model: PreTrainedModel, dtype: torch.dtype | None = None) -> PreTrainedModel:
         """`model.dequantize()`: every `MXLinear` back to an `nn.Linear` holding its MX-valued weight."""
         detach_model_card(model)
@@ -170,6 +185,39 @@ def _check_not_quantized(model: PreTrainedModel) -> None:
                 f"the model is already dMX-quantized (module {name!r} is an MXLinear in {module.fmt.name}); "
                 "quantize the float model instead"
             )
+
+
+def _check_no_packed_weights(model: PreTrainedModel, skip: list[str]) -> None:
+    """Refuse, before any weight is loaded, a model whose weights outside `skip` are not all in `nn.Linear` layers
+    (a mixture of experts' packed expert tensors): dMX would leave them in float under a bit budget that does not
+    count them. Adding their modules to `modules_to_not_convert` says the user wants exactly that."""
+    packed = packed_weight_modules(model, skip)
+    if not packed:
+        return
+    packed_elements = sum(math.prod(shape) for shapes in packed.values() for shape in shapes.values())
+    linear_elements = sum(linear.weight.numel() for linear in linear_modules_to_quantize(model, skip).values())
+    share = packed_elements / (packed_elements + linear_elements)
+    name, shapes = next(iter(packed.items()))
+    tensors = ", ".join(f"{parameter} {shape}" for parameter, shape in shapes.items())
+    others = f" and {len(packed) - 1} more" if len(packed) > 1 else ""
+    patterns = sorted({_per_layer_pattern(name) for name in packed})
+    flags = " ".join(f"--modules-to-not-convert {pattern}" for pattern in patterns)
+    raise ValueError(
+        f"{share:.0%} of the weights {type(model).__name__} would have quantized lie outside nn.Linear layers, in "
+        f"tensors of three dimensions or more that dMX cannot quantize: {name} "
+        f"({type(model.get_submodule(name)).__name__}: {tensors}){others}; transformers stores a mixture-of-experts "
+        "layer's experts this way. To quantize the other linears and keep these weights in their float dtype, add "
+        f"{patterns} to modules_to_not_convert (command line: {flags}); the bit budget and the achieved bits then "
+        "count the quantized linears only."
+    )
+
+
+def _per_layer_pattern(name: str) -> str:
+    """`name` after its last numeric component (`model.layers.3.mlp.experts` -> `mlp.experts`): the pattern that
+    names the same module in every layer."""
+    parts = name.split(".")
+    numeric = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[numeric[-1] + 1 :]) if numeric and numeric[-1] + 1 < len(parts) else name
 
 
 def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) -> Path | None:

@@ -8,6 +8,7 @@ from .surgery import (
     dequantize_mx_linears,
     emulate_format_map,
     linear_modules_to_quantize,
+    packed_weight_modules,
     replace_with_mx_linear,
     swapped_modules,
 )
@@ -22,6 +23,7 @@ __all__ = [
     "emulate_format_map",
     "format_map_bits",
     "linear_modules_to_quantize",
+    "packed_weight_modules",
     "replace_with_mx_linear",
     "storage_bits",
     "swapped_modules",
