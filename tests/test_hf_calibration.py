@@ -172,3 +172,13 @@ def test_a_saved_checkpoint_loads_with_offloaded_weights(tmp_path, tiny_llama_di
     assert "disk" in offloaded.hf_device_map.values()
     with torch.no_grad():
         assert torch.equal(offloaded(INPUT_IDS).logits, model(INPUT_IDS).logits)
+
+
+def test_a_model_without_nn_linear_layers_is_refused_before_its_weights_load(tmp_path, tokenizer):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=128)).save_pretrained(tmp_path)
+    config = DMXConfig(target_bits=5.0, dataset=_texts(), tokenizer=tokenizer, **CALIBRATION)
+    with pytest.raises(ValueError, match=r"GPT2LMHeadModel has no nn.Linear layer to quantize .*\['Conv1D'\]") as err:
+        AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=config)
+    assert "_process_model_before_weight_loading" in [entry.name for entry in err.traceback]

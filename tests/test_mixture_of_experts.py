@@ -74,7 +74,7 @@ def test_quantizing_packed_experts_is_refused_before_loading_naming_the_way_out(
     assert "['mlp.experts'] to modules_to_not_convert" in message
     assert "--modules-to-not-convert mlp.experts" in message
     # Raised by the hook that runs before any weight is read: the traceback never reached calibration.
-    assert raised.traceback[-1].name == "_check_no_packed_weights"
+    assert raised.traceback[-1].name == "_check_quantizable"
     assert "_process_model_before_weight_loading" in [entry.name for entry in raised.traceback]
 
     with pytest.raises(ValueError, match="modules_to_not_convert"):

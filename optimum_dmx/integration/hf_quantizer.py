@@ -37,6 +37,7 @@ from ..nn import (
     replace_with_mx_linear,
 )
 from ..nn.rotation import resolve_rotation, rotate_model
+from ..nn.surgery import is_skipped
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
 from .model_card import attach_model_card, detach_model_card
@@ -75,7 +76,7 @@ class DMXHfQuantizer(HfQuantizer):
                 _integrity_record_path(model, checkpoint_files or []), checkpoint_files or [], config.format_map
             )
         else:
-            _check_no_packed_weights(model, self._modules_to_skip(model))
+            _check_quantizable(model, self._modules_to_skip(model))
         return model
 
     def _process_model_after_weight_loading(self, model: PreTrainedModel, **kwargs: Any) -> PreTrainedModel:
@@ -187,15 +188,31 @@ def _check_not_quantized(model: PreTrainedModel) -> None:
             )
 
 
-def _check_no_packed_weights(model: PreTrainedModel, skip: list[str]) -> None:
-    """Refuse, before any weight is loaded, a model whose weights outside `skip` are not all in `nn.Linear` layers
-    (a mixture of experts' packed expert tensors): dMX would leave them in float under a bit budget that does not
-    count them. Adding their modules to `modules_to_not_convert` says the user wants exactly that."""
+def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
+    """Refuse, before any weight is loaded, a model with no `nn.Linear` outside `skip` (GPT-2's layers are
+    `Conv1D`s), and one whose weights outside `skip` are not all in `nn.Linear` layers (a mixture of experts' packed
+    expert tensors): dMX would leave those in float under a bit budget that does not count them. Adding their
+    modules to `modules_to_not_convert` says the user wants exactly that."""
+    linears = linear_modules_to_quantize(model, skip)
+    if not linears:
+        holders = sorted(
+            {
+                type(module).__name__
+                for name, module in model.named_modules()
+                if not isinstance(module, torch.nn.Embedding)
+                and not any(is_skipped(name, pattern) for pattern in skip)
+                and any(p.dim() == 2 for p in module.parameters(recurse=False))
+            }
+        )
+        raise ValueError(
+            f"{type(model).__name__} has no nn.Linear layer to quantize outside modules_to_not_convert={skip}: its "
+            f"weight matrices are in {holders} modules; dMX quantizes nn.Linear layers only"
+        )
     packed = packed_weight_modules(model, skip)
     if not packed:
         return
     packed_elements = sum(math.prod(shape) for shapes in packed.values() for shape in shapes.values())
-    linear_elements = sum(linear.weight.numel() for linear in linear_modules_to_quantize(model, skip).values())
+    linear_elements = sum(linear.weight.numel() for linear in linears.values())
     share = packed_elements / (packed_elements + linear_elements)
     name, shapes = next(iter(packed.items()))
     tensors = ", ".join(f"{parameter} {shape}" for parameter, shape in shapes.items())
