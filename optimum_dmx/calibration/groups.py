@@ -1,14 +1,14 @@
 """Offset groups: layers that share one format offset, so that they always get the same format.
 
-Serving engines fuse q/k/v and gate/up into one matmul with one format (`nn.groups`); calibrating them with one
-shared offset makes every learned map servable.
+Serving engines fuse q/k/v and gate/up into one matmul with one format, and run a mixture-of-experts layer's
+experts with one format (`nn.groups`); calibrating them with one shared offset makes every learned map servable.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from ..nn.groups import fused_projection_groups
+from ..nn.groups import serving_groups
 
 OFFSET_GROUPINGS = ("none", "fused")
 
@@ -44,7 +44,7 @@ def offset_groups(setting: str | Sequence[Sequence[str]], layer_names: Sequence[
     if setting == "none":
         return []
     if setting == "fused":
-        return fused_projection_groups(layer_names)
+        return serving_groups(layer_names)
     known = set(layer_names)
     unknown = sorted(name for group in setting for name in group if name not in known)
     if unknown:

@@ -13,12 +13,16 @@ quant_method `"dmx"` with transformers (idempotently).
 
 from __future__ import annotations
 
+import functools
 import math
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
+from transformers.conversion_mapping import get_model_conversion_mapping
+from transformers.core_model_loading import WeightRenaming, apply_renamings
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -33,6 +37,8 @@ from ..nn import (
     dequantize_mx_linears,
     format_map_bits,
     linear_modules_to_quantize,
+    linearizable_experts,
+    linearize_experts,
     packed_weight_modules,
     replace_with_mx_linear,
 )
@@ -68,14 +74,20 @@ class DMXHfQuantizer(HfQuantizer):
     ) -> PreTrainedModel:
         if self.pre_quantized:
             config = self.quantization_config
+            linearize_experts(model, linearizable_experts(model, [], config.format_map))
             replace_with_mx_linear(
                 model, config.format_map, input_transforms=config.input_transforms, **_mx_options(config)
             )
-            _check_packed_tensors(model, checkpoint_files or [])
+            module_name = _checkpoint_key_renaming(model)
+            _check_packed_tensors(model, checkpoint_files or [], module_name)
             verify_integrity(
-                _integrity_record_path(model, checkpoint_files or []), checkpoint_files or [], config.format_map
+                _integrity_record_path(model, checkpoint_files or []),
+                checkpoint_files or [],
+                config.format_map,
+                module_name,
             )
         else:
+            _check_not_quantized(model)
             _check_quantizable(model, self._modules_to_skip(model))
         return model
 
@@ -92,10 +104,10 @@ class DMXHfQuantizer(HfQuantizer):
     def _quantize(self, model: PreTrainedModel) -> DMXConfig:
         """Calibrate (or take the explicit map), install the `MXLinear`s, return the config that records it."""
         config = self.quantization_config
-        _check_not_quantized(model)
         if config.needs_data:
             _check_sequence_length(model, config.seq_len)
         skip = self._modules_to_skip(model)
+        _linearize_loaded_experts(model, skip, config.format_map)
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
         quantized = linear_modules_to_quantize(model, skip)
         rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
@@ -189,12 +201,12 @@ def _check_not_quantized(model: PreTrainedModel) -> None:
 
 
 def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
-    """Refuse, before any weight is loaded, a model with no `nn.Linear` outside `skip` (GPT-2's layers are
-    `Conv1D`s), and one whose weights outside `skip` are not all in `nn.Linear` layers (a mixture of experts' packed
-    expert tensors): dMX would leave those in float under a bit budget that does not count them. Adding their
-    modules to `modules_to_not_convert` says the user wants exactly that."""
+    """Refuse, before any weight is loaded, a model with nothing to quantize outside `skip` (GPT-2's layers are
+    `Conv1D`s), and one whose weights outside `skip` are not all in `nn.Linear` layers or packed experts dMX can
+    linearize (`nn.experts`): dMX would leave those in float under a bit budget that does not count them. Adding
+    their modules to `modules_to_not_convert` says the user wants exactly that."""
     linears = linear_modules_to_quantize(model, skip)
-    if not linears:
+    if not linears and not linearizable_experts(model, skip):
         holders = sorted(
             {
                 type(module).__name__
@@ -212,7 +224,10 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
     if not packed:
         return
     packed_elements = sum(math.prod(shape) for shapes in packed.values() for shape in shapes.values())
-    linear_elements = sum(linear.weight.numel() for linear in linears.values())
+    linear_elements = sum(linear.weight.numel() for linear in linears.values()) + sum(
+        model.get_submodule(name).gate_up_proj.numel() + model.get_submodule(name).down_proj.numel()
+        for name in linearizable_experts(model, skip)
+    )
     share = packed_elements / (packed_elements + linear_elements)
     name, shapes = next(iter(packed.items()))
     tensors = ", ".join(f"{parameter} {shape}" for parameter, shape in shapes.items())
@@ -222,11 +237,26 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
     raise ValueError(
         f"{share:.0%} of the weights {type(model).__name__} would have quantized lie outside nn.Linear layers, in "
         f"tensors of three dimensions or more that dMX cannot quantize: {name} "
-        f"({type(model.get_submodule(name)).__name__}: {tensors}){others}; transformers stores a mixture-of-experts "
-        "layer's experts this way. To quantize the other linears and keep these weights in their float dtype, add "
+        f"({type(model.get_submodule(name)).__name__}: {tensors}){others}. dMX quantizes nn.Linear layers and the "
+        "mixture-of-experts experts of Qwen3-MoE's and Mixtral's layout (gate and up concatenated, no bias). To "
+        "quantize the other linears and keep these weights in their float dtype, add "
         f"{patterns} to modules_to_not_convert (command line: {flags}); the bit budget and the achieved bits then "
         "count the quantized linears only."
     )
+
+
+def _linearize_loaded_experts(model: PreTrainedModel, skip: list[str], format_map: dict[str, str] | None) -> None:
+    """Replace the packed experts dMX quantizes (`nn.experts.linearizable_experts`) by `nn.Linear`s, before rotation
+    and calibration see the model; refuses experts whose weights `device_map` left on disk or in CPU memory."""
+    names = linearizable_experts(model, skip, format_map)
+    offloaded = [name for name in names if model.get_submodule(name).gate_up_proj.is_meta]
+    if offloaded:
+        raise ValueError(
+            f"the mixture-of-experts layers {offloaded[:3]}{' ...' if len(offloaded) > 3 else ''} are offloaded by "
+            "device_map: dMX quantizes experts held in memory only; load the model without offloading, or keep "
+            f"the experts in float with modules_to_not_convert={sorted({_per_layer_pattern(n) for n in offloaded})}"
+        )
+    linearize_experts(model, names)
 
 
 def _per_layer_pattern(name: str) -> str:
@@ -256,9 +286,21 @@ def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) 
     return Path(found) if found else None
 
 
-def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -> None:
+def _checkpoint_key_renaming(model: PreTrainedModel) -> Callable[[str], str]:
+    """The name in `model` that transformers loads a checkpoint key into, by its renamings for this model (the
+    reverse of what `save_pretrained` applied: Mixtral's checkpoints say `block_sparse_moe` for `mlp`). A packed
+    tensor never matches one of its converters (they merge float experts' `weight`s)."""
+    renamings = [
+        transform for transform in get_model_conversion_mapping(model) if isinstance(transform, WeightRenaming)
+    ]
+    return functools.partial(apply_renamings, weight_renamings=renamings)
+
+
+def _check_packed_tensors(
+    model: PreTrainedModel, checkpoint_files: list[str], module_name: Callable[[str], str] = str
+) -> None:
     """Raise, naming the module, unless the checkpoint holds every MXLinear's tensors in the expected shapes and
-    every packed layer it holds is in the format map.
+    every packed layer it holds is in the format map. `module_name` maps a checkpoint key to the model's name.
 
     The loader would only warn about a missing tensor (and leave uninitialized memory in its place, or a randomly
     initialised layer where the map forgot a packed one), so a checkpoint that does not match its own format map is
@@ -271,7 +313,7 @@ def _check_packed_tensors(model: PreTrainedModel, checkpoint_files: list[str]) -
         with safe_open(path, framework="pt") as handle:
             for key in handle.keys():
                 tensor = handle.get_slice(key)
-                found[key] = (tuple(tensor.get_shape()), tensor.get_dtype())
+                found[module_name(key)] = (tuple(tensor.get_shape()), tensor.get_dtype())
     if not found:
         raise ValueError("a dMX checkpoint must be stored as safetensors; no .safetensors file was found")
     mapped = {name for name, module in model.named_modules() if isinstance(module, MXLinear)}

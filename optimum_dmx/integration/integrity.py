@@ -14,7 +14,7 @@ import hashlib
 import json
 import logging
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -60,10 +60,16 @@ def write_integrity_record(folder: str | os.PathLike, model: nn.Module, format_m
 
 
 def verify_integrity(
-    record_path: Path | None, checkpoint_files: Sequence[str | os.PathLike], format_map: Mapping[str, str]
+    record_path: Path | None,
+    checkpoint_files: Sequence[str | os.PathLike],
+    format_map: Mapping[str, str],
+    module_name: Callable[[str], str] = str,
 ) -> None:
     """Raise `ValueError` naming the first tensor (or the map) that differs from the record at `record_path`; warn
-    once when there is none. Does nothing with `OPTIMUM_DMX_SKIP_INTEGRITY_CHECK=1`."""
+    once when there is none. Does nothing with `OPTIMUM_DMX_SKIP_INTEGRITY_CHECK=1`.
+
+    The record names tensors as the model does; `module_name` maps a checkpoint key to that name (transformers saves
+    some models' keys under their original checkpoints' names, e.g. Mixtral's `block_sparse_moe` for `mlp`)."""
     if os.environ.get(SKIP_VARIABLE) == "1":
         return
     if record_path is None or not Path(record_path).is_file():
@@ -90,10 +96,11 @@ def verify_integrity(
         if not str(file).endswith(".safetensors"):
             continue
         with safe_open(file, framework="pt") as reader:
-            for name in reader.keys():
-                if name in expected and tensor_digest(reader.get_tensor(name)) != expected.pop(name):
+            for key in reader.keys():
+                name = module_name(key)
+                if name in expected and tensor_digest(reader.get_tensor(key)) != expected.pop(name):
                     raise ValueError(
-                        f"tensor {name!r} in {Path(file).name} differs from the one saved ({CHECKSUMS_NAME}): the "
+                        f"tensor {key!r} in {Path(file).name} differs from the one saved ({CHECKSUMS_NAME}): the "
                         f"checkpoint is damaged. Set {SKIP_VARIABLE}=1 to load it anyway."
                     )
     if expected:

@@ -2,14 +2,17 @@
 
 vLLM and SGLang load q/k/v into one `qkv_proj` and gate/up into one `gate_up_proj` and run each with a single
 quantization scheme. The Llama, Qwen, Gemma and Mistral families name these projections alike, so the groups
-are found from module names: siblings under one parent whose last names form a known set.
+are found from module names: siblings under one parent whose last names form a known set. vLLM also runs a
+mixture-of-experts layer's experts (`nn.experts.LinearExperts`: `<layer>.experts.<e>.gate_proj`, `.up_proj`,
+`.down_proj`) as one fused operation with one scheme, so all of them form one group (`expert_groups`).
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping
 
-__all__ = ["FUSED_PROJECTIONS", "fused_projection_groups", "mixed_groups"]
+__all__ = ["FUSED_PROJECTIONS", "expert_groups", "fused_projection_groups", "mixed_groups", "serving_groups"]
 
 # Fused name -> the projections it is made of, as transformers' decoder families name them.
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -36,6 +39,32 @@ def fused_projection_groups(module_names: Iterable[str]) -> list[tuple[str, ...]
     return groups
 
 
+# An expert's projection, as `nn.experts.LinearExperts` names it: (experts module, expert index, projection).
+_EXPERT_LINEAR = re.compile(r"(.*\bexperts)\.(\d+)\.(gate_proj|up_proj|down_proj)")
+_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+
+
+def expert_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:
+    """The linears of each mixture-of-experts layer among `module_names`, one group per experts module, by expert
+    index and then projection (gate, up, down)."""
+    members: dict[str, list[tuple[int, int, str]]] = {}
+    for name in module_names:
+        match = _EXPERT_LINEAR.fullmatch(name)
+        if match:
+            parent, index, projection = match.groups()
+            members.setdefault(parent, []).append((int(index), _EXPERT_PROJECTIONS.index(projection), name))
+    return [tuple(name for *_, name in sorted(group)) for _, group in sorted(members.items()) if len(group) > 1]
+
+
+def serving_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:
+    """The groups of `module_names` a serving engine runs with one format: each mixture-of-experts layer's experts
+    (`expert_groups`), and the fused projections (`fused_projection_groups`) of the other linears."""
+    names = list(module_names)
+    experts = expert_groups(names)
+    in_experts = {name for group in experts for name in group}
+    return experts + fused_projection_groups(name for name in names if name not in in_experts)
+
+
 def mixed_groups(format_map: Mapping[str, str]) -> list[tuple[str, ...]]:
-    """The fused-projection groups of `format_map` whose members do not all have the same format."""
-    return [group for group in fused_projection_groups(format_map) if len({format_map[n] for n in group}) > 1]
+    """The serving groups of `format_map` (`serving_groups`) whose members do not all have the same format."""
+    return [group for group in serving_groups(format_map) if len({format_map[n] for n in group}) > 1]

@@ -15,7 +15,6 @@ from .transforms import RandomizedHadamard, TransformedLinear
 
 __all__ = [
     "linear_modules_to_quantize",
-    "packed_weight_modules",
     "swapped_modules",
     "emulate_format_map",
     "replace_with_mx_linear",
@@ -46,31 +45,6 @@ def linear_modules_to_quantize(model: nn.Module, modules_to_not_convert: Sequenc
         for name, module in model.named_modules()
         if isinstance(module, nn.Linear) and not any(is_skipped(name, p) for p in patterns)
     }
-
-
-def packed_weight_modules(
-    model: nn.Module, modules_to_not_convert: Sequence[str] | None
-) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Modules outside `modules_to_not_convert` that hold floating-point weights of three or more dimensions and
-    are no convolution, by full name, with those weights' shapes by parameter name.
-
-    transformers keeps a mixture-of-experts layer's experts so: one `(experts, out, in)` tensor per projection
-    (`Qwen3MoeExperts.gate_up_proj`, `MixtralExperts.down_proj`), multiplied by its own code, not by an
-    `nn.Linear`. dMX quantizes `nn.Linear` layers only, so these weights would stay in float.
-    """
-    patterns = list(modules_to_not_convert or [])
-    found = {}
-    for name, module in model.named_modules():
-        if isinstance(module, nn.modules.conv._ConvNd) or any(is_skipped(name, p) for p in patterns):
-            continue
-        shapes = {
-            parameter_name: tuple(parameter.shape)
-            for parameter_name, parameter in module.named_parameters(recurse=False)
-            if parameter.dim() >= 3 and parameter.is_floating_point()
-        }
-        if shapes:
-            found[name] = shapes
-    return found
 
 
 @contextmanager
