@@ -129,8 +129,8 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.add_argument(
         "--offset-groups",
         choices=["none", "fused"],
-        help="fused (default; none with --method paper): q/k/v and gate/up share one format, as vLLM needs to "
-        "serve the map",
+        help="fused (default; none with --method paper): q/k/v, gate/up and each mixture-of-experts layer's experts "
+        "share one format, as vLLM needs to serve the map",
     )
     quantize.add_argument(
         "--weight-rounding",

@@ -120,9 +120,10 @@ class DMXConfig(QuantizationConfigMixin):
             `method="paper"` (the paper's procedure, exactly) or a given `format_map`.
         learn_rotations: train the merged rotations (`"hadamard"`, `"block_hadamard"`) with the formats (Cayley
             SGD, SpinQuant's step); merged into the saved weights, nothing is needed at load time.
-        offset_groups: layers that share one format: `"fused"` (q/k/v and gate/up of each decoder layer, as vLLM
-            and SGLang fuse them: needed to export a servable map), `"none"` or lists of module names. Default:
-            `"fused"` when calibrating with `method="dmx"` or `"kl"`, else `"none"`.
+        offset_groups: layers that share one format: `"fused"` (q/k/v and gate/up of each decoder layer, and each
+            mixture-of-experts layer's experts, as vLLM and SGLang fuse them: needed to export a servable map),
+            `"none"` or lists of module names. Default: `"fused"` when calibrating with `method="dmx"` or `"kl"`,
+            else `"none"`.
         scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
             export: `"ocp"` (default: the specification's floor), `"compressed-tensors"` or `"quark"` (those
             loaders' rounding, so that a served model computes what was calibrated).
