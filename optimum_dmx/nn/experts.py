@@ -55,7 +55,9 @@ class LinearExperts(nn.ModuleList):
     ) -> torch.Tensor:
         final = torch.zeros_like(hidden_states)
         with torch.no_grad():
-            routed = nn.functional.one_hot(top_k_index, num_classes=len(self)).permute(2, 1, 0)
+            # One more class than experts, as transformers' loop counts: expert parallelism routes tokens that no
+            # local expert takes to index `len(self)`, which no expert reads.
+            routed = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
         for index, expert in enumerate(self):
             top_k_position, token_index = torch.where(routed[index])
             if token_index.numel() == 0:
