@@ -2,10 +2,11 @@
 `nn.Linear` per expert and projection (`nn.experts`), one format for each layer's experts.
 
 Tiny randomly initialised Qwen3-MoE and Mixtral (2 layers of 4 experts, 2 per token): the linearized experts compute
-the packed ones' logits bit for bit; calibration gives each layer's experts one format, hits the budget and reloads
-in a fresh process with the same logits (Mixtral's checkpoint keys are renamed by transformers on saving); keeping
-the experts float on request, and refusing what cannot be carried out (part of a layer's experts, offloaded
-experts, packed tensors of another layout, exporting quantized experts), each before any calibration.
+the packed ones' logits bit for bit (also Qwen2-MoE's and OLMoE's, of the same layout); calibration gives each
+layer's experts one format, hits the budget and reloads in a fresh process with the same logits (Mixtral's
+checkpoint keys are renamed by transformers on saving); keeping the experts float on request, and refusing what
+cannot be carried out (part of a layer's experts, offloaded experts, packed tensors of another layout, exporting
+quantized experts), each before any calibration.
 """
 
 import json
@@ -17,7 +18,17 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
-from transformers import AutoModelForCausalLM, MixtralConfig, MixtralForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
+from transformers import (
+    AutoModelForCausalLM,
+    MixtralConfig,
+    MixtralForCausalLM,
+    OlmoeConfig,
+    OlmoeForCausalLM,
+    Qwen2MoeConfig,
+    Qwen2MoeForCausalLM,
+    Qwen3MoeConfig,
+    Qwen3MoeForCausalLM,
+)
 
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
@@ -41,6 +52,23 @@ FAMILIES = {
     ),
     "mixtral": lambda: MixtralForCausalLM(
         MixtralConfig(**COMMON, intermediate_size=128, num_local_experts=4, num_experts_per_tok=2)
+    ),
+}
+# Two more families of the same layout, for the bit-exactness of the linearized experts only.
+SAME_LAYOUT = {
+    **FAMILIES,
+    "qwen2_moe": lambda: Qwen2MoeForCausalLM(
+        Qwen2MoeConfig(
+            **COMMON,
+            intermediate_size=128,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=64,
+        )
+    ),
+    "olmoe": lambda: OlmoeForCausalLM(
+        OlmoeConfig(**COMMON, intermediate_size=32, num_experts=4, num_experts_per_tok=2, pad_token_id=0)
     ),
 }
 EXPERTS = ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
@@ -72,10 +100,10 @@ with torch.no_grad():
     return torch.tensor(last_json_line(run_python(code)))
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
+@pytest.mark.parametrize("family", list(SAME_LAYOUT))
 def test_linearized_experts_compute_the_packed_experts_logits_bit_for_bit(family):
     torch.manual_seed(0)
-    model = FAMILIES[family]()
+    model = SAME_LAYOUT[family]()
     packed = model.model.layers[1].mlp.experts
     with torch.no_grad():
         expected = model(torch.tensor(INPUT)).logits
