@@ -31,6 +31,7 @@ from transformers import (
 )
 
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear
+from optimum_dmx.calibration import CalibrationSettings, calibrate
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
 from optimum_dmx.export import ExportError, export_checkpoint
 from optimum_dmx.nn import LinearExperts, linearizable_experts, linearize_experts, packed_weight_modules
@@ -238,6 +239,19 @@ def test_packed_experts_of_another_layout_are_refused_before_any_calibration():
     )
     assert raised.traceback[-1].name == "_check_quantizable"
     assert not any(isinstance(m, MXLinear) for m in model.modules())
+
+
+def test_calibrate_refuses_experts_left_packed_and_takes_them_linearized():
+    # The library's own entry point (what examples/calibrate_sharded.py calls) does not linearize: it says how.
+    torch.manual_seed(0)
+    model = FAMILIES["qwen3_moe"]()
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    settings = CalibrationSettings(target_bits=5, steps=2, batch_size=2, modules_to_not_convert=["lm_head"])
+    with pytest.raises(ValueError, match=r"model.layers.0.mlp.experts and 1 more hold .*nn.linearize_experts"):
+        calibrate(model, ids, settings, progress=False)
+    linearize_experts(model, linearizable_experts(model, ["lm_head"]))
+    result = calibrate(model, ids, settings, progress=False)
+    assert len([name for name in result.format_map if ".experts." in name]) == 2 * 4 * 3
 
 
 def test_packed_weight_modules_leave_out_convolutions_and_skipped_modules():

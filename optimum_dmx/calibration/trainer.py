@@ -28,6 +28,7 @@ from tqdm.auto import tqdm
 
 from ..continuous import MAX_OFFSET, get_format_pair
 from ..nn.bits import average_bits, tensor_sizes
+from ..nn.experts import linearizable_experts
 from ..nn.placement import input_device
 from ..nn.surgery import linear_modules_to_quantize, swapped_modules
 from .baselines import kl_preselection
@@ -125,6 +126,15 @@ def calibrate(
         raise ValueError("input_ids must be a 2-D LongTensor of shape [num_samples, seq_len].")
     if input_ids.shape[0] == 0 or input_ids.shape[1] < 2:
         raise ValueError(f"input_ids of shape {tuple(input_ids.shape)} holds no sequence of at least 2 tokens.")
+    packed = linearizable_experts(model, settings.modules_to_not_convert)
+    if packed:
+        raise ValueError(
+            f"{packed[0]}{f' and {len(packed) - 1} more' if len(packed) > 1 else ''} hold a mixture of experts' packed "
+            "experts, which calibration would leave float outside the budget: replace them by linears first "
+            "(optimum_dmx.nn.linearize_experts(model, optimum_dmx.nn.linearizable_experts(model, "
+            "modules_to_not_convert)), as from_pretrained with a DMXConfig does), or name them in "
+            "modules_to_not_convert to keep them float."
+        )
     if settings.cost_table is not None:  # a table that lacks a shape fails now, not after the steps or the scan
         linears = linear_modules_to_quantize(model, settings.modules_to_not_convert).values()
         layer_costs(
