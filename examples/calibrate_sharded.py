@@ -5,9 +5,10 @@
     torchrun --nproc_per_node 8 examples/calibrate_sharded.py MODEL --dataset a.txt --rotation hadamard \
         --learn-rotations --output out
 
-1. Every process loads the float model on the CPU in turn (one full copy in CPU memory at a time), rotates it if
-   asked (before sharding: the online transform of `down_proj` replaces that module), shards each decoder layer and
-   the model with `fully_shard` onto its device, and drops the full copy: each device holds 1/N of the weights.
+1. Every process loads the float model on the CPU in turn (one full copy in CPU memory at a time), turns a mixture
+   of experts' packed experts into linears (`optimum_dmx.nn.linearize_experts`), rotates it if asked (before
+   sharding: the online transform of `down_proj` replaces that module), shards each decoder layer and the model
+   with `fully_shard` onto its device, and drops the full copy: each device holds 1/N of the weights.
 2. `calibrate` learns the format map together (each process takes 1/N of every batch; the offsets' gradients are
    averaged, and with `--learn-rotations` the rotations' too, merged into the shards at the end); each decoder
    layer's weights are gathered for its forward and backward passes and freed after.
@@ -32,13 +33,15 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from optimum_dmx import DMXConfig, DMXQuantizer
 from optimum_dmx.calibration import build_calibration_batches, calibrate
-from optimum_dmx.nn import linear_modules_to_quantize
+from optimum_dmx.nn import linear_modules_to_quantize, linearizable_experts, linearize_experts
 from optimum_dmx.nn.placement import write_parameters
 from optimum_dmx.nn.rotation import rotate_model
 
 
-def rotated(model: torch.nn.Module, config: DMXConfig) -> torch.nn.Module:
-    """`model` rotated as `config` asks (the same matrices in every process and every load: seeded)."""
+def prepared(model: torch.nn.Module, config: DMXConfig) -> torch.nn.Module:
+    """`model` with a mixture of experts' packed experts as linears (`nn.experts`), rotated as `config` asks (the
+    same matrices in every process and every load: seeded)."""
+    linearize_experts(model, linearizable_experts(model, ["lm_head"]))
     quantized = list(linear_modules_to_quantize(model, ["lm_head"]))
     rotate_model(model, config.rotation, quantized, config.block_size, config.seed)
     return model
@@ -52,7 +55,7 @@ def sharded_model(model_id: str, dtype: torch.dtype, config: DMXConfig) -> torch
     model = None
     for turn in range(dist.get_world_size()):
         if turn == dist.get_rank():
-            model = rotated(AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype).eval(), config)
+            model = prepared(AutoModelForCausalLM.from_pretrained(model_id, dtype=dtype).eval(), config)
             for layer in model.model.layers:
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)  # moves the shards and buffers to the mesh's device; the full copy is gone
@@ -115,7 +118,7 @@ def main() -> None:
             tokenizer=tokenizer,
             **sizes,
         )
-        quantized = rotated(
+        quantized = prepared(
             AutoModelForCausalLM.from_pretrained(
                 args.model, dtype=getattr(torch, args.dtype), device_map="auto" if cuda else None
             ),

@@ -152,6 +152,38 @@ def test_calibrate_sharded_example_learns_rotations_on_the_shards_and_saves_them
     assert not torch.allclose(learned_head, random_head, atol=1e-4)
 
 
+@pytest.mark.slow  # two processes, calibration, then a quantization
+def test_calibrate_sharded_example_quantizes_a_mixture_of_experts_like_a_single_process(tmp_path):
+    """A tiny Qwen3-MoE: the example turns the packed experts into linears before sharding (`nn.experts`), and the
+    map the two processes learn, experts included, is the one a single process learns on the linearized model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from optimum_dmx import DMXConfig
+    from optimum_dmx.calibration import build_calibration_batches, calibrate
+    from optimum_dmx.nn import LinearExperts, linearizable_experts, linearize_experts
+
+    from .helpers import words
+    from .test_mixture_of_experts import save_float
+
+    root, out = tmp_path, tmp_path / "dmx"
+    save_float("qwen3_moe", root / "model")
+    (root / "calibration.txt").write_text("\n".join(words(7 * i, 40) for i in range(40)))
+    _run_sharded_example(root, out)
+    learned = json.loads((out / "format_map.json").read_text())
+    assert len([name for name in learned if ".experts." in name]) == 2 * 4 * 3
+
+    sizes = SHARDED_EXAMPLE_SIZES
+    tokenizer = AutoTokenizer.from_pretrained(root / "model")
+    model = AutoModelForCausalLM.from_pretrained(root / "model", dtype=torch.float32)
+    linearize_experts(model, linearizable_experts(model, ["lm_head"]))
+    ids = build_calibration_batches([root / "calibration.txt"], tokenizer, sizes["seq_len"], sizes["num_samples"])
+    config = DMXConfig(preset="cpu-demo", gradient_checkpointing=True, **sizes)
+    assert learned == calibrate(model, ids, config.calibration_settings(modules_to_not_convert=["lm_head"])).format_map
+    saved = AutoModelForCausalLM.from_pretrained(out)
+    assert saved.config.quantization_config.format_map == learned
+    assert isinstance(saved.model.layers[1].mlp.experts, LinearExperts)
+
+
 def test_serve_with_vllm_example_exports_then_needs_vllm(tiny_text_model_dir, tmp_path):
     """vLLM needs a GPU and is not installed here: the example exports, then stops at `import vllm`."""
     from transformers import AutoModelForCausalLM

@@ -43,7 +43,7 @@ from ..nn import (
     replace_with_mx_linear,
 )
 from ..nn.rotation import resolve_rotation, rotate_model
-from ..nn.surgery import is_skipped
+from ..nn.surgery import is_skipped, per_layer_pattern
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
 from .model_card import attach_model_card, detach_model_card
@@ -74,7 +74,7 @@ class DMXHfQuantizer(HfQuantizer):
     ) -> PreTrainedModel:
         if self.pre_quantized:
             config = self.quantization_config
-            linearize_experts(model, linearizable_experts(model, [], config.format_map))
+            linearize_experts(model, linearizable_experts(model, [], config.format_map), skeleton=True)
             replace_with_mx_linear(
                 model, config.format_map, input_transforms=config.input_transforms, **_mx_options(config)
             )
@@ -107,7 +107,7 @@ class DMXHfQuantizer(HfQuantizer):
         if config.needs_data:
             _check_sequence_length(model, config.seq_len)
         skip = self._modules_to_skip(model)
-        _linearize_loaded_experts(model, skip, config.format_map)
+        linearize_experts(model, linearizable_experts(model, skip, config.format_map))  # experts as linears
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
         quantized = linear_modules_to_quantize(model, skip)
         rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
@@ -232,7 +232,7 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
     name, shapes = next(iter(packed.items()))
     tensors = ", ".join(f"{parameter} {shape}" for parameter, shape in shapes.items())
     others = f" and {len(packed) - 1} more" if len(packed) > 1 else ""
-    patterns = sorted({_per_layer_pattern(name) for name in packed})
+    patterns = sorted({per_layer_pattern(name) for name in packed})
     flags = " ".join(f"--modules-to-not-convert {pattern}" for pattern in patterns)
     raise ValueError(
         f"{share:.0%} of the weights {type(model).__name__} would have quantized lie outside nn.Linear layers, in "
@@ -243,28 +243,6 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
         f"{patterns} to modules_to_not_convert (command line: {flags}); the bit budget and the achieved bits then "
         "count the quantized linears only."
     )
-
-
-def _linearize_loaded_experts(model: PreTrainedModel, skip: list[str], format_map: dict[str, str] | None) -> None:
-    """Replace the packed experts dMX quantizes (`nn.experts.linearizable_experts`) by `nn.Linear`s, before rotation
-    and calibration see the model; refuses experts whose weights `device_map` left on disk or in CPU memory."""
-    names = linearizable_experts(model, skip, format_map)
-    offloaded = [name for name in names if model.get_submodule(name).gate_up_proj.is_meta]
-    if offloaded:
-        raise ValueError(
-            f"the mixture-of-experts layers {offloaded[:3]}{' ...' if len(offloaded) > 3 else ''} are offloaded by "
-            "device_map: dMX quantizes experts held in memory only; load the model without offloading, or keep "
-            f"the experts in float with modules_to_not_convert={sorted({_per_layer_pattern(n) for n in offloaded})}"
-        )
-    linearize_experts(model, names)
-
-
-def _per_layer_pattern(name: str) -> str:
-    """`name` after its last numeric component (`model.layers.3.mlp.experts` -> `mlp.experts`): the pattern that
-    names the same module in every layer."""
-    parts = name.split(".")
-    numeric = [i for i, part in enumerate(parts) if part.isdigit()]
-    return ".".join(parts[numeric[-1] + 1 :]) if numeric and numeric[-1] + 1 < len(parts) else name
 
 
 def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) -> Path | None:

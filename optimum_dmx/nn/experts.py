@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 from torch import nn
 
-from .surgery import is_skipped
+from .surgery import is_skipped, per_layer_pattern
 
 __all__ = ["ExpertMLP", "LinearExperts", "linearizable_experts", "linearize_experts", "packed_weight_modules"]
 
@@ -161,8 +161,19 @@ def linearizable_experts(
     return names
 
 
-def linearize_experts(model: nn.Module, names: Sequence[str]) -> None:
-    """Replace the packed experts modules `names` of `model` by `LinearExperts` (the same function and weights)."""
+def linearize_experts(model: nn.Module, names: Sequence[str], *, skeleton: bool = False) -> None:
+    """Replace the packed experts modules `names` of `model` by `LinearExperts` (the same function and weights).
+
+    `skeleton`: `model` is built on the meta device to receive a checkpoint's tensors, and its experts hold no weights
+    yet. Otherwise experts whose weights are on the meta device (offloaded by `device_map`) are refused: the copies
+    into the linears need them in memory."""
+    offloaded = [name for name in names if model.get_submodule(name).gate_up_proj.is_meta]
+    if offloaded and not skeleton:
+        raise ValueError(
+            f"the mixture-of-experts layers {offloaded[:3]}{' ...' if len(offloaded) > 3 else ''} are offloaded by "
+            "device_map: dMX quantizes experts held in memory only; load the model without offloading, or keep "
+            f"the experts in float with modules_to_not_convert={sorted({per_layer_pattern(n) for n in offloaded})}"
+        )
     for name in names:
         packed = model.get_submodule(name)
         if not is_linearizable(packed):

@@ -32,6 +32,14 @@ def is_skipped(name: str, pattern: str) -> bool:
     return name == pattern or name.endswith("." + pattern) or name.startswith(pattern + ".")
 
 
+def per_layer_pattern(name: str) -> str:
+    """`name` after its last numeric component (`model.layers.3.mlp.experts` -> `mlp.experts`): the
+    `modules_to_not_convert` pattern that names the same module in every layer."""
+    parts = name.split(".")
+    numeric = [i for i, part in enumerate(parts) if part.isdigit()]
+    return ".".join(parts[numeric[-1] + 1 :]) if numeric and numeric[-1] + 1 < len(parts) else name
+
+
 def linear_modules_to_quantize(model: nn.Module, modules_to_not_convert: Sequence[str] | None) -> dict[str, nn.Linear]:
     """The `nn.Linear` modules of `model` that dMX quantizes, by full name, in model order.
 
