@@ -90,7 +90,11 @@ def dmx_config(**overrides) -> DMXConfig:
     return DMXConfig(target_bits=5, dataset=texts, tokenizer=word_tokenizer(), **CALIBRATION, **overrides)
 
 
-def logits_in_a_fresh_process(folder) -> torch.Tensor:
+def assert_saved_and_reloaded_alike(model: nn.Module, folder) -> None:
+    """Save `model` to `folder`; loaded in a fresh process, it computes the same logits bit for bit."""
+    with torch.no_grad():
+        logits = model(torch.tensor(INPUT)).logits
+    model.save_pretrained(folder)
     code = f"""
 import json, torch, optimum_dmx
 from transformers import AutoModelForCausalLM
@@ -98,7 +102,7 @@ model = AutoModelForCausalLM.from_pretrained({str(folder)!r})
 with torch.no_grad():
     print(json.dumps(model(torch.tensor({INPUT})).logits.tolist()))
 """
-    return torch.tensor(last_json_line(run_python(code)))
+    assert torch.equal(torch.tensor(last_json_line(run_python(code))), logits)
 
 
 @pytest.mark.parametrize("family", list(SAME_LAYOUT))
@@ -135,10 +139,7 @@ def test_experts_calibrate_with_one_format_per_layer_and_reload(tmp_path, family
     # quantized weights here, so it cannot come as close as with single layers.
     assert 4.25 <= recorded.achieved_bits["bits_weighted"] <= 5 + BUDGET_TOLERANCE
 
-    with torch.no_grad():
-        logits = model(torch.tensor(INPUT)).logits
-    model.save_pretrained(tmp_path / "dmx")
-    assert torch.equal(logits_in_a_fresh_process(tmp_path / "dmx"), logits)
+    assert_saved_and_reloaded_alike(model, tmp_path / "dmx")
 
 
 def test_experts_take_the_online_rotation_when_asked_and_reload(tmp_path):
@@ -149,10 +150,7 @@ def test_experts_take_the_online_rotation_when_asked_and_reload(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     transforms = model.config.quantization_config.input_transforms
     assert "model.layers.1.mlp.experts.3.down_proj" in transforms and len(transforms) == 2 * (4 * 3 + 4)
-    with torch.no_grad():
-        logits = model(torch.tensor(INPUT)).logits
-    model.save_pretrained(tmp_path / "dmx")
-    assert torch.equal(logits_in_a_fresh_process(tmp_path / "dmx"), logits)
+    assert_saved_and_reloaded_alike(model, tmp_path / "dmx")
 
 
 def test_a_damaged_expert_tensor_is_refused_under_the_checkpoints_own_key_names(tmp_path):
@@ -190,13 +188,10 @@ def test_experts_kept_in_float_on_request_calibrate_the_rest_and_reload(tmp_path
         assert torch.equal(kept.gate_up_proj, original.gate_up_proj)
         assert torch.equal(kept.down_proj, original.down_proj)
 
-    with torch.no_grad():
-        logits = model(torch.tensor(INPUT)).logits
-    model.save_pretrained(tmp_path / "dmx")
+    assert_saved_and_reloaded_alike(model, tmp_path / "dmx")
     with safe_open(tmp_path / "dmx" / "model.safetensors", "pt") as f:  # transformers' per-expert layout, float
         stored = {name: f.get_tensor(name).dtype for name in f.keys() if ".experts." in name}
     assert len(stored) == 2 * 4 * 3 and set(stored.values()) == {torch.float32}, stored
-    assert torch.equal(logits_in_a_fresh_process(tmp_path / "dmx"), logits)
 
 
 def test_part_of_a_layers_experts_is_refused_naming_the_module(tmp_path):

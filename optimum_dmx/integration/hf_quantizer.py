@@ -206,7 +206,8 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
     linearize (`nn.experts`): dMX would leave those in float under a bit budget that does not count them. Adding
     their modules to `modules_to_not_convert` says the user wants exactly that."""
     linears = linear_modules_to_quantize(model, skip)
-    if not linears and not linearizable_experts(model, skip):
+    experts = linearizable_experts(model, skip)
+    if not linears and not experts:
         holders = sorted(
             {
                 type(module).__name__
@@ -225,8 +226,7 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
         return
     packed_elements = sum(math.prod(shape) for shapes in packed.values() for shape in shapes.values())
     linear_elements = sum(linear.weight.numel() for linear in linears.values()) + sum(
-        model.get_submodule(name).gate_up_proj.numel() + model.get_submodule(name).down_proj.numel()
-        for name in linearizable_experts(model, skip)
+        model.get_submodule(name).gate_up_proj.numel() + model.get_submodule(name).down_proj.numel() for name in experts
     )
     share = packed_elements / (packed_elements + linear_elements)
     name, shapes = next(iter(packed.items()))

@@ -58,11 +58,10 @@ class LinearExperts(nn.ModuleList):
             # One more class than experts, as transformers' loop counts: expert parallelism routes tokens that no
             # local expert takes to index `len(self)`, which no expert reads.
             routed = nn.functional.one_hot(top_k_index, num_classes=len(self) + 1).permute(2, 1, 0)
-        for index, expert in enumerate(self):
+            hit = routed[: len(self)].sum(dim=(1, 2)).nonzero().flatten().tolist()  # one sync, not one per expert
+        for index in hit:
             top_k_position, token_index = torch.where(routed[index])
-            if token_index.numel() == 0:
-                continue
-            output = expert(hidden_states[token_index]) * top_k_weights[token_index, top_k_position, None]
+            output = self[index](hidden_states[token_index]) * top_k_weights[token_index, top_k_position, None]
             final.index_add_(0, token_index, output.to(final.dtype))
         return final
 

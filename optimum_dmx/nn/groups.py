@@ -12,6 +12,8 @@ from __future__ import annotations
 import re
 from collections.abc import Iterable, Mapping
 
+from .experts import PROJECTIONS
+
 __all__ = ["FUSED_PROJECTIONS", "expert_groups", "fused_projection_groups", "mixed_groups", "serving_groups"]
 
 # Fused name -> the projections it is made of, as transformers' decoder families name them.
@@ -40,8 +42,7 @@ def fused_projection_groups(module_names: Iterable[str]) -> list[tuple[str, ...]
 
 
 # An expert's projection, as `nn.experts.LinearExperts` names it: (experts module, expert index, projection).
-_EXPERT_LINEAR = re.compile(r"(.*\bexperts)\.(\d+)\.(gate_proj|up_proj|down_proj)")
-_EXPERT_PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+_EXPERT_LINEAR = re.compile(rf"(.*\bexperts)\.(\d+)\.({'|'.join(PROJECTIONS)})")
 
 
 def expert_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:
@@ -52,7 +53,7 @@ def expert_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:
         match = _EXPERT_LINEAR.fullmatch(name)
         if match:
             parent, index, projection = match.groups()
-            members.setdefault(parent, []).append((int(index), _EXPERT_PROJECTIONS.index(projection), name))
+            members.setdefault(parent, []).append((int(index), PROJECTIONS.index(projection), name))
     return [tuple(name for *_, name in sorted(group)) for _, group in sorted(members.items()) if len(group) > 1]
 
 
