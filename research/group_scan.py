@@ -11,15 +11,20 @@ ungrouped ones; this study measures the additive value itself.
 Each cell is calibrated grouped (the quality table's servable row: `online_block_hadamard`, weighted budget, the
 default recipe) and, on the scan's own sequences, every unit of the grouped knapsack (a fused group, or a layer
 alone) is put in the low format and its divergence from the float model measured (whole next-token distributions,
-every unit by the same full pass; each group's members are also scanned alone that way, for `additivity`). Two
-maps from the same learned offsets:
+every unit by the same full pass; each group's members are also scanned alone that way, for `additivity`). Maps
+from the same learned offsets:
 
-* `fused`: the calibration's own map (its scan, each member alone, summed per group);
-* `group-scan`: the same blend and knapsack with each unit's divergence scanned whole (split evenly among a
-  group's members: only a unit's sum enters the grouped knapsack and the blend's scale).
+* `fused`: the blend and knapsack with the library's scan of each member alone, summed per group
+  (`kl_sensitivities(..., groups=())`): the library's rule until the scan took groups whole;
+* `group-scan`: the same blend and knapsack with each unit's divergence scanned whole by full passes (split evenly
+  among a group's members: only a unit's sum enters the grouped knapsack and the blend's scale);
+* `library`: the calibration's own map, now that the library's scan takes each group whole (`group-scan`'s rule,
+  with the library's passes: the decoder layers before a unit replayed, the divergence on the vocabulary's head).
 
 Each map is evaluated rounded to nearest and by GPTQ on the quality table's held-out windows. The rows also keep,
-per group, the whole group's divergence against its members' sum (`additivity`).
+per group, the whole group's divergence against its members' sum (`additivity`). A cell whose `fused` and
+`group-scan` rows exist is calibrated again for its `library` rows only; its `fused` map is rebuilt and compared with
+the stored one (`fused_map_as_stored`: the calibration reproduced).
 
     python research/group_scan.py --cells mxfp8-mxfp4:4.5,mxfp8-mxfp4:5,mxfp6-mxfp4:4.5 --threads 2
     python research/group_scan.py --report-only
@@ -48,6 +53,7 @@ from optimum_dmx.calibration.groups import offset_groups  # noqa: E402
 from optimum_dmx.calibration.sensitivity import (  # noqa: E402
     KL_SAMPLES,
     NextTokenReference,
+    kl_sensitivities,
     next_token_kl,
     next_token_log_probs,
 )
@@ -59,7 +65,7 @@ from common import append_json_line, read_json_lines  # noqa: E402
 
 RESULTS = Path(__file__).with_suffix(".jsonl")
 ROTATION = "online_block_hadamard"
-MAPS = ["fused", "group-scan"]
+MAPS = ["fused", "group-scan", "library"]
 ROUNDINGS = ["rtn", "gptq"]
 
 
@@ -84,59 +90,80 @@ def unit_divergences(
     return divergences
 
 
-def run_cell(runner: Runner, pair: str, target: str, seed: int, done: set[tuple]) -> None:
-    if all((pair, target, seed, m, r) in done for m in MAPS for r in ROUNDINGS):
+def run_cell(runner: Runner, pair: str, target: str, seed: int, rows: list[dict]) -> None:
+    stored = {(r["map"], r["rounding"]): r for r in rows if (r["pair"], r["target"], r["seed"]) == (pair, target, seed)}
+    if all((m, r) in stored for m in MAPS for r in ROUNDINGS):
         return
     settings = cell_settings(runner, pair, target, seed, "fused")
     sequences = runner.calibration_ids(seed)
     result = calibrate(runner.model, sequences, settings)
     names = list(result.format_map)
     shapes = {name: tuple(runner.targets[name].weight.shape) for name in names}
-    groups = offset_groups("fused", names)
-    units = groups + [(name,) for name in names if not any(name in group for group in groups)]
     start = time.perf_counter()
-    whole = unit_divergences(runner.model, sequences, units, settings)
-    scan_seconds = time.perf_counter() - start
-    alone = unit_divergences(runner.model, sequences, [(name,) for group in groups for name in group], settings)
-    split = {name: whole[unit] / len(unit) for unit in units for name in unit}
+    members_alone = kl_sensitivities(runner.model, sequences, settings, groups=())
+    members_scan_seconds = time.perf_counter() - start
     maps = {
-        "fused": result.format_map,
-        "group-scan": blended_format_map(result.beta_hat, split, shapes, settings),
+        "fused": blended_format_map(result.beta_hat, members_alone, shapes, settings),
+        "library": result.format_map,
     }
-    additivity = {
-        ",".join(group): {
-            "group": round(whole[group], 6),
-            "members_alone": round(sum(alone[(n,)] for n in group), 6),
+    common = {
+        "calibration_seconds": round(result.seconds, 1),
+        "library_scan_seconds": round(result.scan_seconds, 1),
+        "members_scan_seconds": round(members_scan_seconds, 1),
+        "torch_threads": torch.get_num_threads(),
+    }
+    if ("fused", "rtn") in stored:
+        common["fused_map_as_stored"] = stored[("fused", "rtn")]["format_map"] == maps["fused"]
+        print(f"{pair} {target} s{seed}: fused map as stored: {common['fused_map_as_stored']}", flush=True)
+    if any(("group-scan", r) not in stored for r in ROUNDINGS):
+        groups = offset_groups("fused", names)
+        units = groups + [(name,) for name in names if not any(name in group for group in groups)]
+        start = time.perf_counter()
+        whole = unit_divergences(runner.model, sequences, units, settings)
+        common["unit_scan_seconds"] = round(time.perf_counter() - start, 1)
+        alone = unit_divergences(runner.model, sequences, [(name,) for group in groups for name in group], settings)
+        split = {name: whole[unit] / len(unit) for unit in units for name in unit}
+        maps["group-scan"] = blended_format_map(result.beta_hat, split, shapes, settings)
+        common["additivity"] = {
+            ",".join(group): {
+                "group": round(whole[group], 6),
+                "members_alone": round(sum(alone[(n,)] for n in group), 6),
+            }
+            for group in groups
         }
-        for group in groups
-    }
-    singles = {name: round(whole[(name,)], 6) for unit in units if len(unit) == 1 for name in unit}
+        common["singles_whole_pass"] = {
+            name: round(whole[(name,)], 6) for unit in units if len(unit) == 1 for name in unit
+        }
     for map_name, format_map in maps.items():
         for rounding in ROUNDINGS:
-            if (pair, target, seed, map_name, rounding) in done:
+            if (map_name, rounding) in stored:
                 continue
             row = {"pair": pair, "target": target, "seed": seed, "map": map_name, "rounding": rounding}
             row.update(evaluate_map(runner, format_map, sequences, rounding))
             row["layers_differing_from_fused"] = sum(format_map[n] != maps["fused"][n] for n in names)
-            row.update(
-                calibration_seconds=round(result.seconds, 1),
-                library_scan_seconds=round(result.scan_seconds, 1),
-                unit_scan_seconds=round(scan_seconds, 1),
-                torch_threads=torch.get_num_threads(),
-                additivity=additivity,
-                singles_whole_pass=singles,
-                format_map=format_map,
-            )
+            row.update(common, format_map=format_map)
             append_json_line(RESULTS, row)
 
 
+TEXTS = ["moby_dick", "pride_prejudice"]
+
+
+def _against(row: dict | None, fused: dict) -> str:
+    """`row`'s perplexities with their change from `fused`'s, and the layers it changed ("-": not measured)."""
+    if row is None:
+        return "-"
+    change = " / ".join(f"{row[f'ppl_{t}']:.2f} ({row[f'ppl_{t}'] / fused[f'ppl_{t}'] - 1:+.1%})" for t in TEXTS)
+    return f"{change} [{row['layers_differing_from_fused']}]"
+
+
 def report(rows: list[dict]) -> str:
-    texts = ["moby_dick", "pride_prejudice"]
+    texts = TEXTS
     lines = [
-        "Held-out perplexity, Moby Dick / Pride and Prejudice (`group-scan` against `fused`, the same calibration):",
+        "Held-out perplexity, Moby Dick / Pride and Prejudice (`group-scan` and `library` against `fused`, the same "
+        "calibration; layers differing from `fused` in brackets):",
         "",
-        "| pair, bits, seed | rounding | fused | group-scan | layers differing | weighted bits: fused / group-scan |",
-        "|---|---|---|---|---|---|",
+        "| pair, bits, seed | rounding | fused | group-scan | library |",
+        "|---|---|---|---|---|",
     ]
     cells = sorted({(r["pair"], r["target"], r["seed"]) for r in rows})
     for cell in cells:
@@ -144,16 +171,27 @@ def report(rows: list[dict]) -> str:
             found = {
                 r["map"]: r for r in rows if (r["pair"], r["target"], r["seed"], r["rounding"]) == (*cell, rounding)
             }
-            if set(found) != set(MAPS):
+            if "fused" not in found:
                 continue
-            fused, scanned = found["fused"], found["group-scan"]
+            fused = found["fused"]
             ppl = " / ".join(f"{fused[f'ppl_{t}']:.2f}" for t in texts)
-            moved = " / ".join(
-                f"{scanned[f'ppl_{t}']:.2f} ({scanned[f'ppl_{t}'] / fused[f'ppl_{t}'] - 1:+.1%})" for t in texts
-            )
+            measured = " | ".join(_against(found.get(name), fused) for name in MAPS[1:])
+            lines.append(f"| {cell[0]} {cell[1]} s{cell[2]} | {rounding} | {ppl} | {measured} |")
+    for name in MAPS[1:]:
+        ratios = [
+            r[f"ppl_{t}"] / f[f"ppl_{t}"]
+            for r in rows
+            if r["map"] == name
+            for f in rows
+            if f["map"] == "fused" and all(f[k] == r[k] for k in ("pair", "target", "seed", "rounding"))
+            for t in texts
+        ]
+        if ratios:
+            mean = statistics.geometric_mean(ratios)
+            lower = sum(ratio < 1 for ratio in ratios)
             lines.append(
-                f"| {cell[0]} {cell[1]} s{cell[2]} | {rounding} | {ppl} | {moved} | "
-                f"{scanned['layers_differing_from_fused']} | {fused['bits_weighted']} / {scanned['bits_weighted']} |"
+                f"\n`{name}` against `fused`: geometric mean {mean:.4f} over {len(ratios)} comparisons, lower in "
+                f"{lower}."
             )
     lines += [
         "",
@@ -189,7 +227,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     if not a.report_only:
-        done = {(r["pair"], r["target"], r["seed"], r["map"], r["rounding"]) for r in read_json_lines(RESULTS)}
+        rows = read_json_lines(RESULTS)
         runner = None
         for seed in map(int, a.seeds.split(",")):
             for cell in a.cells.split(","):
@@ -197,7 +235,7 @@ def main() -> None:
                 if runner is None:
                     sweep = Sweep(methods=["dmx"], rotation=ROTATION, offset_groups="fused", bit_average="weighted")
                     runner = Runner(dataclasses.replace(sweep, pairs=[pair]))
-                run_cell(runner, pair, target, seed, done)
+                run_cell(runner, pair, target, seed, rows)
     print(report(read_json_lines(RESULTS)))
 
 

@@ -133,6 +133,44 @@ def test_kl_scan_equals_one_whole_pass_per_layer(sensitive):
             assert value == whole, name
 
 
+def test_kl_scan_puts_a_group_low_whole_in_one_pass(sensitive, sensitivities):
+    """A group that shares a format goes low together in its pass: its members' shares are equal and sum to the
+    divergence of a whole forward pass with all of them low; a layer outside every group keeps its own value."""
+    from optimum_dmx.calibration.groups import offset_groups
+    from optimum_dmx.calibration.sensitivity import NextTokenReference, next_token_kl, next_token_log_probs
+
+    model, ids = sensitive
+    batch = ids[:4]
+    names = list(linear_modules_to_quantize(model, ["lm_head"]))
+    groups = offset_groups("fused", names)
+    assert len(groups) == 2 * len(model.model.layers)  # q/k/v and gate/up of each decoder layer
+    grouped_settings = CalibrationSettings(batch_size=4, offset_groups="fused")
+    grouped = kl_sensitivities(model, batch, grouped_settings, progress=False, head_tokens=None)
+    assert grouped == kl_sensitivities(
+        model, batch, CalibrationSettings(batch_size=4), groups=groups, progress=False, head_tokens=None
+    )
+    with torch.no_grad():
+        reference = NextTokenReference.from_log_probs(next_token_log_probs(model, batch))
+        for group in groups:
+            with emulate_format_map(model, dict.fromkeys(group, "mxfp4")):
+                whole = next_token_kl(reference, next_token_log_probs(model, batch)).item() / batch.numel()
+            assert len({grouped[name] for name in group}) == 1
+            assert sum(grouped[name] for name in group) == pytest.approx(whole, rel=1e-12, abs=0), group
+            # not the members' divergences alone, summed (the scan without groups)
+            assert sum(grouped[name] for name in group) != pytest.approx(sum(sensitivities[n] for n in group))
+    alone = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), progress=False, head_tokens=None)
+    ungrouped = [name for name in names if not any(name in group for group in groups)]
+    assert ungrouped and all(grouped[name] == alone[name] for name in ungrouped)
+    # an explicit group across decoder layers, named last layer first: its pass starts at its first decoder layer
+    across = ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
+    spanning = kl_sensitivities(
+        model, batch, CalibrationSettings(batch_size=4, offset_groups=[across]), progress=False, head_tokens=None
+    )
+    with torch.no_grad(), emulate_format_map(model, dict.fromkeys(across, "mxfp4")):
+        whole = next_token_kl(reference, next_token_log_probs(model, batch)).item() / batch.numel()
+    assert spanning[across[0]] + spanning[across[1]] == pytest.approx(whole, rel=1e-12, abs=0)
+
+
 def test_kl_scan_divergence_is_the_elementwise_kl_divergence(sensitive, monkeypatch):
     """The scan's KL (a dot product per position, a block of positions at a time) is torch's element-wise
     `F.kl_div` of the same distributions, for a model's real perturbations (each layer in MXFP4) and for
@@ -180,6 +218,15 @@ def test_kl_scan_computes_each_decoder_layer_only_from_the_perturbed_one_on(sens
     per_layer = len(linear_modules_to_quantize(model, ["lm_head"])) // len(decoder_layers)
     # the float reference pass, then each decoder layer's linears run layers i.. and their successors
     assert calls == [1 + per_layer * (i + 1) for i in range(len(decoder_layers))]
+    calls[:] = [0] * len(decoder_layers)
+    handles = [layer.self_attn.register_forward_pre_hook(count(i)) for i, layer in enumerate(decoder_layers)]
+    try:
+        kl_sensitivities(model, ids[:4], CalibrationSettings(batch_size=4, offset_groups="fused"), progress=False)
+    finally:
+        for handle in handles:
+            handle.remove()
+    # grouped: one pass for q/k/v, o_proj, gate/up and down_proj each
+    assert calls == [1 + 4 * (i + 1) for i in range(len(decoder_layers))]
 
 
 @pytest.mark.parametrize(
@@ -200,15 +247,25 @@ def test_scan_split_gives_each_process_the_fewest_passes(world_size, sequences, 
 
 @pytest.mark.parametrize("world_size", range(1, 9))
 def test_scan_split_scans_each_layer_once_per_sequence_group_with_every_process_in_step(world_size):
-    stages = [[(f"{d}.{i}", [f"decoder {e}" for e in range(d)]) for i in range(7)] for d in range(3)]
-    stages.append([("lm_head", [])])
+    # each decoder layer: a group of three, one layer alone, a group of two, two alone (as units of the scan)
+    sizes = [3, 1, 2, 1, 1]
+    stages = [
+        [
+            (tuple(f"{d}.{u}.{m}" for m in range(size)), [f"decoder {e}" for e in range(d)])
+            for u, size in enumerate(sizes)
+        ]
+        for d in range(3)
+    ]
+    stages.append([(("lm_head",), [])])
     split = ScanSplit.choose(world_size, 4, [len(stage) for stage in stages])
     passes = [split.passes(rank, stages) for rank in range(world_size)]
-    # in step: every process replays the same decoder layers in each of its passes (FSDP2's gathers match)
+    # in step: every process gathers the same layers and replays the same decoder layers in each of its passes
+    # (FSDP2's gathers match), the round's names being those of all its units
     assert len({tuple((tuple(names), tuple(replayed)) for _, names, replayed in p) for p in passes}) == 1
-    scanned = [(name, split.sequence_group(rank)) for rank, p in enumerate(passes) for name, _, _ in p if name]
+    assert all(unit is None or set(unit) <= set(names) for p in passes for unit, names, _ in p)
+    scanned = [(unit, split.sequence_group(rank)) for rank, p in enumerate(passes) for unit, _, _ in p if unit]
     everything = [
-        (name, (g, split.sequence_groups)) for s in stages for name, _ in s for g in range(split.sequence_groups)
+        (unit, (g, split.sequence_groups)) for s in stages for unit, _ in s for g in range(split.sequence_groups)
     ]
     assert sorted(scanned) == sorted(everything)
 

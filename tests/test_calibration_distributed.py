@@ -171,7 +171,7 @@ if {sharded!r}:
 passes = []
 model.model.norm.register_forward_pre_hook(lambda module, args: passes.append(1))
 ids = torch.randint(0, model.config.vocab_size, ({sequences}, 16), generator=torch.Generator().manual_seed(0))
-kl = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4), progress=False)
+kl = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4, offset_groups={groups!r}), progress=False)
 reports = [None] * dist.get_world_size()
 dist.all_gather_object(reports, {{"kl": kl, "passes": len(passes)}})
 if dist.get_rank() == 0:
@@ -180,12 +180,13 @@ dist.destroy_process_group()
 """
 
 
-@pytest.mark.parametrize("sharded", [False, True])
-def test_two_processes_deal_out_the_scans_layers_when_they_cannot_share_its_sequences(sharded, tmp_path):
+@pytest.mark.parametrize("sharded, groups", [(False, "none"), (True, "none"), (True, "fused")])
+def test_two_processes_deal_out_the_scans_layers_when_they_cannot_share_its_sequences(sharded, groups, tmp_path):
     # 3 sequences: two processes cannot take equal shares of them, so each scans every sequence for half of each
-    # decoder layer's linears (4 rounds of 2 for 7 linears, one process running a float pass in the last round).
+    # decoder layer's units (4 rounds of 2 for 7 linears, one process running a float pass in the last round; 2
+    # rounds for the 4 units of fused groups: q/k/v, o_proj, gate/up, down_proj).
     script = tmp_path / "scan.py"
-    script.write_text(SCAN_SCRIPT.format(root=str(REPO_ROOT), sharded=sharded, sequences=3))
+    script.write_text(SCAN_SCRIPT.format(root=str(REPO_ROOT), sharded=sharded, sequences=3, groups=groups))
     reports = json.loads(next(line for line in _run_in_two_processes(script).splitlines() if line.startswith("[")))
 
     torch.set_num_threads(1)
@@ -193,9 +194,9 @@ def test_two_processes_deal_out_the_scans_layers_when_they_cannot_share_its_sequ
     single_passes = []
     model.model.norm.register_forward_pre_hook(lambda module, args: single_passes.append(1))
     ids = torch.randint(0, model.config.vocab_size, (3, 16), generator=torch.Generator().manual_seed(0))
-    single = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4), progress=False)
-    layers = len(linear_modules_to_quantize(model, ["lm_head"]))
-    assert len(single_passes) == 1 + layers  # the reference pass and one per layer
+    single = kl_sensitivities(model, ids, CalibrationSettings(batch_size=4, offset_groups=groups), progress=False)
+    units = 7 if groups == "none" else 4
+    assert len(single_passes) == 1 + 3 * units  # the reference pass and one per unit
     for report in reports:
         assert report["kl"] == pytest.approx(single, rel=1e-6)
-        assert report["passes"] == 1 + 3 * 4  # the reference pass and 4 rounds per decoder layer: 13 of 22
+        assert report["passes"] == 1 + 3 * -(-units // 2)  # the reference pass and the rounds of each decoder layer

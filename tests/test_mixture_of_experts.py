@@ -249,6 +249,28 @@ def test_calibrate_refuses_experts_left_packed_and_takes_them_linearized():
     assert len([name for name in result.format_map if ".experts." in name]) == 2 * 4 * 3
 
 
+def test_the_scan_puts_a_layers_experts_low_in_one_pass():
+    """With fused groups a layer's experts share a format, so the KL scan makes one pass for all of them (not one
+    per expert linear: 18,432 on Qwen3-30B-A3B) and splits its divergence evenly among them."""
+    from optimum_dmx.calibration import kl_sensitivities
+
+    torch.manual_seed(0)
+    model = FAMILIES["qwen3_moe"]()
+    linearize_experts(model, linearizable_experts(model, ["lm_head"]))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    passes = []
+    model.model.norm.register_forward_pre_hook(lambda module, args: passes.append(1))
+    settings = CalibrationSettings(batch_size=4, offset_groups="fused", modules_to_not_convert=["lm_head"])
+    grouped = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+    assert len(passes) == 1 + 2 * 3  # the reference, then per layer: q/k/v, o_proj, the experts
+    for layer in EXPERTS:
+        shares = {value for name, value in grouped.items() if name.startswith(layer + ".")}
+        assert len(shares) == 1 and shares.pop() > 0
+    passes.clear()
+    kl_sensitivities(model, ids, CalibrationSettings(batch_size=4, modules_to_not_convert=["lm_head"]), progress=False)
+    assert len(passes) == 1 + 2 * (4 + 4 * 3)  # ungrouped: every linear alone
+
+
 def test_packed_weight_modules_leave_out_convolutions_and_skipped_modules():
     assert packed_weight_modules(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Linear(4, 4)), []) == {}
     torch.manual_seed(0)
