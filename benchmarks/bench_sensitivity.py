@@ -12,6 +12,9 @@ the whole vocabulary (`head_tokens=None`):
 * `kl`: the same scan on fewer sequences;
 * `kl, head K`: the scan as the library runs it, each divergence computed from the final hidden states, exactly on
   the `K` most probable tokens and to second order on the rest (`calibration.vocabulary_head`);
+* `kl, head K, fused groups`: the same with the servable default's `offset_groups="fused"`, each group (q/k/v,
+  gate/up) low whole in one pass; compared per unit of the grouped budget (a group, or a layer alone) against the
+  reference's values summed over each unit's members, which is how the budget valued a group before;
 * `fisher`: a second-order estimate from one forward pass and `S` backward passes, every layer at once. A layer's
   low-format quantization moves its output by `delta` (computed in the forward pass); with `g_s` the gradient of the
   log-likelihood of tokens sampled from the model's own next-token distributions with respect to that output,
@@ -26,6 +29,7 @@ Pass `--model` and `--calibration` for any other model and texts.
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -36,7 +40,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from optimum_dmx.calibration import CalibrationSettings, sensitivity
-from optimum_dmx.calibration.sensitivity import KL_SAMPLES, kl_sensitivities
+from optimum_dmx.calibration.groups import offset_groups
+from optimum_dmx.calibration.sensitivity import HEAD_TOKENS, KL_SAMPLES, kl_sensitivities, scan_units
 from optimum_dmx.continuous import get_format_pair
 from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn.surgery import linear_modules_to_quantize
@@ -116,6 +121,7 @@ def main() -> None:
     p.add_argument("--head-tokens", default="2048,8192", help="comma list: vocabulary heads of the library's scan")
     p.add_argument("--kl-only", action="store_true", help="only the KL scans (no Fisher estimates)")
     p.add_argument("--skip-elementwise", action="store_true", help="no `kl, element-wise` row")
+    p.add_argument("--fused-groups", action="store_true", help="a row for the scan of fused groups, unit by unit")
     p.add_argument(
         "--fisher", default="4:1,4:4,4:16,16:1,16:4", help="comma list of SEQUENCES:SAMPLES of the Fisher estimates"
     )
@@ -135,13 +141,22 @@ def main() -> None:
     reference = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
     reference_seconds = time.perf_counter() - start
     names = list(reference)
-    expected = [reference[name] for name in names]
 
-    def row(signal: str, sequences: int, samples: str, seconds: float, values: dict[str, float]) -> str:
-        ratio = statistics.median(values[name] / reference[name] for name in names if reference[name] > 0)
+    def row(
+        signal: str,
+        sequences: int,
+        samples: str,
+        seconds: float,
+        values: dict[str, float],
+        units: list[tuple[str, ...]] | None = None,
+    ) -> str:
+        """The table's row for `values`, compared layer by layer or, with `units`, by their members' sums."""
+        units = units or [(name,) for name in names]
+        measured, wanted = ([sum(v[n] for n in unit) for unit in units] for v in (values, reference))
+        ratio = statistics.median(m / w for m, w in zip(measured, wanted) if w > 0)
         return (
             f"| {signal} | {sequences} | {samples} | {seconds:.1f} | {seconds / reference_seconds:.1%} | "
-            f"{spearman(expected, [values[name] for name in names]):.4f} | {ratio:.3f} |"
+            f"{spearman(wanted, measured):.4f} | {ratio:.3f} |"
         )
 
     lines = [
@@ -157,6 +172,15 @@ def main() -> None:
         values = kl_sensitivities(model, ids, settings, progress=False, head_tokens=head_tokens)
         lines.append(row(f"kl, head {head_tokens}", KL_SAMPLES, "-", time.perf_counter() - start, values))
         print(lines[-1], flush=True)
+    if a.fused_groups:
+        grouped = dataclasses.replace(settings, offset_groups="fused")
+        units = scan_units(names, offset_groups("fused", names))
+        start = time.perf_counter()
+        values = kl_sensitivities(model, ids, grouped, progress=False)
+        lines.append(
+            row(f"kl, head {HEAD_TOKENS}, fused groups", KL_SAMPLES, "-", time.perf_counter() - start, values, units)
+        )
+        print(lines[-1], f"({len(units)} units)", flush=True)
     if not a.skip_elementwise:
         start = time.perf_counter()
         with elementwise_kl():

@@ -527,7 +527,8 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
 
 def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     """The KL scan on its own sequences reproduces itself exactly, with its divergence summed element by element
-    to within 1e-4; a Fisher estimate gives a row per reduction."""
+    to within 1e-4, and so does the library's scan on a vocabulary head as large as the vocabulary; the scan of
+    fused groups gets its row; a Fisher estimate gives a row per reduction."""
     root = tiny_text_model_dir
     output = tmp_path / "sensitivity.md"
     run_benchmark(
@@ -542,14 +543,21 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
         "4,1",
         "--fisher",
         "2:3",
+        "--head-tokens",
+        1 << 20,
+        "--fused-groups",
         "--output",
         output,
     )
     report = output.read_text()
     assert report.startswith("# Sensitivity signals\n\nCommand: ")
     rows = re.findall(
-        r"^\| ([a-z, -]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M
+        r"^\| ([a-z\d, -]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M
     )
+    head, grouped = rows.pop(0), rows.pop(0)
+    # a head as large as the vocabulary: the reference's values up to float32 rounding (which swaps near-ties)
+    assert head[:3] == (f"kl, head {1 << 20}", "4", "-") and float(head[3]) >= 0.99 and head[4] == "1.000"
+    assert grouped[:3] == ("kl, head 8192, fused groups", "4", "-") and float(grouped[4]) > 0
     assert [r[:3] for r in rows] == [
         ("kl, element-wise", "4", "-"),
         ("kl", "4", "-"),
