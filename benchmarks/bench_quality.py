@@ -258,9 +258,10 @@ class Runner:
     def sensitivities(
         self, model: torch.nn.Module, low: str, seed: int, settings: CalibrationSettings
     ) -> tuple[dict[str, float], float]:
-        """KL pre-selection's scan of every layer in the `low` format (rounded as `--sensitivity-rounding` says) and
-        the seconds it took: the same for every pair with that low format and every target, so scanned once."""
-        key = (self.sweep.sensitivity_rounding, low, seed)
+        """KL pre-selection's scan of every layer (or offset group) in the `low` format (rounded as
+        `--sensitivity-rounding` says) and the seconds it took: the same for every pair with that low format and
+        every target, so scanned once."""
+        key = (self.sweep.sensitivity_rounding, low, seed, repr(settings.offset_groups))
         if key not in self.scans:
             start = time.perf_counter()
             low_weights = self.gptq_weights(model, low, seed) if self.sweep.sensitivity_rounding == "gptq" else None

@@ -175,7 +175,7 @@ class CalibrationSettings:
             totals as it lies between the pair's bits. None (default): bits in `bit_average`.
         offset_groups: layers sharing one offset, so one format: `"none"`, `"fused"` (q/k/v and gate/up of each
             decoder layer, and each mixture-of-experts layer's experts, as serving engines fuse them) or explicit
-            lists of module names.
+            lists of module names. The KL scan puts each group low whole, in one pass (`calibration.sensitivity`).
         quantize_activations: also quantize each layer's input activations (dynamically, in its format).
         scale_rule: how a block scale follows the block maximum (`formats.spec.SCALE_RULES`).
         modules_to_not_convert: module-name patterns left in float (`nn.linear_modules_to_quantize`).

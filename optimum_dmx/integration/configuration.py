@@ -121,9 +121,9 @@ class DMXConfig(QuantizationConfigMixin):
         learn_rotations: train the merged rotations (`"hadamard"`, `"block_hadamard"`) with the formats (Cayley
             SGD, SpinQuant's step); merged into the saved weights, nothing is needed at load time.
         offset_groups: layers that share one format: `"fused"` (q/k/v and gate/up of each decoder layer, and each
-            mixture-of-experts layer's experts, as vLLM and SGLang fuse them: needed to export a servable map),
-            `"none"` or lists of module names. Default: `"fused"` when calibrating with `method="dmx"` or `"kl"`,
-            else `"none"`.
+            mixture-of-experts layer's experts, as vLLM and SGLang fuse them: needed to export a servable map; the
+            KL scan takes each group whole, in one pass), `"none"` or lists of module names. Default: `"fused"`
+            when calibrating with `method="dmx"` or `"kl"`, else `"none"`.
         scale_rule: how each MX block scale follows its block maximum, in calibration, in the saved model and in
             export: `"ocp"` (default: the specification's floor), `"compressed-tensors"` or `"quark"` (those
             loaders' rounding, so that a served model computes what was calibrated).
