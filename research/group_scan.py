@@ -178,21 +178,22 @@ def report(rows: list[dict]) -> str:
             measured = " | ".join(_against(found.get(name), fused) for name in MAPS[1:])
             lines.append(f"| {cell[0]} {cell[1]} s{cell[2]} | {rounding} | {ppl} | {measured} |")
     for name in MAPS[1:]:
-        ratios = [
-            r[f"ppl_{t}"] / f[f"ppl_{t}"]
-            for r in rows
-            if r["map"] == name
-            for f in rows
-            if f["map"] == "fused" and all(f[k] == r[k] for k in ("pair", "target", "seed", "rounding"))
-            for t in texts
-        ]
-        if ratios:
-            mean = statistics.geometric_mean(ratios)
-            lower = sum(ratio < 1 for ratio in ratios)
-            lines.append(
-                f"\n`{name}` against `fused`: geometric mean {mean:.4f} over {len(ratios)} comparisons, lower in "
-                f"{lower}."
-            )
+        for roundings in (ROUNDINGS, ["gptq"], ["rtn"]):
+            ratios = [
+                r[f"ppl_{t}"] / f[f"ppl_{t}"]
+                for r in rows
+                if r["map"] == name and r["rounding"] in roundings
+                for f in rows
+                if f["map"] == "fused" and all(f[k] == r[k] for k in ("pair", "target", "seed", "rounding"))
+                for t in texts
+            ]
+            if ratios:
+                mean = statistics.geometric_mean(ratios)
+                lines.append(
+                    f"{'' if len(roundings) == 1 else chr(10)}`{name}` against `fused`, {' and '.join(roundings)}: "
+                    f"geometric mean {mean:.4f} over {len(ratios)} comparisons, lower in "
+                    f"{sum(ratio < 1 for ratio in ratios)}."
+                )
     lines += [
         "",
         "A group's divergence scanned whole against its members' summed divergences scanned alone (ratio; median and "

@@ -6,10 +6,11 @@ offsets' (`budget.blended_priority`).
 Layers that share a format (`offset_groups`: q/k/v, gate/up, a mixture of experts' experts) only ever go low
 together, so the scan puts such a group low whole, in one pass, and gives each member an even share of the group's
 divergence: the budget values a group at its members' sum, which is then the divergence of the decision it makes.
-On SmolLM2-135M with `offset_groups="fused"` that is 120 passes instead of 210, ranking the budget's units as the
-members scanned alone and summed do (Spearman 0.998-0.999), for the same held-out perplexity (geometric mean
-0.9995x over six GPTQ-rounded maps on two held-out texts); on a mixture of experts it is one pass per layer's
-experts instead of one per expert linear (`research/README.md`, "The additive value").
+On SmolLM2-135M with `offset_groups="fused"` that is 120 passes instead of 210 (0.58x the time), ranking the
+budget's units as the members scanned alone and summed do (Spearman 0.994), for the same held-out perplexity with
+GPTQ rounding (0.9994x over six maps on two held-out texts; 1.006x rounded to nearest); on a mixture of experts it is
+one pass per layer's experts instead of one per expert linear (`benchmarks/results/sensitivity.md`,
+`research/README.md`, "The additive value").
 
 The scan makes one pass per unit (a layer, or a group), and a layer's quantization cannot change what the decoder
 layers before its own compute. So one float pass records every decoder layer's output, and each unit's pass replays
