@@ -262,7 +262,7 @@ def test_scan_split_scans_each_layer_once_per_sequence_group_with_every_process_
     # in step: every process gathers the same layers and replays the same decoder layers in each of its passes
     # (FSDP2's gathers match), the round's names being those of all its units
     assert len({tuple((tuple(names), tuple(replayed)) for _, names, replayed in p) for p in passes}) == 1
-    assert all(unit is None or set(unit) <= set(names) for p in passes for unit, names, _ in p)
+    assert all(set(unit) <= set(names) for p in passes for unit, names, _ in p)
     scanned = [(unit, split.sequence_group(rank)) for rank, p in enumerate(passes) for unit, _, _ in p if unit]
     everything = [
         (unit, (g, split.sequence_groups)) for s in stages for unit, _ in s for g in range(split.sequence_groups)

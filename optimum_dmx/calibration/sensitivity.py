@@ -97,13 +97,13 @@ def kl_sensitivities(
     index = {name: i for i, name in enumerate(targets)}
     passes = split.passes(rank, stages)
     for unit, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
-        with ExitStack() as stack:  # unit None: a float pass that keeps the processes in step
-            for name in unit or ():
+        with ExitStack() as stack:  # an empty unit: a float pass that keeps the processes in step
+            for name in unit:
                 stack.enter_context(_weight_swapped(targets[name], (low_weights or {}).get(name)))
             stack.enter_context(
                 emulate_format_map(
                     model,
-                    dict.fromkeys(unit or (), low),
+                    dict.fromkeys(unit, low),
                     settings.block_size,
                     settings.quantize_activations,
                     settings.scale_rule,
@@ -114,7 +114,7 @@ def kl_sensitivities(
             for batch, (reference, outputs) in zip(batches, references):
                 with replaying(replayed, outputs):
                     kl += _divergence(model, batch, reference, head).item()
-        for name in unit or ():
+        for name in unit:
             sums[index[name]] = kl / len(unit)
     # each layer's sums from the processes that scanned it, one per sequence group
     sums = sum_across_processes(sums.to(device), world_size).cpu()
@@ -171,8 +171,8 @@ class ScanSplit:
 
     def passes(
         self, rank: int, stages: Sequence[Sequence[tuple[tuple[str, ...], list[nn.Module]]]]
-    ) -> list[tuple[tuple[str, ...] | None, list[str], list[nn.Module]]]:
-        """`rank`'s passes, in order: the unit it scans (None: a float pass), the names of the layers the
+    ) -> list[tuple[tuple[str, ...], list[str], list[nn.Module]]]:
+        """`rank`'s passes, in order: the unit it scans (empty: a float pass), the names of the layers the
         processes scan in the same round, and the decoder layers the pass replays."""
         slot = rank // self.sequence_groups
         passes = []
@@ -180,7 +180,7 @@ class ScanSplit:
             for start in range(0, len(stage), self.layer_slots):
                 units = [unit for unit, _ in stage[start : start + self.layer_slots]]
                 names = [name for unit in units for name in unit]
-                passes.append((units[slot] if slot < len(units) else None, names, stage[start][1]))
+                passes.append((units[slot] if slot < len(units) else (), names, stage[start][1]))
         return passes
 
 
