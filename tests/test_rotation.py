@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrate, dmx_linears
+from optimum_dmx.formats import get_format
 from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.rotation import resolve_rotation, rotate_model
 from optimum_dmx.nn.surgery import replace_with_mx_linear
@@ -81,6 +82,18 @@ def test_randomized_hadamard_is_orthogonal_block_diagonal_and_rebuilds_exactly(s
     assert torch.equal(signs, signs[:, :1].expand_as(signs)) and rebuilt.key == transform.key
     if copies > 1:  # one drawn sign per copied run: the runs differ from one another
         assert not torch.equal(signs[0, 0], signs[1, 0])
+
+
+@pytest.mark.parametrize("size, block_size", [(64, 64), (128, 128), (96, 32), (576, 576), (1536, 1536)])
+def test_the_online_transform_computes_in_float32_under_autocast(size, block_size):
+    """Under `torch.autocast` with bfloat16 products (as the KL scan runs a float32 model), the transform's own
+    products stay float32: the same values, transformed or transformed and quantized, as outside it."""
+    transform = RandomizedHadamard(size, block_size, seed=3)
+    x = torch.randn(4, 7, size)
+    transformed, quantized = transform(x), transform.quantize(x, get_format("mxfp4_e2m1"), 32, "ocp")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.equal(transform(x), transformed)
+        assert torch.equal(transform.quantize(x, get_format("mxfp4_e2m1"), 32, "ocp"), quantized)
 
 
 def test_randomized_hadamard_rejects_bad_sizes():
