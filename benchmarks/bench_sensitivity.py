@@ -15,6 +15,9 @@ the whole vocabulary (`head_tokens=None`):
 * `kl, head K, fused groups`: the same with the servable default's `offset_groups="fused"`, each group (q/k/v,
   gate/up) low whole in one pass; compared per unit of the grouped budget (a group, or a layer alone) against the
   reference's values summed over each unit's members, which is how the budget valued a group before;
+* `..., bfloat16`: the same scan with its matrix products in bfloat16 (`--bfloat16`; what the library's
+  `matmul_dtype="auto"` picks for a float32 model where the device multiplies bfloat16 natively), also ranked
+  against the same scan in float32 (the column `vs float32`); every other row is float32;
 * `fisher`: a second-order estimate from one forward pass and `S` backward passes, every layer at once. A layer's
   low-format quantization moves its output by `delta` (computed in the forward pass); with `g_s` the gradient of the
   log-likelihood of tokens sampled from the model's own next-token distributions with respect to that output,
@@ -122,6 +125,7 @@ def main() -> None:
     p.add_argument("--kl-only", action="store_true", help="only the KL scans (no Fisher estimates)")
     p.add_argument("--skip-elementwise", action="store_true", help="no `kl, element-wise` row")
     p.add_argument("--fused-groups", action="store_true", help="a row for the scan of fused groups, unit by unit")
+    p.add_argument("--bfloat16", action="store_true", help="the library's scans again with bfloat16 products")
     p.add_argument(
         "--fisher", default="4:1,4:4,4:16,16:1,16:4", help="comma list of SEQUENCES:SAMPLES of the Fisher estimates"
     )
@@ -137,8 +141,9 @@ def main() -> None:
         target_bits=5.0, format_pair=a.pair, num_samples=count, seq_len=a.seq_len, batch_size=batch_size
     )
 
+    float32 = dict(progress=False, matmul_dtype=torch.float32)
     start = time.perf_counter()
-    reference = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+    reference = kl_sensitivities(model, ids, settings, head_tokens=None, **float32)
     reference_seconds = time.perf_counter() - start
     names = list(reference)
 
@@ -149,14 +154,19 @@ def main() -> None:
         seconds: float,
         values: dict[str, float],
         units: list[tuple[str, ...]] | None = None,
+        in_float32: dict[str, float] | None = None,
     ) -> str:
-        """The table's row for `values`, compared layer by layer or, with `units`, by their members' sums."""
+        """The table's row for `values`, compared layer by layer or, with `units`, by their members' sums; with
+        `in_float32`, also ranked against those values of the same scan in float32."""
         units = units or [(name,) for name in names]
         measured, wanted = ([sum(v[n] for n in unit) for unit in units] for v in (values, reference))
         ratio = statistics.median(m / w for m, w in zip(measured, wanted) if w > 0)
+        same = "-"
+        if in_float32 is not None:
+            same = f"{spearman([sum(in_float32[n] for n in unit) for unit in units], measured):.4f}"
         return (
             f"| {signal} | {sequences} | {samples} | {seconds:.1f} | {seconds / reference_seconds:.1%} | "
-            f"{spearman(wanted, measured):.4f} | {ratio:.3f} |"
+            f"{spearman(wanted, measured):.4f} | {ratio:.3f} | {same} |"
         )
 
     lines = [
@@ -164,32 +174,39 @@ def main() -> None:
         f"{batch_size}, {device_description('cpu')}, torch {torch.__version__}. Reference: the KL scan on "
         f"{KL_SAMPLES} sequences, {reference_seconds:.1f} s.",
         "",
-        "| signal | sequences | samples | seconds | / KL scan | Spearman vs KL scan | median ratio to KL |",
-        "|---|---|---|---|---|---|---|",
+        "| signal | sequences | samples | seconds | / KL scan | Spearman vs KL scan | median ratio to KL "
+        "| vs float32 |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for head_tokens in [int(n) for n in a.head_tokens.split(",") if n]:
-        start = time.perf_counter()
-        values = kl_sensitivities(model, ids, settings, progress=False, head_tokens=head_tokens)
-        lines.append(row(f"kl, head {head_tokens}", KL_SAMPLES, "-", time.perf_counter() - start, values))
-        print(lines[-1], flush=True)
+    heads = [int(n) for n in a.head_tokens.split(",") if n]
+    library_scans = [(f"kl, head {n}", settings, n, None) for n in heads]  # signal, settings, head, units
     if a.fused_groups:
-        grouped = dataclasses.replace(settings, offset_groups="fused")
         units = scan_units(names, offset_groups("fused", names))
-        start = time.perf_counter()
-        values = kl_sensitivities(model, ids, grouped, progress=False)
-        lines.append(
-            row(f"kl, head {HEAD_TOKENS}, fused groups", KL_SAMPLES, "-", time.perf_counter() - start, values, units)
-        )
-        print(lines[-1], f"({len(units)} units)", flush=True)
+        grouped = dataclasses.replace(settings, offset_groups="fused")
+        library_scans.append((f"kl, head {HEAD_TOKENS}, fused groups", grouped, HEAD_TOKENS, units))
+    in_float32 = {}
+    for dtype in [torch.float32, torch.bfloat16] if a.bfloat16 else [torch.float32]:
+        for signal, scan_settings, head_tokens, units in library_scans:
+            start = time.perf_counter()
+            values = kl_sensitivities(
+                model, ids, scan_settings, progress=False, head_tokens=head_tokens, matmul_dtype=dtype
+            )
+            seconds = time.perf_counter() - start
+            if dtype == torch.float32:
+                in_float32[signal] = values
+                lines.append(row(signal, KL_SAMPLES, "-", seconds, values, units))
+            else:
+                lines.append(row(f"{signal}, bfloat16", KL_SAMPLES, "-", seconds, values, units, in_float32[signal]))
+            print(lines[-1], f"({len(units or names)} units)", flush=True)
     if not a.skip_elementwise:
         start = time.perf_counter()
         with elementwise_kl():
-            values = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+            values = kl_sensitivities(model, ids, settings, head_tokens=None, **float32)
         lines.append(row("kl, element-wise", KL_SAMPLES, "-", time.perf_counter() - start, values))
         print(lines[-1], flush=True)
     for sequences in [int(n) for n in a.kl_sequences.split(",") if n]:
         start = time.perf_counter()
-        values = kl_sensitivities(model, ids[:sequences], settings, progress=False, head_tokens=None)
+        values = kl_sensitivities(model, ids[:sequences], settings, head_tokens=None, **float32)
         lines.append(row("kl", sequences, "-", time.perf_counter() - start, values))
         print(lines[-1], flush=True)
     for sequences, samples in fisher_runs:

@@ -528,7 +528,8 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
 def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     """The KL scan on its own sequences reproduces itself exactly, with its divergence summed element by element
     to within 1e-4, and so does the library's scan on a vocabulary head as large as the vocabulary; the scan of
-    fused groups gets its row; a Fisher estimate gives a row per reduction."""
+    fused groups gets its row; with bfloat16 products both library scans again, ranked against themselves in float32;
+    a Fisher estimate gives a row per reduction."""
     root = tiny_text_model_dir
     output = tmp_path / "sensitivity.md"
     run_benchmark(
@@ -546,15 +547,21 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
         "--head-tokens",
         1 << 20,
         "--fused-groups",
+        "--bfloat16",
         "--output",
         output,
     )
     report = output.read_text()
     assert report.startswith("# Sensitivity signals\n\nCommand: ")
     rows = re.findall(
-        r"^\| ([a-z\d, -]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M
+        r"^\| ([a-z\d, -]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \| ([\d.-]+) \|$",
+        report,
+        re.M,
     )
-    head, grouped = rows.pop(0), rows.pop(0)
+    head, grouped, head_half, grouped_half = (rows.pop(0) for _ in range(4))
+    assert head[5] == grouped[5] == "-" and all(r[5] == "-" for r in rows)
+    for half, single in [(head_half, head), (grouped_half, grouped)]:
+        assert half[:3] == (f"{single[0]}, bfloat16", "4", "-") and 0.5 <= float(half[5]) <= 1
     # a head as large as the vocabulary: the reference's values up to float32 rounding (which swaps near-ties)
     assert head[:3] == (f"kl, head {1 << 20}", "4", "-") and float(head[3]) >= 0.99 and head[4] == "1.000"
     assert grouped[:3] == ("kl, head 8192, fused groups", "4", "-") and float(grouped[4]) > 0
@@ -566,7 +573,7 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
         ("fisher, sequence", "2", "3"),
     ]
     assert rows[0][3] == "1.0000" and abs(float(rows[0][4]) - 1) <= 1e-4  # the same values, summed otherwise
-    assert rows[1][3:] == ("1.0000", "1.000")  # the reference itself
+    assert rows[1][3:5] == ("1.0000", "1.000")  # the reference itself
     assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[2:])
 
 

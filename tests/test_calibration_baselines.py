@@ -1,5 +1,6 @@
 import pytest
 import torch
+from scipy.stats import spearmanr
 from torch.nn import functional as F
 
 from optimum_dmx.calibration import (
@@ -81,6 +82,40 @@ def test_low_weights_replace_round_to_nearest_in_the_scan_and_only_for_their_lay
     assert all(torch.equal(t.weight, weights_before[n]) for n, t in targets.items())  # every weight restored
 
 
+def test_the_scan_multiplies_in_bfloat16_with_layers_low_from_their_float32_weights(sensitive, sensitivities):
+    """With bfloat16 products (`"auto"` on a float32 model, where the device multiplies bfloat16 natively) the float
+    layers hold bfloat16 copies of their weights, a layer goes low from its float32 weight (the MXFP4 rounding of
+    that weight, given as `low_weights`, changes nothing), the layers rank as in float32, and every weight comes
+    back as it was."""
+    from optimum_dmx.calibration.sensitivity import native_bfloat16
+
+    model, ids = sensitive
+    s = CalibrationSettings(batch_size=4)
+    targets = linear_modules_to_quantize(model, ["lm_head"])
+    weights = {name: (linear.weight, linear.weight.detach().clone()) for name, linear in targets.items()}
+    seen = set()
+    probe = model.model.layers[1].mlp.down_proj
+    handle = probe.register_forward_pre_hook(
+        lambda module, args: seen.add((module.weight.dtype, torch.is_autocast_enabled("cpu")))
+    )
+    try:
+        half = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.bfloat16)
+    finally:
+        handle.remove()
+    assert seen == {(torch.bfloat16, True)}  # the probe's float passes; in its own it is replaced by its MX layer
+    for name, linear in targets.items():
+        weight, values = weights[name]
+        assert linear.weight is weight and weight.dtype == torch.float32 and torch.equal(weight, values)
+    rounded = {name: quantize_mx(weight, "mxfp4_e2m1") for name, (weight, _) in weights.items()}
+    assert kl_sensitivities(model, ids, s, progress=False, low_weights=rounded, matmul_dtype=torch.bfloat16) == half
+    single = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.float32)
+    names = list(single)
+    assert spearmanr([single[n] for n in names], [half[n] for n in names]).statistic > 0.95
+    assert half != single
+    native = native_bfloat16(torch.device("cpu"))
+    assert sensitivities == (half if native else single)  # "auto", the default
+
+
 @pytest.mark.parametrize("bit_average", ["simple", "weighted"])
 @pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 5.5), ("mxfp8-mxfp4", 6.0)])
 def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target, bit_average):
@@ -119,12 +154,15 @@ def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
 
 
 def test_kl_scan_equals_one_whole_pass_per_layer(sensitive):
-    """Replaying the decoder layers before a layer's own gives what a whole forward pass per layer gives."""
+    """Replaying the decoder layers before a layer's own gives what a whole forward pass per layer gives (in
+    float32: under bfloat16 products the layers after the perturbed one round differently in every pass)."""
     from optimum_dmx.calibration.sensitivity import NextTokenReference, next_token_kl, next_token_log_probs
 
     model, ids = sensitive
     batch = ids[:4]
-    sensitivities = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), progress=False, head_tokens=None)
+    sensitivities = kl_sensitivities(
+        model, batch, CalibrationSettings(batch_size=4), progress=False, head_tokens=None, matmul_dtype=torch.float32
+    )
     with torch.no_grad():
         reference = NextTokenReference.from_log_probs(next_token_log_probs(model, batch))
         for name, value in sensitivities.items():
@@ -133,7 +171,7 @@ def test_kl_scan_equals_one_whole_pass_per_layer(sensitive):
             assert value == whole, name
 
 
-def test_kl_scan_puts_a_group_low_whole_in_one_pass(sensitive, sensitivities):
+def test_kl_scan_puts_a_group_low_whole_in_one_pass(sensitive):
     """A group that shares a format goes low together in its pass: its members' shares are equal and sum to the
     divergence of a whole forward pass with all of them low; a layer outside every group keeps its own value."""
     from optimum_dmx.calibration.groups import offset_groups
@@ -144,11 +182,10 @@ def test_kl_scan_puts_a_group_low_whole_in_one_pass(sensitive, sensitivities):
     names = list(linear_modules_to_quantize(model, ["lm_head"]))
     groups = offset_groups("fused", names)
     assert len(groups) == 2 * len(model.model.layers)  # q/k/v and gate/up of each decoder layer
-    grouped_settings = CalibrationSettings(batch_size=4, offset_groups="fused")
-    grouped = kl_sensitivities(model, batch, grouped_settings, progress=False, head_tokens=None)
-    assert grouped == kl_sensitivities(
-        model, batch, CalibrationSettings(batch_size=4), groups=groups, progress=False, head_tokens=None
-    )
+    exact = dict(progress=False, head_tokens=None, matmul_dtype=torch.float32)  # float32, as the whole passes below
+    grouped = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4, offset_groups="fused"), **exact)
+    assert grouped == kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), groups=groups, **exact)
+    alone = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), **exact)
     with torch.no_grad():
         reference = NextTokenReference.from_log_probs(next_token_log_probs(model, batch))
         for group in groups:
@@ -157,15 +194,12 @@ def test_kl_scan_puts_a_group_low_whole_in_one_pass(sensitive, sensitivities):
             assert len({grouped[name] for name in group}) == 1
             assert sum(grouped[name] for name in group) == pytest.approx(whole, rel=1e-12, abs=0), group
             # not the members' divergences alone, summed (the scan without groups)
-            assert sum(grouped[name] for name in group) != pytest.approx(sum(sensitivities[n] for n in group))
-    alone = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), progress=False, head_tokens=None)
+            assert sum(grouped[name] for name in group) != pytest.approx(sum(alone[n] for n in group))
     ungrouped = [name for name in names if not any(name in group for group in groups)]
     assert ungrouped and all(grouped[name] == alone[name] for name in ungrouped)
     # an explicit group across decoder layers, named last layer first: its pass starts at its first decoder layer
     across = ["model.layers.1.mlp.down_proj", "model.layers.0.self_attn.o_proj"]
-    spanning = kl_sensitivities(
-        model, batch, CalibrationSettings(batch_size=4, offset_groups=[across]), progress=False, head_tokens=None
-    )
+    spanning = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4, offset_groups=[across]), **exact)
     with torch.no_grad(), emulate_format_map(model, dict.fromkeys(across, "mxfp4")):
         whole = next_token_kl(reference, next_token_log_probs(model, batch)).item() / batch.numel()
     assert spanning[across[0]] + spanning[across[1]] == pytest.approx(whole, rel=1e-12, abs=0)

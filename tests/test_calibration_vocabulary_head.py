@@ -96,10 +96,10 @@ def test_the_scan_skips_the_output_embedding_and_gives_the_whole_vocabularys_div
     model, ids = sensitive
     settings = CalibrationSettings(batch_size=4)
     with counting_forwards(model.lm_head) as calls:
-        whole = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+        whole = kl_sensitivities(model, ids, settings, progress=False, head_tokens=None, matmul_dtype=torch.float32)
     assert len(calls) == 1 + len(whole)  # the reference pass and one per layer
-    with counting_forwards(model.lm_head) as calls:
-        headed = kl_sensitivities(model, ids, settings, progress=False)  # 128 tokens: the head is the vocabulary
+    with counting_forwards(model.lm_head) as calls:  # 128 tokens: the head is the vocabulary
+        headed = kl_sensitivities(model, ids, settings, progress=False, matmul_dtype=torch.float32)
     assert len(calls) == 1  # only the reference pass runs it
     assert headed == pytest.approx(whole, rel=1e-5)
 

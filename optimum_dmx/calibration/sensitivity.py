@@ -20,6 +20,13 @@ final hidden states on the vocabulary's most probable tokens, the rest to second
 (`calibration.vocabulary_head`), which takes the scan from a full pass's output embedding and log-softmax per
 layer to a sixth of the embedding's rows (0.66x the scan's time on SmolLM2-135M, Spearman 0.9999 with the whole
 vocabulary's ranking).
+
+On a float32 model the passes' matrix products run in bfloat16 where the device multiplies it natively (a CUDA GPU,
+a CPU with AMX or AVX-512 BF16): the float layers hold bfloat16 copies of their weights for the scan, a unit goes low
+from its float32 weight, and the residual stream, normalisations, softmaxes and the divergence stay float32. On
+SmolLM2-135M with AMX that is 0.54x the float32 scan's time, ranking the budget's units at Spearman 0.998
+against it (`benchmarks/results/sensitivity.md`; `research/README.md`, "The scan in bfloat16", for the maps).
+`kl_sensitivities(..., matmul_dtype=torch.float32)` keeps float32.
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from torch.nn import functional as F
 from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
-from ..nn.placement import input_device, loaded_weights
+from ..nn.placement import input_device, is_resident, loaded_weights
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
 from .checkpointing import decoder_layers as find_decoder_layers
 from .distributed import process_share, sum_across_processes, world
@@ -56,6 +63,7 @@ def kl_sensitivities(
     low_weights: Mapping[str, torch.Tensor] | None = None,
     head_tokens: int | None = HEAD_TOKENS,
     groups: Sequence[Sequence[str]] | None = None,
+    matmul_dtype: torch.dtype | str = "auto",
 ) -> dict[str, float]:
     """Per-layer KL(float || only this layer, or its group, in the pair's low format), in nats per token.
 
@@ -75,6 +83,9 @@ def kl_sensitivities(
     `head_tokens`: the divergence is computed exactly on that many of the vocabulary's most probable tokens and
     to second order on the rest (`calibration.vocabulary_head`); `None` computes it over the whole vocabulary,
     as does any model whose logits are not its output embedding's output (soft-capped or scaled logits).
+
+    `matmul_dtype`: the dtype of the passes' matrix products (`torch.autocast`); `"auto"` is bfloat16 for a float32
+    model on a device that multiplies bfloat16 natively (`native_bfloat16`), else the model's own dtype.
     """
     input_ids = input_ids[:KL_SAMPLES]
     device = input_device(model)
@@ -90,32 +101,37 @@ def kl_sensitivities(
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
 
     head = _output_head(model, targets) if head_tokens is not None else None
-    with emulate_format_map(model, {}):
-        references = [_record(model, b, list(decoder_layers.values()), head, head_tokens) for b in batches]
-    # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
-    sums = torch.zeros(len(targets), dtype=torch.float64)
-    index = {name: i for i, name in enumerate(targets)}
-    passes = split.passes(rank, stages)
-    for unit, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
-        with ExitStack() as stack:  # an empty unit: a float pass that keeps the processes in step
-            for name in unit:
-                stack.enter_context(_weight_swapped(targets[name], (low_weights or {}).get(name)))
-            stack.enter_context(
-                emulate_format_map(
-                    model,
-                    dict.fromkeys(unit, low),
-                    settings.block_size,
-                    settings.quantize_activations,
-                    settings.scale_rule,
-                    in_step_with=round_names,
+    float_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
+    if matmul_dtype == "auto":
+        matmul_dtype = torch.bfloat16 if float_dtype == torch.float32 and native_bfloat16(device) else float_dtype
+    with _matmuls_in(targets, matmul_dtype, device) as float_weights:
+        with emulate_format_map(model, {}):
+            references = [_record(model, b, list(decoder_layers.values()), head, head_tokens) for b in batches]
+        # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
+        sums = torch.zeros(len(targets), dtype=torch.float64)
+        index = {name: i for i, name in enumerate(targets)}
+        passes = split.passes(rank, stages)
+        for unit, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
+            with ExitStack() as stack:  # an empty unit: a float pass that keeps the processes in step
+                for name in unit:  # low from its float weight (or `low_weights`), not from a bfloat16 copy
+                    weight = (low_weights or {}).get(name, float_weights.get(name))
+                    stack.enter_context(_weight_swapped(targets[name], weight, float_dtype))
+                stack.enter_context(
+                    emulate_format_map(
+                        model,
+                        dict.fromkeys(unit, low),
+                        settings.block_size,
+                        settings.quantize_activations,
+                        settings.scale_rule,
+                        in_step_with=round_names,
+                    )
                 )
-            )
-            kl = 0.0
-            for batch, (reference, outputs) in zip(batches, references):
-                with replaying(replayed, outputs):
-                    kl += _divergence(model, batch, reference, head).item()
-        for name in unit:
-            sums[index[name]] = kl / len(unit)
+                kl = 0.0
+                for batch, (reference, outputs) in zip(batches, references):
+                    with replaying(replayed, outputs):
+                        kl += _divergence(model, batch, reference, head).item()
+            for name in unit:
+                sums[index[name]] = kl / len(unit)
     # each layer's sums from the processes that scanned it, one per sequence group
     sums = sum_across_processes(sums.to(device), world_size).cpu()
     per_token = sums / (input_ids.numel() * split.sequence_groups)
@@ -199,14 +215,53 @@ def _stages(
     return stages
 
 
+def native_bfloat16(device: torch.device) -> bool:
+    """Whether `device` multiplies bfloat16 matrices in hardware: a CUDA GPU that supports it, or a CPU with AMX
+    or AVX-512 BF16 for oneDNN (elsewhere bfloat16 products are emulated, slower than float32)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported(including_emulation=False)
+    if device.type == "cpu":
+        return torch.backends.mkldnn.is_available() and (
+            torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
+        )
+    return False
+
+
 @contextmanager
-def _weight_swapped(linear: nn.Linear | None, weight: torch.Tensor | None) -> Iterator[None]:
-    """`linear` holding `weight` instead of its own (nothing changes when it is None)."""
+def _matmuls_in(targets: Mapping[str, nn.Module], dtype: torch.dtype, device: torch.device) -> Iterator[dict]:
+    """Within the block the matrix products on `device` run in `dtype` (`torch.autocast`; nothing changes when it
+    is the weights' own), and each of `targets` whose weight is resident holds it cast to `dtype` once, instead of
+    at every product. Yields the weights they held, by name: a pass puts a layer low from its own weight.
+
+    Autocast keeps the residual stream, normalisations and softmaxes in float32; it would cast every weight at
+    every product (as long as the products themselves on SmolLM2-135M with AMX).
+    """
+    weights = {
+        name: module.weight.data
+        for name, module in targets.items()
+        if is_resident(module) and module.weight.dtype != dtype
+    }
+    if not weights and all(module.weight.dtype == dtype for module in targets.values()):
+        yield {}
+        return
+    with torch.autocast(device.type, dtype=dtype):
+        for name, weight in weights.items():
+            targets[name].weight.data = weight.to(dtype)
+        try:
+            yield weights
+        finally:
+            for name, weight in weights.items():
+                targets[name].weight.data = weight
+
+
+@contextmanager
+def _weight_swapped(linear: nn.Linear, weight: torch.Tensor | None, dtype: torch.dtype) -> Iterator[None]:
+    """`linear` holding `weight` in `dtype` instead of its own weight (nothing changes when it is None)."""
     if weight is None:
         yield
         return
     own = linear.weight.data
-    linear.weight.data = weight.to(own)
+    linear.weight.data = weight.to(own.device, dtype)
     try:
         yield
     finally:
@@ -229,7 +284,9 @@ def _divergence(
     """`sum KL(reference || model)` over the positions of `batch`: from the final hidden states for a vocabulary
     head reference (the output embedding skipped), else from the whole next-token distributions."""
     if isinstance(reference, VocabularyHeadReference):
-        return reference.kl(_final_hidden_states(model, batch, model.get_submodule(head)))
+        hidden = _final_hidden_states(model, batch, model.get_submodule(head))
+        with torch.autocast(hidden.device.type, enabled=False):  # as its reference: float32, not bfloat16 products
+            return reference.kl(hidden)
     return next_token_kl(reference, next_token_log_probs(model, batch))
 
 
@@ -358,7 +415,7 @@ def _record(
         for handle in handles:
             handle.remove()
     if len(head_io) == 2 and torch.equal(logits, head_io[1].to(logits.device)):
-        with loaded_weights(model, head) as output_embedding:
+        with loaded_weights(model, head) as output_embedding, torch.autocast(logits.device.type, enabled=False):
             reference = VocabularyHeadReference.from_hidden(
                 head_io[0], output_embedding.weight, output_embedding.bias, head_tokens
             )
