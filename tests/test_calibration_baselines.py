@@ -1,3 +1,5 @@
+import copy
+
 import pytest
 import torch
 from scipy.stats import spearmanr
@@ -114,6 +116,18 @@ def test_the_scan_multiplies_in_bfloat16_with_layers_low_from_their_float32_weig
     assert half != single
     native = native_bfloat16(torch.device("cpu"))
     assert sensitivities == (half if native else single)  # "auto", the default
+
+
+def test_the_scans_products_are_never_wider_than_the_weights_and_a_bad_dtype_is_refused(sensitive):
+    """On a bfloat16 model, float32 products leave the model as it is (as "auto" does); an integer dtype is refused,
+    naming the value and the choices."""
+    model, ids = sensitive
+    half = copy.deepcopy(model).to(torch.bfloat16)
+    s = CalibrationSettings(batch_size=4)
+    as_is = kl_sensitivities(half, ids[:4], s, progress=False)
+    assert kl_sensitivities(half, ids[:4], s, progress=False, matmul_dtype=torch.float32) == as_is
+    with pytest.raises(ValueError, match=r"matmul_dtype=torch.int8 is not one of auto, torch.float32, torch.bfloat16"):
+        kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.int8)
 
 
 @pytest.mark.parametrize("bit_average", ["simple", "weighted"])

@@ -50,6 +50,7 @@ from .groups import offset_groups
 from .settings import CalibrationSettings
 from .vocabulary_head import HEAD_TOKENS, VocabularyHeadReference
 
+MATMUL_DTYPES = ("auto", torch.float32, torch.bfloat16, torch.float16)  # `kl_sensitivities`' `matmul_dtype`
 KL_SAMPLES = 4  # calibration sequences the scan reads (the first ones): its ranking is stable from 4 on
 KL_BLOCK_ELEMENTS = 2**21  # log-probabilities per block of positions in `next_token_kl` (8 MiB of float32)
 
@@ -84,9 +85,15 @@ def kl_sensitivities(
     to second order on the rest (`calibration.vocabulary_head`); `None` computes it over the whole vocabulary,
     as does any model whose logits are not its output embedding's output (soft-capped or scaled logits).
 
-    `matmul_dtype`: the dtype of the passes' matrix products (`torch.autocast`); `"auto"` is bfloat16 for a float32
-    model on a device that multiplies bfloat16 natively (`native_bfloat16`), else the model's own dtype.
+    `matmul_dtype`: the dtype of the passes' matrix products (`torch.autocast`): `torch.bfloat16` or
+    `torch.float16` on a model with wider weights; `torch.float32`, or the weights' own dtype, leaves the model as it
+    is; `"auto"` is bfloat16 for a float32 model on a device that multiplies bfloat16 natively (`native_bfloat16`).
     """
+    if matmul_dtype not in MATMUL_DTYPES:
+        raise ValueError(
+            f"matmul_dtype={matmul_dtype!r} is not one of {', '.join(map(str, MATMUL_DTYPES))}: the scan's products "
+            "run in a lower precision than the model's weights or in theirs"
+        )
     input_ids = input_ids[:KL_SAMPLES]
     device = input_device(model)
     low = get_format_pair(settings.format_pair).low.name
@@ -104,7 +111,8 @@ def kl_sensitivities(
     float_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
     if matmul_dtype == "auto":
         matmul_dtype = torch.bfloat16 if float_dtype == torch.float32 and native_bfloat16(device) else float_dtype
-    with _matmuls_in(targets, matmul_dtype, device) as float_weights:
+    lower = torch.finfo(matmul_dtype).bits < torch.finfo(float_dtype).bits
+    with _matmuls_in(targets, matmul_dtype if lower else None, device) as float_weights:
         with emulate_format_map(model, {}):
             references = [_record(model, b, list(decoder_layers.values()), head, head_tokens) for b in batches]
         # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
@@ -228,22 +236,20 @@ def native_bfloat16(device: torch.device) -> bool:
 
 
 @contextmanager
-def _matmuls_in(targets: Mapping[str, nn.Module], dtype: torch.dtype, device: torch.device) -> Iterator[dict]:
+def _matmuls_in(
+    targets: Mapping[str, nn.Module], dtype: torch.dtype | None, device: torch.device
+) -> Iterator[dict[str, torch.Tensor]]:
     """Within the block the matrix products on `device` run in `dtype` (`torch.autocast`; nothing changes when it
-    is the weights' own), and each of `targets` whose weight is resident holds it cast to `dtype` once, instead of
-    at every product. Yields the weights they held, by name: a pass puts a layer low from its own weight.
+    is None), and each of `targets` whose weight is resident holds it cast to `dtype` once, instead of at every
+    product. Yields the weights they held, by name: a pass puts a layer low from its own weight.
 
     Autocast keeps the residual stream, normalisations and softmaxes in float32; it would cast every weight at
     every product (as long as the products themselves on SmolLM2-135M with AMX).
     """
-    weights = {
-        name: module.weight.data
-        for name, module in targets.items()
-        if is_resident(module) and module.weight.dtype != dtype
-    }
-    if not weights and all(module.weight.dtype == dtype for module in targets.values()):
+    if dtype is None:
         yield {}
         return
+    weights = {name: module.weight.data for name, module in targets.items() if is_resident(module)}
     with torch.autocast(device.type, dtype=dtype):
         for name, weight in weights.items():
             targets[name].weight.data = weight.to(dtype)
