@@ -122,8 +122,9 @@ def kl_sensitivities(
         for unit, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
             with ExitStack() as stack:  # an empty unit: a float pass that keeps the processes in step
                 for name in unit:  # low from its float weight (or `low_weights`), not from a bfloat16 copy
+                    own = float_weights.get(name, targets[name].weight)
                     weight = (low_weights or {}).get(name, float_weights.get(name))
-                    stack.enter_context(_weight_swapped(targets[name], weight, float_dtype))
+                    stack.enter_context(_weight_swapped(targets[name], weight, own.dtype))
                 stack.enter_context(
                     emulate_format_map(
                         model,
