@@ -89,11 +89,6 @@ def kl_sensitivities(
     `torch.float16` on a model with wider weights; `torch.float32`, or the weights' own dtype, leaves the model as it
     is; `"auto"` is bfloat16 for a float32 model on a device that multiplies bfloat16 natively (`native_bfloat16`).
     """
-    if matmul_dtype not in MATMUL_DTYPES:
-        raise ValueError(
-            f"matmul_dtype={matmul_dtype!r} is not one of {', '.join(map(str, MATMUL_DTYPES))}: the scan's products "
-            "run in a lower precision than the model's weights or in theirs"
-        )
     input_ids = input_ids[:KL_SAMPLES]
     device = input_device(model)
     low = get_format_pair(settings.format_pair).low.name
@@ -108,11 +103,8 @@ def kl_sensitivities(
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
 
     head = _output_head(model, targets) if head_tokens is not None else None
-    float_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
-    if matmul_dtype == "auto":
-        matmul_dtype = torch.bfloat16 if float_dtype == torch.float32 and native_bfloat16(device) else float_dtype
-    lower = torch.finfo(matmul_dtype).bits < torch.finfo(float_dtype).bits
-    with _matmuls_in(targets, matmul_dtype if lower else None, device) as float_weights:
+    weights_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
+    with _matmuls_in(targets, _lower_matmul_dtype(matmul_dtype, weights_dtype, device), device) as float_weights:
         with emulate_format_map(model, {}):
             references = [_record(model, b, list(decoder_layers.values()), head, head_tokens) for b in batches]
         # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
@@ -234,6 +226,21 @@ def native_bfloat16(device: torch.device) -> bool:
             torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported()
         )
     return False
+
+
+def _lower_matmul_dtype(
+    requested: torch.dtype | str, weights_dtype: torch.dtype, device: torch.device
+) -> torch.dtype | None:
+    """The dtype the scan's products run in for `kl_sensitivities`' `matmul_dtype` (`requested`) when it is lower
+    than the weights' (None: the weights' own)."""
+    if requested not in MATMUL_DTYPES:
+        raise ValueError(
+            f"matmul_dtype={requested!r} is not one of {', '.join(map(str, MATMUL_DTYPES))}: the scan's products "
+            "run in a lower precision than the model's weights or in theirs"
+        )
+    if requested == "auto":
+        requested = torch.bfloat16 if weights_dtype == torch.float32 and native_bfloat16(device) else weights_dtype
+    return requested if torch.finfo(requested).bits < torch.finfo(weights_dtype).bits else None
 
 
 @contextmanager
