@@ -562,8 +562,10 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     assert head[5] == grouped[5] == "-" and all(r[5] == "-" for r in rows)
     for half, single in [(head_half, head), (grouped_half, grouped)]:
         assert half[:3] == (f"{single[0]}, bfloat16", "4", "-") and 0.5 <= float(half[5]) <= 1
-    # a head as large as the vocabulary: the reference's values up to float32 rounding (which swaps near-ties)
-    assert head[:3] == (f"kl, head {1 << 20}", "4", "-") and float(head[3]) >= 0.99 and head[4] == "1.000"
+    # a head as large as the vocabulary: the reference's values up to float32 rounding, which the median ratio
+    # checks; the rounding also orders this random model's q/k layers, whose divergences are at its level (about
+    # 1e-8 nats, some negative): Spearman 0.9868 on an AMD EPYC, above 0.99 on an Intel Xeon
+    assert head[:3] == (f"kl, head {1 << 20}", "4", "-") and float(head[3]) >= 0.95 and head[4] == "1.000"
     assert grouped[:3] == ("kl, head 8192, fused groups", "4", "-") and float(grouped[4]) > 0
     assert [r[:3] for r in rows] == [
         ("kl, element-wise", "4", "-"),

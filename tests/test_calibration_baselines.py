@@ -17,6 +17,7 @@ from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
 from optimum_dmx.calibration.sensitivity import ScanSplit
 from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
+from optimum_dmx.nn.rotation import rotate_model
 
 from .helpers import sensitive_llama_and_data, tiny_llama
 
@@ -116,6 +117,38 @@ def test_the_scan_multiplies_in_bfloat16_with_layers_low_from_their_float32_weig
     assert half != single
     native = native_bfloat16(torch.device("cpu"))
     assert sensitivities == (half if native else single)  # "auto", the default
+
+
+def test_a_rotated_models_float_layers_skip_their_online_transforms_in_the_bfloat16_scan(sensitive):
+    """With online block-Hadamard transforms (`TransformedLinear`: `y = (x T) W'^T`), the bfloat16 scan's float
+    layers hold `W' T^T` and compute no transform, while a layer goes low with its own transform and float32
+    weight: its values stay those of the float32 scan, which computes every transform (measured within 7%; a layer
+    low without its transform is off by up to 68x), and every weight and transform comes back."""
+    model, ids = sensitive
+    model = copy.deepcopy(model)
+    rotate_model(model, "online_block_hadamard", list(linear_modules_to_quantize(model, ["lm_head"])), 32)
+    targets = linear_modules_to_quantize(model, ["lm_head"])  # `TransformedLinear`s now
+    own = {
+        name: (linear.weight, linear.weight.detach().clone(), linear.input_transform)
+        for name, linear in targets.items()
+    }
+    calls = []
+    handles = [t.register_forward_hook(lambda *args: calls.append(1)) for _, _, t in own.values()]
+    s = CalibrationSettings(batch_size=4)
+    try:
+        half = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.bfloat16)
+        assert not calls  # the low layer quantizes through its transform's own kernel (`quantize`), not `forward`
+        single = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.float32)
+        assert calls
+    finally:
+        for handle in handles:
+            handle.remove()
+    names = list(single)
+    assert spearmanr([single[n] for n in names], [half[n] for n in names]).statistic > 0.95
+    assert max(abs(half[n] / single[n] - 1) for n in names) < 0.15
+    for name, linear in targets.items():
+        weight, values, transform = own[name]
+        assert linear.weight is weight and torch.equal(weight, values) and linear.input_transform is transform
 
 
 def test_the_scans_products_are_never_wider_than_the_weights_and_a_bad_dtype_is_refused(sensitive):

@@ -27,13 +27,20 @@ from its float32 weight, and the residual stream, normalisations, softmaxes and 
 SmolLM2-135M with AMX that is 0.54x the float32 scan's time, ranking the budget's units at Spearman 0.998
 against it (`benchmarks/results/sensitivity.md`; `research/README.md`, "The scan in bfloat16", for the maps).
 `kl_sensitivities(..., matmul_dtype=torch.float32)` keeps float32.
+
+The copies of layers with an online input transform (`nn.transforms.TransformedLinear`, `y = (x T) W'^T`: the
+`online_block_hadamard` rotation's layers, a `hadamard` rotation's `down_proj`) hold `W' T^T` and compute no
+transform, the same function (`T` is orthogonal): only a unit's own layers, low, transform their input. On the CLI's
+default model (every layer transformed) that took the scan from 84 to 51 s on an AMD EPYC
+(`benchmarks/results/cli_default_run.md`). Without a copy (float32 products, or a model in bfloat16) the layers keep
+their transforms: merging them would hold a second copy of their weights.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -104,7 +111,7 @@ def kl_sensitivities(
 
     head = _output_head(model, targets) if head_tokens is not None else None
     weights_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
-    with _matmuls_in(targets, _lower_matmul_dtype(matmul_dtype, weights_dtype, device), device) as float_weights:
+    with _scan_float_layers(targets, _lower_matmul_dtype(matmul_dtype, weights_dtype, device), device) as own:
         with emulate_format_map(model, {}):
             references = [_record(model, b, list(decoder_layers.values()), head, head_tokens) for b in batches]
         # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
@@ -113,10 +120,11 @@ def kl_sensitivities(
         passes = split.passes(rank, stages)
         for unit, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
             with ExitStack() as stack:  # an empty unit: a float pass that keeps the processes in step
-                for name in unit:  # low from its float weight (or `low_weights`), not from a bfloat16 copy
-                    own = float_weights.get(name, targets[name].weight)
-                    weight = (low_weights or {}).get(name, float_weights.get(name))
-                    stack.enter_context(_weight_swapped(targets[name], weight, own.dtype))
+                for name in unit:  # low from its own weight and transform (or `low_weights`), not the scan's copy
+                    layer = own.get(name, _LayerState.of(targets[name]))
+                    if low_weights is not None and name in low_weights:
+                        layer = replace(layer, weight=low_weights[name].to(layer.weight))
+                    stack.enter_context(layer.installed_in(targets[name]))
                 stack.enter_context(
                     emulate_format_map(
                         model,
@@ -243,43 +251,60 @@ def _lower_matmul_dtype(
     return requested if torch.finfo(requested).bits < torch.finfo(weights_dtype).bits else None
 
 
-@contextmanager
-def _matmuls_in(
-    targets: Mapping[str, nn.Module], dtype: torch.dtype | None, device: torch.device
-) -> Iterator[dict[str, torch.Tensor]]:
-    """Within the block the matrix products on `device` run in `dtype` (`torch.autocast`; nothing changes when it
-    is None), and each of `targets` whose weight is resident holds it cast to `dtype` once, instead of at every
-    product. Yields the weights they held, by name: a pass puts a layer low from its own weight.
+@dataclass(frozen=True)
+class _LayerState:
+    """What a target linear computes with: its weight and, for a `TransformedLinear`, its online input transform."""
 
-    Autocast keeps the residual stream, normalisations and softmaxes in float32; it would cast every weight at
-    every product (as long as the products themselves on SmolLM2-135M with AMX).
+    weight: torch.Tensor
+    transform: nn.Module | None = None
+
+    @classmethod
+    def of(cls, linear: nn.Module) -> _LayerState:
+        return cls(linear.weight.data, getattr(linear, "input_transform", None))
+
+    @contextmanager
+    def installed_in(self, linear: nn.Module) -> Iterator[None]:
+        """`linear` holding this state within the block, its own on exit."""
+        own = _LayerState.of(linear)
+        self._write(linear)
+        try:
+            yield
+        finally:
+            own._write(linear)
+
+    def _write(self, linear: nn.Module) -> None:
+        linear.weight.data = self.weight
+        if self.transform is not None:
+            linear.input_transform = self.transform
+
+
+@contextmanager
+def _scan_float_layers(
+    targets: Mapping[str, nn.Module], dtype: torch.dtype | None, device: torch.device
+) -> Iterator[dict[str, _LayerState]]:
+    """Within the block the matrix products on `device` run in `dtype` (`torch.autocast`; nothing changes when it
+    is None), and each of `targets` whose weight is resident holds a copy of it made for the float passes, once:
+
+    * cast to `dtype`, instead of at every product (autocast keeps the residual stream, normalisations and softmaxes
+      in float32; it would cast every weight at every product, as long as the products themselves on SmolLM2-135M
+      with AMX);
+    * with its online input transform merged in, for a `TransformedLinear` (`y = (x T) W'^T`): it holds `W' T^T`
+      and no transform, the same function (`T` is orthogonal) without the transform's cost in every float layer of
+      every pass.
+
+    Yields the state each layer had, by name: a pass puts a layer low from its own weight and transform.
     """
     if dtype is None:
         yield {}
         return
-    weights = {name: module.weight.data for name, module in targets.items() if is_resident(module)}
-    with torch.autocast(device.type, dtype=dtype):
-        for name, weight in weights.items():
-            targets[name].weight.data = weight.to(dtype)
-        try:
-            yield weights
-        finally:
-            for name, weight in weights.items():
-                targets[name].weight.data = weight
-
-
-@contextmanager
-def _weight_swapped(linear: nn.Linear, weight: torch.Tensor | None, dtype: torch.dtype) -> Iterator[None]:
-    """`linear` holding `weight` in `dtype` instead of its own weight (nothing changes when it is None)."""
-    if weight is None:
-        yield
-        return
-    own = linear.weight.data
-    linear.weight.data = weight.to(own.device, dtype)
-    try:
-        yield
-    finally:
-        linear.weight.data = own
+    own = {name: _LayerState.of(module) for name, module in targets.items() if is_resident(module)}
+    with ExitStack() as stack:
+        stack.enter_context(torch.autocast(device.type, dtype=dtype))
+        for name, state in own.items():
+            weight = state.weight if state.transform is None else state.transform.inverse(state.weight)
+            scan_state = _LayerState(weight.to(dtype), None if state.transform is None else nn.Identity())
+            stack.enter_context(scan_state.installed_in(targets[name]))
+        yield own
 
 
 def _output_head(model: nn.Module, targets: Mapping[str, nn.Module]) -> str | None:
