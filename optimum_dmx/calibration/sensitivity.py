@@ -30,10 +30,11 @@ against it (`benchmarks/results/sensitivity.md`; `research/README.md`, "The scan
 
 The copies of layers with an online input transform (`nn.transforms.TransformedLinear`, `y = (x T) W'^T`: the
 `online_block_hadamard` rotation's layers, a `hadamard` rotation's `down_proj`) hold `W' T^T` and compute no
-transform, the same function (`T` is orthogonal): only a unit's own layers, low, transform their input. On the CLI's
-default model (every layer transformed) that took the scan from 84 to 51 s on an AMD EPYC
-(`benchmarks/results/cli_default_run.md`). Without a copy (float32 products, or a model in bfloat16) the layers keep
-their transforms: merging them would hold a second copy of their weights.
+transform, the same function (`T` is orthogonal): only a unit's own layers, low, transform their input. The
+transforms are compiled kernels, a small part of a pass: in the CLI's default run (every layer transformed) the scan
+took 47 s against 49 s on an AMD EPYC without AMX, the same map (`benchmarks/results/cli_default_run.md`). Without a
+copy (float32 products, or a model in bfloat16) the layers keep their transforms: merging them would hold a second
+copy of their weights.
 """
 
 from __future__ import annotations
