@@ -51,6 +51,7 @@ from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
 from ..nn.placement import input_device, is_resident, loaded_weights
+from ..nn.rotation import rotate_input_side
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
 from .checkpointing import decoder_layers as find_decoder_layers
 from .distributed import process_share, sum_across_processes, world
@@ -302,7 +303,9 @@ def _scan_float_layers(
     with ExitStack() as stack:
         stack.enter_context(torch.autocast(device.type, dtype=dtype))
         for name, state in own.items():
-            weight = state.weight if state.transform is None else state.transform.inverse(state.weight)
+            weight = state.weight
+            if state.transform is not None:  # `W' T^T`, as the rotation merged `T` (`T^T = T^-1`), in float64
+                weight = rotate_input_side(weight.double(), state.transform.matrix().to(weight.device).T)
             scan_state = _LayerState(weight.to(dtype), None if state.transform is None else nn.Identity())
             stack.enter_context(scan_state.installed_in(targets[name]))
         yield own

@@ -241,20 +241,6 @@ class RandomizedHadamard(nn.Module):
         """`x @ T` computed in `dtype` (float32 or float64), eagerly, rows of `x`'s last dimension."""
         return (self._products(x.reshape(-1, self.size), dtype) / self._norm).view(x.shape)
 
-    def inverse(self, x: torch.Tensor) -> torch.Tensor:
-        """`x @ T^T`, which is `x @ T^-1` (`T` is orthogonal), computed in float64 and returned in `x`'s dtype, eagerly.
-
-        A weight `W'` that reads its input transformed (`y = (x T) W'^T`, `TransformedLinear`) gives `W' T^T`, the
-        weight of the same function on the untransformed input. `T`'s steps transposed, in reverse order: each
-        block's last factor transposed (the Sylvester factor is symmetric and acts on the other axis), the norm,
-        then the signs."""
-        if x.shape[-1] != self.size:
-            raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
-        signs, last, sylvester = self._factors_as(x.device, torch.float64)
-        rows = x.reshape(-1, self.size).double()
-        mixed = (rows.view(-1, len(last)) @ last.T).view(rows.shape)
-        return (_sylvester_product(mixed, sylvester, len(last)) / self._norm * signs).to(x.dtype).view(x.shape)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """`x @ T`, computed in float32 (the MX quantizers' precision) and returned in `x`'s dtype."""
         return self._transformed(x, None)
