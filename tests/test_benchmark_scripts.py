@@ -563,9 +563,11 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     for half, single in [(head_half, head), (grouped_half, grouped)]:
         assert half[:3] == (f"{single[0]}, bfloat16", "4", "-") and 0.5 <= float(half[5]) <= 1
     # a head as large as the vocabulary: the reference's values up to float32 rounding, which the median ratio
-    # checks; the rounding also orders this random model's q/k layers, whose divergences are at its level (about
-    # 1e-8 nats, some negative): Spearman 0.9868 on an AMD EPYC, above 0.99 on an Intel Xeon
-    assert head[:3] == (f"kl, head {1 << 20}", "4", "-") and float(head[3]) >= 0.95 and head[4] == "1.000"
+    # checks. This random model's divergences are small (5e-6 to 1e-4 nats; its q/k layers' about 1e-8, some
+    # negative), so the rounding of the sum `p (log p - log q)` moves the smaller ones by up to 1% (0.3-0.9% measured,
+    # the median 1.003 on one AMD EPYC, 1.000 on another machine) and orders the q/k layers: Spearman 0.9868 there
+    assert head[:3] == (f"kl, head {1 << 20}", "4", "-") and float(head[3]) >= 0.95
+    assert abs(float(head[4]) - 1) <= 0.01
     assert grouped[:3] == ("kl, head 8192, fused groups", "4", "-") and float(grouped[4]) > 0
     assert [r[:3] for r in rows] == [
         ("kl, element-wise", "4", "-"),
