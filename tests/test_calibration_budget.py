@@ -2,6 +2,8 @@
 average bits land within 0.05 of `target_bits`, never above; and the budget rule itself."""
 
 import math
+import re
+import warnings
 
 import pytest
 import torch
@@ -130,7 +132,9 @@ def test_budget_rule_is_the_closest_map_below_the_tolerance(pair, bit_average):
     p = FORMAT_PAIRS[pair]
     weights = tensor_sizes(list(shapes.values()))
     for target in torch.linspace(p.min_bits, p.max_bits, 23).tolist():
-        fmap = budget_format_map(priority, shapes, p, target, bit_average)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # within the tolerance: no shortfall warning
+            fmap = budget_format_map(priority, shapes, p, target, bit_average)
         bits = torch.tensor(
             [float(p.high.bits if f == p.high.name else p.low.bits) for f in fmap.values()], dtype=torch.float64
         )
@@ -151,6 +155,60 @@ def test_budget_rule_prefers_priority_and_skips_what_does_not_fit():
     shapes = {"big": (512, 64), "small": (16, 64), "rest": (512, 64)}
     fmap = budget_format_map({"big": 0.9, "small": 0.5, "rest": 0.1}, shapes, p, 4.2, "weighted")
     assert fmap == {"big": "mxfp4_e2m1", "small": "mxfp8_e4m3", "rest": "mxfp4_e2m1"}
+
+
+def reached_and_reachable(message: str) -> tuple[float, float]:
+    """The bits a shortfall warning says the map reaches, and those its cheapest raise left would reach."""
+    reached, reachable = re.search(r"reaches (\d\.\d+) average bits.* would reach (\d\.\d+)", message).groups()
+    return float(reached), float(reachable)
+
+
+@pytest.mark.parametrize("grouped", [False, True])
+def test_a_map_the_layers_are_too_coarse_for_warns_with_the_bits_it_reaches(grouped):
+    """A mixture-of-experts-like model: one layer's experts hold most of the weights. At 5 bits the two small layers
+    go high (4.44 bits) and the experts cannot without overshooting (8.0): the map is short, and the warning says
+    so with the bits of this map and of the one raise left, each checked against the average of the map built."""
+    p = FORMAT_PAIRS["mxfp8-mxfp4"]
+    shapes = {"q": (64, 64), "k": (64, 64), "experts.0": (512, 64), "experts.1": (512, 64)}
+    values = {"q": 1.0, "k": 1.0, "experts.0": 1.0, "experts.1": 1.0}
+    groups = [["experts.0", "experts.1"]] if grouped else []
+    weights = tensor_sizes(list(shapes.values()))
+
+    def average(format_map) -> float:
+        bits = [float(p.high.bits if f == p.high.name else p.low.bits) for f in format_map.values()]
+        return average_bits(torch.tensor(bits, dtype=torch.float64), "weighted", weights).item()
+
+    with pytest.warns(RuntimeWarning, match="too coarse for this target") as record:
+        fmap = budget_format_map(values, shapes, p, 5.0, "weighted", groups=groups)
+    assert [f for f in fmap.values()] == [p.high.name, p.high.name, p.low.name, p.low.name]
+    (message,) = [str(w.message) for w in record]
+    reached, reachable = reached_and_reachable(message)
+    assert reached == pytest.approx(average(fmap), abs=5e-4)
+    raised = {**fmap, **{name: p.high.name for name in groups[0]}} if grouped else {**fmap, "experts.0": p.high.name}
+    assert reachable == pytest.approx(average(raised), abs=5e-4)
+    unit = "experts.0 with 1 more layer(s) sharing its format" if grouped else "experts.0 to"
+    assert unit in message and "target_bits=5.0" in message
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the maps calibration draws at every step stay silent
+        budget_format_map(values, shapes, p, 5.0, "weighted", groups=groups, warn_when_short=False)
+
+
+def test_calibration_warns_once_for_a_target_its_layers_are_too_coarse_for():
+    """One decoder layer, seven linears: in the simple average each raise adds 4/7 bits, so 5.0 lies 0.43 above one
+    map and 0.14 below the next. The steps draw maps at that budget too; only the result warns."""
+    model = tiny_llama(seed=0, initializer_range=0.2, num_hidden_layers=1)
+    ids = torch.randint(0, model.config.vocab_size, (8, 16), generator=torch.Generator().manual_seed(0))
+    settings = CalibrationSettings(
+        target_bits=5.0, bit_average="simple", steps=4, batch_size=2, seq_len=16, num_samples=8
+    )
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        result = calibrate(model, ids, settings, progress=False)
+    shortfalls = [str(w.message) for w in record if "too coarse for this target" in str(w.message)]
+    assert len(shortfalls) == 1, shortfalls
+    reached, reachable = reached_and_reachable(shortfalls[0])
+    assert reached == pytest.approx(result.bits_simple, abs=5e-4) and reached == pytest.approx(4 + 4 / 7, abs=5e-4)
+    assert reachable == pytest.approx(4 + 8 / 7, abs=5e-4)
 
 
 def test_the_weighted_budget_takes_layers_by_value_per_bit():

@@ -12,6 +12,7 @@ a latency measured on a serving target or the stored bytes (`storage_cost_table`
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
 import torch
@@ -97,6 +98,7 @@ def budget_format_map(
     groups: Sequence[Sequence[str]] = (),
     per_bit: bool = True,
     cost_table: CostTable | None = None,
+    warn_when_short: bool = True,
 ) -> dict[str, str]:
     """The pair's high format for the layers worth most per unit of cost that fit the budget, the low format
     elsewhere.
@@ -117,6 +119,11 @@ def budget_format_map(
     `groups` (disjoint sets of layer names, e.g. `calibration.groups.offset_groups`) move as one: a group takes
     the high format whole or not at all, worth its members' summed value over their summed cost (with
     `per_bit=False`: their mean priority).
+
+    A map still more than `tolerance` below the target when no unit fits any more (units too coarse for it: a
+    small model, or a mixture of experts whose layer's experts are a large share of the weights) comes with a
+    `RuntimeWarning` that gives the bits reached, what raising the cheapest unit left would reach, and that unit
+    (`warn_when_short=False`: silent, for the maps calibration draws at every step).
     """
     names = list(priority)
     missing = [name for name in names if name not in weight_shapes]
@@ -159,8 +166,46 @@ def budget_format_map(
         fill(limit + band)
         if raised == before:
             break  # nothing more fits in the band
+    if warn_when_short and spent < limit - band - slack:
+        totals = (low.sum().item(), spent, high.sum().item())
+        _warn_short(names, units, raised, raise_cost, totals, pair, target_bits, tolerance)
     high_layers = {names[i] for u, unit in enumerate(units) if raised[u] for i in unit}
     return {name: (pair.high if name in high_layers else pair.low).name for name in names}
+
+
+def _warn_short(
+    names: Sequence[str],
+    units: Sequence[Sequence[int]],
+    raised: Sequence[bool],
+    raise_cost: Sequence[float],
+    totals: tuple[float, float, float],
+    pair: FormatPair,
+    target_bits: float,
+    tolerance: float,
+) -> None:
+    """Warn that the budget rule's map is short of `target_bits` by more than `tolerance`: the bits it reaches, the
+    cheapest unit still low and the bits raising it would reach. `totals`: the cost of every unit low, of the map,
+    and of every unit high, turned into bits between the pair's element bits as `budget_limit` turns bits into
+    costs."""
+    low_total, spent, high_total = totals
+    left = [u for u, up in enumerate(raised) if not up and raise_cost[u] > 0]
+    if not left or high_total <= low_total:
+        return
+    cheapest = min(left, key=lambda u: raise_cost[u])
+
+    def bits(cost: float) -> float:
+        return pair.low.bits + (cost - low_total) / (high_total - low_total) * (pair.high.bits - pair.low.bits)
+
+    members = [names[i] for i in units[cheapest]]
+    unit = members[0] if len(members) == 1 else f"{members[0]} with {len(members) - 1} more layer(s) sharing its format"
+    warnings.warn(
+        f"optimum-dmx: the format map reaches {bits(spent):.3f} average bits, short of target_bits={target_bits} by "
+        f"more than the budget's tolerance of {tolerance}: the cheapest raise left, {unit} to {pair.high.name}, "
+        f"would reach {bits(spent + raise_cost[cheapest]):.3f}. The quantized layers are too coarse for this "
+        "target.",
+        RuntimeWarning,
+        stacklevel=3,
+    )
 
 
 def blended_priority(

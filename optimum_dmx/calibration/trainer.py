@@ -369,6 +369,7 @@ def _sampled_offsets(
                 groups=groups,
                 per_bit=False,  # a random order, already per unit of cost
                 cost_table=settings.cost_table,
+                warn_when_short=False,  # a draw, not the map: the final map warns
             )
             high = [drawn[n] != pair.low.name for n in names]
             for probe, is_high in zip(probes, high):
