@@ -240,3 +240,36 @@ def test_a_map_calibrated_with_the_defaults_exports_for_vllm_unforced(tiny_text_
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(loaded(INPUT_IDS % 120).logits, ours(INPUT_IDS % 120).logits)
+
+
+@pytest.mark.parametrize(
+    "target, formats, scale_rule",
+    [
+        ("compressed-tensors", ("mxfp4_e2m1", "mxfp8_e4m3"), "compressed-tensors"),
+        ("quark", ("mxfp4_e2m1", "mxfp6_e2m3"), "quark"),
+    ],
+)
+def test_a_model_with_fused_projection_linears_exports_to_the_same_logits(tmp_path, target, formats, scale_rule):
+    """Phi-3 computes q/k/v and gate/up each in one `nn.Linear` (`qkv_proj`, `gate_up_proj`): each is one layer of
+    the map, exported as it is, and the loader's model computes what the dMX checkpoint does, bit for bit."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    torch.manual_seed(0)
+    config = Phi3Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, pad_token_id=0, initializer_range=0.2,
+    )  # fmt: skip
+    Phi3ForCausalLM(config).save_pretrained(tmp_path / "float")
+    names = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
+    format_map = {LAYER.format(i, name): formats[(i + j) % 2] for i in range(2) for j, name in enumerate(names)}
+    source = save_dmx(tmp_path / "float", tmp_path / "dmx", format_map, scale_rule)
+    exported = export_checkpoint(source, tmp_path / target, target)
+    if target == "quark":
+        import quark  # noqa: F401  (transformers loads Quark checkpoints through it)
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(loaded(INPUT_IDS).logits, ours(INPUT_IDS).logits)
+    for name in format_map if target == "compressed-tensors" else ():  # Quark keeps its weights packed
+        dequantized = ours.get_submodule(name).dequantized_weight(torch.bfloat16)
+        assert torch.equal(loaded.get_submodule(name).weight, dequantized), name

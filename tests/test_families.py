@@ -2,7 +2,9 @@
 
 Tiny randomly initialised models (6 layers: 42 decoder linears, fine-grained enough for a +-0.05 budget):
 Llama (SmolLM2's architecture), Qwen3 (q/k norms), Gemma 3 (tied embeddings, a tokenizer that starts texts
-with BOS, a larger vocabulary, sliding-window layers) and Mistral. Each goes through
+with BOS, a larger vocabulary, sliding-window layers), Mistral, and Phi-3 (q/k/v and gate/up each one fused
+`nn.Linear`: 24 decoder linears, no offset groups to form, and no Llama-style layers, so `rotation="auto"` leaves
+it unrotated). Each goes through
 `from_pretrained(float_dir, quantization_config=DMXConfig(target_bits=5, ...))`, is saved, and is loaded back
 in a fresh process with identical logits.
 """
@@ -11,6 +13,7 @@ import json
 
 import pytest
 import torch
+from torch import nn
 from transformers import (
     AutoModelForCausalLM,
     Gemma3ForCausalLM,
@@ -19,6 +22,8 @@ from transformers import (
     LlamaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
+    Phi3Config,
+    Phi3ForCausalLM,
     Qwen3Config,
     Qwen3ForCausalLM,
 )
@@ -46,6 +51,7 @@ FAMILIES = {
         True,
     ),
     "mistral": (MistralForCausalLM, MistralConfig(vocab_size=128, sliding_window=None, **COMMON), False),
+    "phi3": (Phi3ForCausalLM, Phi3Config(vocab_size=128, pad_token_id=0, **COMMON), False),
 }
 CALIBRATION = dict(steps=20, seq_len=16, batch_size=2, num_samples=16)
 INPUT = "w1 w5 w9 w17 w33 w65 w99 w3 w42 w7 w11"
@@ -66,7 +72,9 @@ PAIRS = [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 5.5)]
 def test_family_calibrates_to_its_budget_and_reloads(tmp_path, family, pair, target):
     model_cls, config, bos = FAMILIES[family]
     torch.manual_seed(0)
-    model_cls(config).save_pretrained(tmp_path / "float")
+    float_model = model_cls(config)
+    decoder_linears = sum(isinstance(m, nn.Linear) for m in float_model.model.layers.modules())
+    float_model.save_pretrained(tmp_path / "float")
     tokenizer = word_tokenizer(bos=bos)
     tokenizer.save_pretrained(tmp_path / "float")
     texts = [words(7 * i, 40) for i in range(20)]
@@ -74,11 +82,14 @@ def test_family_calibrates_to_its_budget_and_reloads(tmp_path, family, pair, tar
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=dmx_config)
 
     mx = {n: m for n, m in model.named_modules() if isinstance(m, MXLinear)}
-    assert len(mx) == 6 * 7  # every decoder linear; the (tied) head stays float
+    assert len(mx) == decoder_linears == (6 * 4 if family == "phi3" else 6 * 7)  # the (tied) head stays float
     recorded = model.config.quantization_config
     assert recorded.bit_average == "weighted"  # the default: the model's size follows the target
     assert abs(recorded.achieved_bits["bits_weighted"] - target) <= BUDGET_TOLERANCE + 1e-9
     assert "lm_head" in recorded.modules_to_not_convert
+    # rotation="auto": online transforms where an export can move their signs (not Gemma's 1 + weight norms, not
+    # Phi-3's fused projections)
+    assert recorded.rotation == ("none" if family in ("gemma3", "phi3") else "online_block_hadamard")
 
     ids = tokenizer(INPUT, return_tensors="pt").input_ids
     assert (ids[0, 0] == tokenizer.bos_token_id) == bos
