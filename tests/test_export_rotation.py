@@ -23,7 +23,7 @@ IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
 
 
 def float_model(folder: Path, kind: str, intermediate: int, mlp_bias: bool = False) -> Path:
-    """A tiny Llama or Qwen3 (`helpers.tiny_decoder`) of that MLP size, saved to `folder`."""
+    """A tiny Llama, Qwen2 or Qwen3 (`helpers.tiny_decoder`) of that MLP size, saved to `folder`."""
     extra = {"mlp_bias": True} if mlp_bias else {}  # Llama only
     tiny_decoder(kind, tied=False, intermediate_size=intermediate, **extra).save_pretrained(folder)
     return folder
@@ -91,6 +91,7 @@ def transformed_layers(rotation: str) -> list[str]:
         # every linear: signs into the norms (q/k/v, gate/up), v_proj's rows (o_proj: 2 query heads per value head)
         ("llama", 96, "online_block_hadamard", False, True),
         ("qwen3", 96, "online_block_hadamard", False, False),  # q_norm/k_norm after q/k_proj: untouched
+        ("qwen2", 96, "online_block_hadamard", False, False),  # q/k/v biases (Qwen2.5): added after the transform
         ("qwen3", 96, "online_block_hadamard", True, False),  # calibrated, fused offset groups
     ],
 )
