@@ -87,6 +87,13 @@ def budget_limit(low: torch.Tensor, high: torch.Tensor, pair: FormatPair, bits: 
     return (low.sum() + fraction * (high.sum() - low.sum())).item()
 
 
+def bits_at_cost(low: torch.Tensor, high: torch.Tensor, pair: FormatPair, cost: float) -> float:
+    """The inverse of `budget_limit`: the bits whose budget is the total `cost` (for the bit tables, a map of that
+    total cost averages exactly these bits)."""
+    fraction = (cost - low.sum().item()) / (high.sum() - low.sum()).item()
+    return pair.low.bits + fraction * (pair.high.bits - pair.low.bits)
+
+
 def budget_format_map(
     priority: Mapping[str, float],
     weight_shapes: Mapping[str, Sequence[int]],
@@ -166,43 +173,25 @@ def budget_format_map(
         fill(limit + band)
         if raised == before:
             break  # nothing more fits in the band
-    if warn_when_short and spent < limit - band - slack:
-        totals = (low.sum().item(), spent, high.sum().item())
-        _warn_short(names, units, raised, raise_cost, totals, pair, target_bits, tolerance)
+    left = [u for u, up in enumerate(raised) if not up and raise_cost[u] > 0] if warn_when_short else []
+    if left and spent < limit - band - slack:
+        cheapest = min(left, key=raise_cost.__getitem__)
+        reached, reachable = (bits_at_cost(low, high, pair, c) for c in (spent, spent + raise_cost[cheapest]))
+        _warn_short([names[i] for i in units[cheapest]], reached, reachable, pair.high.name, target_bits, tolerance)
     high_layers = {names[i] for u, unit in enumerate(units) if raised[u] for i in unit}
     return {name: (pair.high if name in high_layers else pair.low).name for name in names}
 
 
 def _warn_short(
-    names: Sequence[str],
-    units: Sequence[Sequence[int]],
-    raised: Sequence[bool],
-    raise_cost: Sequence[float],
-    totals: tuple[float, float, float],
-    pair: FormatPair,
-    target_bits: float,
-    tolerance: float,
+    members: Sequence[str], reached: float, reachable: float, high: str, target_bits: float, tolerance: float
 ) -> None:
-    """Warn that the budget rule's map is short of `target_bits` by more than `tolerance`: the bits it reaches, the
-    cheapest unit still low and the bits raising it would reach. `totals`: the cost of every unit low, of the map,
-    and of every unit high, turned into bits between the pair's element bits as `budget_limit` turns bits into
-    costs."""
-    low_total, spent, high_total = totals
-    left = [u for u, up in enumerate(raised) if not up and raise_cost[u] > 0]
-    if not left or high_total <= low_total:
-        return
-    cheapest = min(left, key=lambda u: raise_cost[u])
-
-    def bits(cost: float) -> float:
-        return pair.low.bits + (cost - low_total) / (high_total - low_total) * (pair.high.bits - pair.low.bits)
-
-    members = [names[i] for i in units[cheapest]]
+    """Warn that the budget rule's map is short of `target_bits` by more than `tolerance`: it `reached` these bits,
+    and raising the cheapest unit left (`members`) to the format `high` would reach `reachable`."""
     unit = members[0] if len(members) == 1 else f"{members[0]} with {len(members) - 1} more layer(s) sharing its format"
     warnings.warn(
-        f"optimum-dmx: the format map reaches {bits(spent):.3f} average bits, short of target_bits={target_bits} by "
-        f"more than the budget's tolerance of {tolerance}: the cheapest raise left, {unit} to {pair.high.name}, "
-        f"would reach {bits(spent + raise_cost[cheapest]):.3f}. The quantized layers are too coarse for this "
-        "target.",
+        f"optimum-dmx: the format map reaches {reached:.3f} average bits, short of target_bits={target_bits} by more "
+        f"than the budget's tolerance of {tolerance}: the cheapest raise left, {unit} to {high}, would reach "
+        f"{reachable:.3f}. The quantized layers are too coarse for this target.",
         RuntimeWarning,
         stacklevel=3,
     )
