@@ -39,8 +39,10 @@ SERVABLE = {
 }
 
 
-def save_dmx(float_dir: Path, out: Path, format_map: dict, scale_rule: str = "compressed-tensors") -> Path:
-    config = DMXConfig(format_map=format_map, scale_rule=scale_rule)
+def save_dmx(
+    float_dir: Path, out: Path, format_map: dict, scale_rule: str = "compressed-tensors", rotation: str = "none"
+) -> Path:
+    config = DMXConfig(format_map=format_map, scale_rule=scale_rule, rotation=rotation)
     AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config).save_pretrained(out)
     return out
 
@@ -242,6 +244,7 @@ def test_a_map_calibrated_with_the_defaults_exports_for_vllm_unforced(tiny_text_
         assert torch.equal(loaded(INPUT_IDS % 120).logits, ours(INPUT_IDS % 120).logits)
 
 
+@pytest.mark.parametrize("rotation", ["none", "online_block_hadamard"])
 @pytest.mark.parametrize(
     "target, formats, scale_rule",
     [
@@ -249,9 +252,13 @@ def test_a_map_calibrated_with_the_defaults_exports_for_vllm_unforced(tiny_text_
         ("quark", ("mxfp4_e2m1", "mxfp6_e2m3"), "quark"),
     ],
 )
-def test_a_model_with_fused_projection_linears_exports_to_the_same_logits(tmp_path, target, formats, scale_rule):
+def test_a_model_with_fused_projection_linears_exports_to_the_same_logits(
+    tmp_path, target, formats, scale_rule, rotation
+):
     """Phi-3 computes q/k/v and gate/up each in one `nn.Linear` (`qkv_proj`, `gate_up_proj`): each is one layer of
-    the map, exported as it is, and the loader's model computes what the dMX checkpoint does, bit for bit."""
+    the map, exported as it is, and the loader's model computes what the dMX checkpoint does, bit for bit. Rotated
+    (what `rotation="auto"` picks for it), every linear's online transform is a plain block Hadamard transform (no
+    layer can take random signs), which the loader's own code applies."""
     from transformers import Phi3Config, Phi3ForCausalLM
 
     torch.manual_seed(0)
@@ -262,12 +269,24 @@ def test_a_model_with_fused_projection_linears_exports_to_the_same_logits(tmp_pa
     Phi3ForCausalLM(config).save_pretrained(tmp_path / "float")
     names = ["self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"]
     format_map = {LAYER.format(i, name): formats[(i + j) % 2] for i in range(2) for j, name in enumerate(names)}
-    source = save_dmx(tmp_path / "float", tmp_path / "dmx", format_map, scale_rule)
+    source = save_dmx(tmp_path / "float", tmp_path / "dmx", format_map, scale_rule, rotation)
     exported = export_checkpoint(source, tmp_path / target, target)
     if target == "quark":
         import quark  # noqa: F401  (transformers loads Quark checkpoints through it)
     loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
     ours = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    transforms = ours.config.quantization_config.input_transforms or {}
+    assert sorted(transforms) == (sorted(format_map) if rotation != "none" else [])
+    assert all(spec["signed"] is False for spec in transforms.values())
+    if rotation != "none":  # the loaders' own code applies the transforms, which transformers does not call
+        quantization = json.loads((exported / "config.json").read_text())["quantization_config"]
+        if target == "compressed-tensors":
+            from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+            apply_transform_config(loaded, TransformConfig.model_validate(quantization["transform_config"]))
+        else:
+            for name in format_map:
+                loaded.get_submodule(name).post_process_after_loading()
     with torch.no_grad():
         assert torch.equal(loaded(INPUT_IDS).logits, ours(INPUT_IDS).logits)
     for name in format_map if target == "compressed-tensors" else ():  # Quark keeps its weights packed

@@ -74,6 +74,15 @@ def dmx_checkpoint(
     return folder
 
 
+def signed_everywhere(checkpoint: Path) -> Path:
+    """`checkpoint` with the records of its unsigned transforms made signed, as earlier versions drew them."""
+    config = json.loads((checkpoint / "config.json").read_text())
+    for spec in config["quantization_config"]["input_transforms"].values():
+        spec.pop("signed", None)
+    (checkpoint / "config.json").write_text(json.dumps(config))
+    return checkpoint
+
+
 def transformed_layers(rotation: str) -> list[str]:
     """The layers whose input a checkpoint rotated by `rotation` transforms online, sorted."""
     online = PROJECTIONS if rotation == "online_block_hadamard" else ("down_proj",)
@@ -93,6 +102,9 @@ def transformed_layers(rotation: str) -> list[str]:
         ("qwen3", 96, "online_block_hadamard", False, False),  # q_norm/k_norm after q/k_proj: untouched
         ("qwen2", 96, "online_block_hadamard", False, False),  # q/k/v biases (Qwen2.5): added after the transform
         ("qwen3", 96, "online_block_hadamard", True, False),  # calibrated, fused offset groups
+        # Gemma's norms scale by 1 + weight: q/k/v and gate/up have transforms without signs, o_proj and down_proj
+        # signs that go into v_proj and up_proj
+        ("gemma3", 96, "online_block_hadamard", False, False),
     ],
 )
 def test_rotated_checkpoint_exports_its_transforms_and_loads_to_the_same_logits(
@@ -134,6 +146,7 @@ def test_rotated_checkpoint_exports_its_transforms_and_loads_to_the_same_logits(
         ("llama", 96, "hadamard", True, torch.bfloat16),  # 96 = 32 x 3: blocks of 32
         ("llama", 96, "online_block_hadamard", False, torch.bfloat16),  # every linear
         ("qwen3", 96, "online_block_hadamard", True, torch.bfloat16),
+        ("gemma3", 96, "online_block_hadamard", False, torch.bfloat16),
     ],
 )
 def test_rotated_checkpoint_exports_to_quark_and_loads_to_the_same_logits(
@@ -191,7 +204,10 @@ def test_rotations_a_target_cannot_express_are_refused_naming_the_layer(tmp_path
         ExportError, match=r"layers\.1\.self_attn\.k_proj reads .*input_layernorm .*q_proj reads it too"
     ):
         export_checkpoint(every, tmp_path / "out")
-    gemma = dmx_checkpoint(tmp_path / "gemma", float_model(tmp_path / "gemma3", "gemma3", 96), "online_block_hadamard")
+    # online_block_hadamard of an earlier version on Gemma 3: signs on the linears reading its `1 + weight` norms
+    gemma = signed_everywhere(
+        dmx_checkpoint(tmp_path / "gemma", float_model(tmp_path / "gemma3", "gemma3", 96), "online_block_hadamard")
+    )
     with pytest.raises(
         ExportError, match=r"layers\.0\.pre_feedforward_layernorm \(Gemma3RMSNorm\) does not output its weight"
     ):
@@ -204,7 +220,9 @@ def test_rotations_a_target_cannot_express_are_refused_naming_the_layer(tmp_path
         export_checkpoint(sizes, tmp_path / "out", "quark")
     with pytest.raises(ExportError, match=r"quark cannot carry .*pre_feedforward_layernorm \(Gemma3RMSNorm\)"):
         export_checkpoint(
-            dmx_checkpoint(tmp_path / "gemma-quark", tmp_path / "gemma3", "online_block_hadamard", target="quark"),
+            signed_everywhere(
+                dmx_checkpoint(tmp_path / "gemma-quark", tmp_path / "gemma3", "online_block_hadamard", target="quark")
+            ),
             tmp_path / "out",
             "quark",
         )

@@ -3,8 +3,8 @@
 Tiny randomly initialised models (6 layers: 42 decoder linears, fine-grained enough for a +-0.05 budget):
 Llama (SmolLM2's architecture), Qwen3 (q/k norms), Gemma 3 (tied embeddings, a tokenizer that starts texts
 with BOS, a larger vocabulary, sliding-window layers), Mistral, and Phi-3 (q/k/v and gate/up each one fused
-`nn.Linear`: 24 decoder linears, no offset groups to form, and no Llama-style layers, so `rotation="auto"` leaves
-it unrotated). Each goes through
+`nn.Linear`: 24 decoder linears, no offset groups to form, and no Llama-style layers, so `rotation="auto"` gives
+its linears online transforms without random signs, as Gemma's norm readers). Each goes through
 `from_pretrained(float_dir, quantization_config=DMXConfig(target_bits=5, ...))`, is saved, and is loaded back
 in a fresh process with identical logits.
 """
@@ -87,9 +87,16 @@ def test_family_calibrates_to_its_budget_and_reloads(tmp_path, family, pair, tar
     assert recorded.bit_average == "weighted"  # the default: the model's size follows the target
     assert abs(recorded.achieved_bits["bits_weighted"] - target) <= BUDGET_TOLERANCE + 1e-9
     assert "lm_head" in recorded.modules_to_not_convert
-    # rotation="auto": online transforms where an export can move their signs (not Gemma's 1 + weight norms, not
-    # Phi-3's fused projections)
-    assert recorded.rotation == ("none" if family in ("gemma3", "phi3") else "online_block_hadamard")
+    # rotation="auto": online transforms on every quantized linear, with random signs where an export can move
+    # them (not into Gemma's 1 + weight norms, nor into Phi-3's fused projections)
+    assert recorded.rotation == "online_block_hadamard" and sorted(recorded.input_transforms) == sorted(mx)
+    unsigned = {name for name, spec in recorded.input_transforms.items() if spec.get("signed") is False}
+    if family == "phi3":
+        assert unsigned == set(mx)
+    elif family == "gemma3":
+        assert unsigned == {n for n in mx if n.endswith(("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"))}
+    else:
+        assert not unsigned
 
     ids = tokenizer(INPUT, return_tensors="pt").input_ids
     assert (ids[0, 0] == tokenizer.bos_token_id) == bos

@@ -142,9 +142,9 @@ def test_experts_calibrate_with_one_format_per_layer_and_reload(tmp_path, family
     assert_saved_and_reloaded_alike(model, tmp_path / "dmx")
 
 
-def test_experts_take_the_online_rotation_when_asked_and_reload(tmp_path):
-    # "auto" leaves a mixture of experts unrotated (its MLP is not Llama's); asked for, each expert linear gets its
-    # online transform, merged into the float weights before calibration and rebuilt on loading.
+def test_experts_take_the_online_rotation_and_reload(tmp_path):
+    # each expert linear gets its online transform (as "auto" gives it), merged into the float weights before
+    # calibration and rebuilt on loading.
     save_float("qwen3_moe", tmp_path / "float")
     config = dmx_config(rotation="online_block_hadamard")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)

@@ -16,7 +16,7 @@ from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrate, dmx_linears
 from optimum_dmx.formats import get_format
 from optimum_dmx.nn import linear_modules_to_quantize
-from optimum_dmx.nn.rotation import resolve_rotation, rotate_model
+from optimum_dmx.nn.rotation import resolve_rotation, rotate_model, sign_carriers
 from optimum_dmx.nn.surgery import replace_with_mx_linear
 from optimum_dmx.nn.transforms import (
     RandomizedHadamard,
@@ -96,6 +96,23 @@ def test_the_online_transform_computes_in_float32_under_autocast(size, block_siz
         assert torch.equal(transform.quantize(x, get_format("mxfp4_e2m1"), 32, "ocp"), quantized)
 
 
+@pytest.mark.parametrize("size, block_size", [(96, 32), (512, 512), (576, 32)])
+def test_an_unsigned_transform_is_the_plain_block_hadamard_matrix(size, block_size):
+    """`signed=False`: `D` is the identity, so the transform is the normalized Sylvester-Hadamard matrix (scipy's)
+    on every block, what compressed-tensors' and Quark's Hadamard transforms apply; recorded and rebuilt as such."""
+    transform = RandomizedHadamard(size, block_size, seed=5, signed=False)
+    block = torch.from_numpy(scipy.linalg.hadamard(block_size)).double() / block_size**0.5
+    assert torch.equal(transform.matrix(), torch.block_diag(*[block] * (size // block_size)))
+    assert torch.equal(transform.signs(), torch.ones(size, dtype=torch.float64))
+    spec = json.loads(json.dumps(transform.to_dict()))
+    assert spec["signed"] is False and RandomizedHadamard.from_dict(spec).key == transform.key
+    signed = RandomizedHadamard(size, block_size, seed=5)
+    assert "signed" not in signed.to_dict() and signed.key != transform.key  # checkpoints of earlier versions: signed
+    assert not torch.equal(signed.matrix(), transform.matrix())
+    with pytest.raises(ValueError, match="'signed' must be true or false, got 'no'"):
+        RandomizedHadamard.from_dict(spec | {"signed": "no"})
+
+
 def test_randomized_hadamard_rejects_bad_sizes():
     with pytest.raises(ValueError, match="block_size=48"):
         RandomizedHadamard(64, 48)
@@ -165,6 +182,16 @@ def test_online_block_rotation_transforms_every_quantized_input_and_preserves_th
         assert all("sign_copies" not in transforms[f"{prefix}{n}"] for n in ("self_attn.q_proj", "mlp.down_proj"))
     assert rotated.lm_head.weight is rotated.model.embed_tokens.weight  # nothing merged into the residual stream
     assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    # random signs only where an export can move them: Gemma's norms scale by 1 + weight, so the linears reading
+    # them (q/k/v, gate/up) get plain Hadamard transforms; o_proj's signs go into v_proj, down_proj's into up_proj
+    unsigned = sorted(name for name, spec in transforms.items() if spec.get("signed") is False)
+    readers = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
+    assert unsigned == (sorted(n for n in quantized if n.rpartition(".")[2] in readers) if kind == "gemma3" else [])
+    assert all(
+        not torch.equal(rotated.get_submodule(n).input_transform.signs(), torch.ones(96))
+        for n in quantized
+        if n not in unsigned
+    )
 
 
 def test_rotation_keeps_float_down_proj_without_online_transform():
@@ -185,24 +212,22 @@ def test_rotation_refuses_models_it_cannot_rotate():
 
 
 def test_auto_rotation_is_online_where_an_export_can_carry_it_and_none_elsewhere(caplog):
-    """`"auto"` resolves per model: online transforms on Llama-style models whose transforms' signs an exporter can
-    move (`export.transforms`), no rotation (with a warning naming why) on the others; `rotate_model` refuses it
-    unresolved."""
+    """`"auto"` resolves per model: online transforms where every quantized linear is a plain `nn.Linear` of whole
+    MX blocks (with random signs where an export can move them: `sign_carriers`), no rotation (with a warning
+    naming why) on the others; `rotate_model` refuses it unresolved."""
     llama = tiny_decoder("llama", tied=True)
     quantized = linear_modules_to_quantize(llama, ["lm_head"])
-    assert resolve_rotation(llama, "auto", quantized) == "online_block_hadamard"
-    assert resolve_rotation(tiny_decoder("qwen3", tied=False), "auto", quantized) == "online_block_hadamard"
+    for model in (llama, tiny_decoder("qwen3", tied=False), tiny_decoder("gemma3", tied=True)):
+        assert resolve_rotation(model, "auto", quantized) == "online_block_hadamard"
     assert resolve_rotation(llama, "block_hadamard", quantized) == "block_hadamard"  # anything else: as it is
     with pytest.raises(ValueError, match="rotation='auto' depends on the model: resolve it"):
         rotate_model(llama, "auto", quantized)
     cases = [  # model, quantized linears, what the warning names
-        (tiny_decoder("gemma3", tied=True), quantized, r"model.norm|input_layernorm \(Gemma3RMSNorm\)"),
         (tiny_decoder("llama", tied=True, hidden_size=80, head_dim=20), None, "has 80 inputs, not a whole number"),
-        (llama, [n for n in quantized if not n.endswith("k_proj")], "shares model.layers.0.input_layernorm's output"),
         (
             GPT2LMHeadModel(GPT2Config(n_embd=64, n_layer=1, n_head=2, vocab_size=64)),
             ["transformer.h.0.mlp.c_fc"],
-            "needs the final RMSNorm `transformer.norm` of GPT2LMHeadModel",
+            r"transformer.h.0.mlp.c_fc is a Conv1D, not a plain nn.Linear",
         ),
     ]
     for model, names, obstacle in cases:
@@ -213,9 +238,35 @@ def test_auto_rotation_is_online_where_an_export_can_carry_it_and_none_elsewhere
         assert "rotation='auto' leaves this model unrotated" in caplog.text
         assert re.search(obstacle, caplog.text), caplog.text
     # asked for explicitly, the same per-linear obstacle is a refusal naming the layer
-    narrow = cases[1][0]
+    narrow = cases[0][0]
     with pytest.raises(ValueError, match="rotation='online_block_hadamard': model.layers.0.self_attn.q_proj has 80"):
         rotate_model(narrow, "online_block_hadamard", linear_modules_to_quantize(narrow, ["lm_head"]))
+
+
+def test_sign_carriers_are_the_layers_and_norms_an_export_can_negate():
+    """Where each online transform's signs can go: a Llama's norms, `v_proj` (signs copied across the 2 query heads
+    of a value head) and `up_proj`; not a norm some of whose readers stay in float, not Gemma's `1 + weight`
+    norms, and not into an `up_proj` that is missing or the wrong size."""
+    llama = tiny_decoder("llama", tied=True)
+    quantized = list(linear_modules_to_quantize(llama, ["lm_head"]))
+    expected = {}
+    for i in range(2):
+        layer = f"model.layers.{i}"
+        expected |= {f"{layer}.self_attn.{p}": f"{layer}.input_layernorm" for p in ("q_proj", "k_proj", "v_proj")}
+        expected |= {f"{layer}.mlp.{p}": f"{layer}.post_attention_layernorm" for p in ("gate_proj", "up_proj")}
+        expected |= {
+            f"{layer}.self_attn.o_proj": f"{layer}.self_attn.v_proj",
+            f"{layer}.mlp.down_proj": f"{layer}.mlp.up_proj",
+        }
+    assert sign_carriers(llama, quantized) == expected
+    without_k = [n for n in quantized if n != "model.layers.0.self_attn.k_proj"]
+    assert sign_carriers(llama, without_k) == {
+        n: c for n, c in expected.items() if n in without_k and c != "model.layers.0.input_layernorm"
+    }
+    gemma = tiny_decoder("gemma3", tied=True)
+    assert sign_carriers(gemma, quantized) == {n: c for n, c in expected.items() if n.endswith(("o_proj", "down_proj"))}
+    llama.model.layers[1].mlp.up_proj = nn.Linear(96, 64)  # 64 outputs for down_proj's 192 inputs
+    assert "model.layers.1.mlp.down_proj" not in sign_carriers(llama, quantized)
 
 
 def test_mx_and_dmx_linears_apply_the_online_transform():

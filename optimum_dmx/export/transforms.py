@@ -1,12 +1,12 @@
 """A rotated dMX checkpoint's online input transforms, as the export targets' loaders apply them.
 
 A dMX online transform is `T = D (I ⊗ H)` (`nn.transforms.RandomizedHadamard` without an odd factor): a random
-sign per element, then the normalized Sylvester-Hadamard matrix `H` of order `b` on every `b` consecutive
-elements. The loaders apply such a block-diagonal Hadamard transform to a layer's input and nothing per element:
-compressed-tensors' `"hadamard"` transform (`transform_config`, one matrix per block of `head_dim = b` elements),
-and AMD Quark's online rotation (`algo_config`'s rotation with `rotation_size = b`, a +-1 `input_rotation` per
-layer). So the signs move into whatever produces the layer's input, element by element, where negating an output
-is exact (MX codes are sign-magnitude: a row's sign bits):
+sign per element (or none, `signed=False`), then the normalized Sylvester-Hadamard matrix `H` of order `b` on every
+`b` consecutive elements. The loaders apply such a block-diagonal Hadamard transform to a layer's input and nothing
+per element: compressed-tensors' `"hadamard"` transform (`transform_config`, one matrix per block of
+`head_dim = b` elements), and AMD Quark's online rotation (`algo_config`'s rotation with `rotation_size = b`, a +-1
+`input_rotation` per layer). So the signs move into whatever produces the layer's input, element by element, where
+negating an output is exact (MX codes are sign-magnitude: a row's sign bits):
 
 * a gated MLP's `down_proj` reads `act(gate_proj(x)) * up_proj(x)`: `up_proj`'s output rows and bias;
 * an attention's `o_proj` reads, per query head, a mix over tokens of its value head's `v_proj` outputs:
@@ -15,14 +15,16 @@ is exact (MX codes are sign-magnitude: a row's sign bits):
 * q/k/v and gate/up read an RMSNorm's output, the norm's scale times the normalized input, and share one transform:
   the norm's scale (`weight`).
 
-The loader applies `I ⊗ H`; the product is the same function.
+The loader applies `I ⊗ H`; the product is the same function. `rotation="online_block_hadamard"` draws signs only
+where they can move (`nn.rotation.sign_carriers`); a transform without signs needs nothing from another layer.
 
 What this cannot carry is refused, naming the layer: a transform with an odd factor (the random orthogonal matrix
 of `rotation="hadamard"` at an intermediate size that is not a power of two, in checkpoints of earlier versions: no
 Hadamard matrix the loaders build equals it), signs that differ within a query-head group (`online_block_hadamard`
-checkpoints of earlier versions), a norm that scales by something else than its weight (Gemma's `1 + weight`),
-linears reading one norm with different transforms, and, for Quark, transforms of different block sizes in one
-model (its rotation has one `rotation_size`).
+checkpoints of earlier versions), signs on a layer whose input no layer can take them for (a norm that scales by
+something else than its weight, such as Gemma's `1 + weight`, in checkpoints of earlier versions), linears reading
+one norm with different transforms, and, for Quark, transforms of different block sizes in one model (its rotation
+has one `rotation_size`).
 """
 
 from __future__ import annotations
@@ -133,6 +135,8 @@ def _transforms(
                 f"orthogonal matrix of order {transform.odd} (block size {transform.block_size}), which {target}'s "
                 "Hadamard transforms cannot express; calibrate with rotation='block_hadamard' (blocks of 32) to export"
             )
+        if not transform.signed:
+            continue  # a plain Hadamard transform: what the loaders apply
         parent, _, leaf = module.rpartition(".")
         if leaf == "down_proj":
             producer, signs = _up_proj_signs(module, transform, skeleton)

@@ -114,10 +114,11 @@ class DMXConfig(QuantizationConfigMixin):
         rotation: function-preserving rotations applied before calibration (`nn.rotation`, `docs/rotations.md`):
             `"auto"`, `"none"`, `"hadamard"`, `"block_hadamard"` or `"online_block_hadamard"`. Merged rotations
             change the saved weights (tied embeddings are untied); online transforms are recorded in
-            `input_transforms` and rebuilt on load. `"auto"` is `"online_block_hadamard"` where exported
-            checkpoints can carry its transforms, else `"none"` (`nn.rotation.resolve_rotation`; config.json
-            records which). Default: `"auto"` when calibrating with `method="dmx"` or `"kl"`, `"none"` with
-            `method="paper"` (the paper's procedure, exactly) or a given `format_map`.
+            `input_transforms` and rebuilt on load. `"auto"` is `"online_block_hadamard"` where every quantized
+            layer is an `nn.Linear` of whole MX blocks (exported checkpoints carry its transforms), else `"none"`
+            (`nn.rotation.resolve_rotation`; config.json records which). Default: `"auto"` when calibrating with
+            `method="dmx"` or `"kl"`, `"none"` with `method="paper"` (the paper's procedure, exactly) or a given
+            `format_map`.
         learn_rotations: train the merged rotations (`"hadamard"`, `"block_hadamard"`) with the formats (Cayley
             SGD, SpinQuant's step); merged into the saved weights, nothing is needed at load time.
         offset_groups: layers that share one format: `"fused"` (q/k/v and gate/up of each decoder layer, and each

@@ -24,14 +24,17 @@ odd factor. `rotation="block_hadamard"` uses block-diagonal ones aligned to the 
 
 `rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets an online
 block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale; linears
-that read one input (q/k/v, gate/up) share one, and an `o_proj`'s signs are equal across the query heads that read
-one value head (so that an export can move every transform's signs into the layer or norm producing its input).
+that read one input (q/k/v, gate/up) share one. The loaders of exported checkpoints apply plain Hadamard
+transforms, so a transform has random signs only where an export can move them into the layer or norm producing
+its input (`sign_carriers`: `up_proj` for `down_proj`, `v_proj` for `o_proj`, with signs equal across the query
+heads that read one value head, a decoder layer's RMSNorm for the linears reading it); elsewhere (Gemma's
+`1 + weight` norms, fused `qkv_proj`/`gate_up_proj` layers, other layouts) it is a plain block Hadamard transform.
 Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
 each quantized linear's input per call.
 
 `rotation="auto"` (`resolve_rotation`) is `"online_block_hadamard"` where an exported checkpoint can carry it (every
-quantized linear a plain `nn.Linear` with whole MX blocks of inputs, each transform's signs movable into the layer or
-norm producing its input), else `"none"`, with a warning that names the obstacle.
+quantized linear a plain, unsharded `nn.Linear` with whole MX blocks of inputs), else `"none"`, with a warning that
+names the obstacle.
 
 All rotations are computed in float64 and written back in each weight's dtype, where the weight lives: in memory,
 offloaded by accelerate or sharded by FSDP2 (`nn.placement.write_parameters`).
@@ -83,20 +86,8 @@ def resolve_rotation(model: nn.Module, rotation: str, quantized: Collection[str]
 
 
 def online_transform_obstacle(model: nn.Module, quantized: Collection[str], block_size: int = 32) -> str | None:
-    """Why `rotation="online_block_hadamard"` does not suit `model` for serving, or None if it does.
-
-    Each quantized linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks, and an exporter
-    must be able to move its transform's random signs into the layer producing its input (compressed-tensors' and
-    Quark's transforms are pure Hadamard matrices): `up_proj`'s rows for a gated MLP's `down_proj`, `v_proj`'s for
-    an attention's `o_proj`, the norm's scale for the linears reading a decoder layer's RMSNorm, which must then
-    all be quantized (they share one transform) and output their weight times the normalized input.
-    """
-    try:
-        norm_readers = residual_norm_readers(model)
-    except ValueError as error:
-        return str(error)
-    norm_of = {reader: norm for norm, readers in norm_readers for reader in readers}
-    readers_of = dict(norm_readers)
+    """Why `rotation="online_block_hadamard"` does not suit `model` for serving, or None if it does: each quantized
+    linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks."""
     for name in quantized:
         linear = model.get_submodule(name)
         refusal = _online_transform_refusal(name, linear, block_size)
@@ -104,17 +95,40 @@ def online_transform_obstacle(model: nn.Module, quantized: Collection[str], bloc
             return refusal
         if is_sharded(linear):
             return f"{name} is sharded by FSDP2 (rotate the model before fully_shard)"
-        if name.rpartition(".")[2] in ("o_proj", "down_proj"):
-            continue  # decoder layers have v_proj and up_proj (`residual_norm_readers` checked)
-        norm = norm_of.get(name)
-        if norm is None:
-            return f"{name} reads no RMSNorm of the residual stream, so no export can take its transform's signs"
-        in_float = [reader for reader in readers_of[norm] if reader not in quantized]
-        if in_float:
-            return f"{name} shares {norm}'s output with {in_float[0]}, which stays in float"
-        if not negates_with_its_scale(model.get_submodule(norm)):
-            return f"{norm} ({type(model.get_submodule(norm)).__name__}) does not output its weight times the input"
     return None
+
+
+def sign_carriers(model: nn.Module, quantized: Collection[str]) -> dict[str, str]:
+    """For each of `quantized` whose online transform's random signs an exported checkpoint can carry, the module
+    whose output takes them (negating an output element exactly negates that input element of the linear):
+
+    * a gated MLP's `down_proj` reads `act(gate_proj(x)) * up_proj(x)`: `up_proj`'s rows;
+    * an attention's `o_proj` reads, per query head, a mix over tokens of its value head's `v_proj` outputs:
+      `v_proj`'s rows (the signs drawn equal across the query heads sharing a value head);
+    * q/k/v and gate/up read a decoder layer's RMSNorm, its scale times the normalized input: the norm's scale,
+      if every linear reading it is quantized (they share one transform) and the norm outputs its weight times
+      the input (not Gemma's `1 + weight`).
+
+    The linears left out get transforms without signs."""
+    try:
+        norm_readers = residual_norm_readers(model)
+    except ValueError:  # not a Llama-style layout: no norm is known to feed a linear
+        norm_readers = []
+    carriers = {}
+    for norm, readers in norm_readers:
+        if all(reader in quantized for reader in readers) and negates_with_its_scale(model.get_submodule(norm)):
+            carriers.update(dict.fromkeys(readers, norm))
+    for name in quantized:
+        parent, _, leaf = name.rpartition(".")
+        if leaf not in ("down_proj", "o_proj"):
+            continue
+        producer = f"{parent}.{'up_proj' if leaf == 'down_proj' else 'v_proj'}"
+        copies, _ = _value_head_sign_copies(model, name) or (1, None)
+        producer_module = _submodule(model, producer)
+        inputs = model.get_submodule(name).in_features
+        if isinstance(producer_module, nn.Linear) and producer_module.out_features * copies == inputs:
+            carriers[name] = producer
+    return carriers
 
 
 def _online_transform_refusal(name: str, linear: nn.Module, block_size: int) -> str | None:
@@ -275,11 +289,13 @@ def residual_norm_readers(model: nn.Module) -> list[tuple[str, list[str]]]:
 def _transform_every_input(
     model: nn.Module, quantized: Collection[str], block_size: int, seed: int
 ) -> dict[str, dict[str, Any]]:
-    """An online block-diagonal randomized Hadamard transform on the input of every quantized linear; the linears
-    that read one input (q/k/v, gate/up: `nn.groups.fused_projection_groups`) share one transform, so that its
-    result is computed once for them (`MXLinear.matmul_input`) and an engine that fuses them can apply it."""
+    """An online block-diagonal Hadamard transform on the input of every quantized linear, with random signs where
+    an export can carry them (`sign_carriers`); the linears that read one input (q/k/v, gate/up:
+    `nn.groups.fused_projection_groups`) share one transform, so that its result is computed once for them
+    (`MXLinear.matmul_input`) and an engine that fuses them can apply it."""
     generator = torch.Generator().manual_seed(seed)
     shared_with = {name: group[0] for group in fused_projection_groups(quantized) for name in group}
+    carriers = sign_carriers(model, quantized)
     built: dict[str, RandomizedHadamard] = {}
     transforms = {}
     for name in quantized:
@@ -291,7 +307,8 @@ def _transform_every_input(
         if owner not in built:
             seed_of_owner = int(torch.randint(0, 2**31 - 1, (), generator=generator))
             copies = _value_head_sign_copies(model, name)
-            built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies)
+            signed = owner in carriers
+            built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies, signed)
         transform = built[owner]
         _merge_input_side(model, name, transform.matrix())
         replace_module(model, name, TransformedLinear(linear, transform))
@@ -349,6 +366,14 @@ def _output_linear(model: nn.Module) -> nn.Linear:
     if head is None or not isinstance(head, nn.Linear):
         raise ValueError(f"rotation needs the output embeddings (lm_head) of {type(model).__name__} as an nn.Linear")
     return head
+
+
+def _submodule(model: nn.Module, name: str) -> nn.Module | None:
+    """`model`'s module `name`, or None if it has none."""
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        return None
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:

@@ -5,7 +5,9 @@ dimension of row vectors (`x -> x @ T`):
 
 * `D`: a random diagonal of signs (one per element, from `seed`); with `sign_copies = (copies, run)`, each run of
   `run` drawn signs is used `copies` times in a row (the input of a grouped-query attention's `o_proj`, whose
-  query heads of one group read one value head: signs equal across the group can move into `v_proj`'s rows);
+  query heads of one group read one value head: signs equal across the group can move into `v_proj`'s rows); with
+  `signed=False`, the identity (a plain block Hadamard transform, for an input whose producer cannot take signs in
+  an exported checkpoint: `nn.rotation.sign_carriers`);
 * `I ⊗ ...`: the same transform on every `block_size` consecutive elements (block-diagonal; `block_size = size`
   is the full-size transform);
 * `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
@@ -19,8 +21,8 @@ dimension of row vectors (`x -> x @ T`):
 
 A block size of 32 aligns the transform with the MX blocks: each block's values are mixed only among
 themselves, so one outlier raises one block scale instead of all of them. The transform is rebuilt exactly from
-`(size, block_size, seed)`, which is all a checkpoint records (`to_dict`); it holds no trainable state and adds
-nothing to a state dict.
+`(size, block_size, seed)` (and `sign_copies`, `signed`), which is all a checkpoint records (`to_dict`); it holds no
+trainable state and adds nothing to a state dict.
 
 At inference (no gradient wanted) the transform's last steps run as one compiled kernel (`formats.compilation`):
 the division, the rounding to the input's dtype and, through `quantize`, the MX cast that follows. For 32-blocks (a
@@ -184,10 +186,16 @@ class RandomizedHadamard(nn.Module):
         seed: seeds the signs and the odd-factor rotation; the same arguments always give the same matrix.
         sign_copies: `(copies, run)`: `size / copies` signs are drawn and each run of `run` of them is used `copies`
             times in a row; `(1, size)` (default) draws one per element.
+        signed: False makes `D` the identity (no signs are drawn; `seed` still draws `Q`).
     """
 
     def __init__(
-        self, size: int, block_size: int | None = None, seed: int = 0, sign_copies: tuple[int, int] | None = None
+        self,
+        size: int,
+        block_size: int | None = None,
+        seed: int = 0,
+        sign_copies: tuple[int, int] | None = None,
+        signed: bool = True,
     ):
         super().__init__()
         block_size = size if block_size is None else block_size
@@ -202,8 +210,12 @@ class RandomizedHadamard(nn.Module):
         self.power, self.odd = _split_power_of_two(block_size)
         generator = torch.Generator().manual_seed(self.seed)
         # Explicitly on the CPU: transformers builds checkpoints' modules under a meta-device context.
-        drawn = torch.randint(0, 2, (size // copies,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
-        signs = drawn.view(-1, run).repeat_interleave(copies, 0).flatten()
+        self.signed = bool(signed)
+        if self.signed:
+            drawn = torch.randint(0, 2, (size // copies,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
+            signs = drawn.view(-1, run).repeat_interleave(copies, 0).flatten()
+        else:
+            signs = torch.ones(size, dtype=torch.float64, device="cpu")
         odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[
             0
         ]
@@ -267,12 +279,14 @@ class RandomizedHadamard(nn.Module):
         return transformed if cast is None else quantize_mx(transformed, *cast)
 
     @property
-    def key(self) -> tuple[int, int, int, tuple[int, int]]:
-        """`(size, block_size, seed, sign_copies)`: equal keys, equal transforms (modules may share the results)."""
-        return self.size, self.block_size, self.seed, self.sign_copies
+    def key(self) -> tuple[int, int, int, tuple[int, int], bool]:
+        """`(size, block_size, seed, sign_copies, signed)`: equal keys, equal transforms (modules may share the
+        results)."""
+        return self.size, self.block_size, self.seed, self.sign_copies, self.signed
 
     def signs(self) -> torch.Tensor:
-        """The diagonal of `D`: one sign (+-1, float64) per element of the transformed dimension."""
+        """The diagonal of `D`: one sign (+-1, float64) per element of the transformed dimension (all +1 when not
+        `signed`)."""
         return self._factors[(torch.device("cpu"), torch.float64)][0].clone()
 
     def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
@@ -284,17 +298,23 @@ class RandomizedHadamard(nn.Module):
         spec = {"type": "randomized_hadamard", "size": self.size, "block_size": self.block_size, "seed": self.seed}
         if self.sign_copies[0] > 1:
             spec["sign_copies"] = list(self.sign_copies)
+        if not self.signed:  # absent (checkpoints of earlier versions too): signed
+            spec["signed"] = False
         return spec
 
     @classmethod
     def from_dict(cls, spec: dict[str, Any]) -> RandomizedHadamard:
         if not isinstance(spec, dict) or spec.get("type") != "randomized_hadamard":
             raise ValueError(f"unknown input transform {spec!r}; allowed: type 'randomized_hadamard'")
-        return cls(int(spec["size"]), int(spec["block_size"]), int(spec["seed"]), spec.get("sign_copies"))
+        signed = spec.get("signed", True)
+        if not isinstance(signed, bool):
+            raise ValueError(f"input transform {spec!r}: 'signed' must be true or false, got {signed!r}")
+        return cls(int(spec["size"]), int(spec["block_size"]), int(spec["seed"]), spec.get("sign_copies"), signed)
 
     def extra_repr(self) -> str:
         copies = f", sign_copies={self.sign_copies}" if self.sign_copies[0] > 1 else ""
-        return f"size={self.size}, block_size={self.block_size}, seed={self.seed}{copies}"
+        unsigned = "" if self.signed else ", signed=False"
+        return f"size={self.size}, block_size={self.block_size}, seed={self.seed}{copies}{unsigned}"
 
 
 class TransformedLinear(nn.Linear):
