@@ -235,7 +235,7 @@ def _convert_tensors(
     return the new tensor name -> file map."""
     row_signs = transforms.row_signs if transforms else {}
     matrices = transforms.tensors if transforms else {}
-    unsigned = set(row_signs)
+    signs_to_apply = set(row_signs)
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise ExportError(f"{str(source)!r} has no safetensors files")
@@ -245,7 +245,7 @@ def _convert_tensors(
         with safe_open(file, framework="pt") as reader:
             tensors = {name: reader.get_tensor(name) for name in reader.keys()}
             metadata = reader.metadata()
-        unsigned -= _apply_row_signs(tensors, row_signs, format_map)
+        signs_to_apply -= _apply_row_signs(tensors, row_signs, format_map)
         out = {}
         for name, tensor in tensors.items():
             module, _, leaf = name.rpartition(".")
@@ -266,8 +266,8 @@ def _convert_tensors(
             out.update(matrices[module])
         save_file(out, staging / file.name, metadata=metadata)
         weight_map.update(dict.fromkeys(out, file.name))
-    if unsigned:
-        raise ExportError(f"the safetensors files lack the weights of {sorted(unsigned)}, whose rows take signs")
+    if signs_to_apply:
+        raise ExportError(f"the safetensors files lack the weights of {sorted(signs_to_apply)}, whose rows take signs")
     if remaining:
         raise ExportError(
             f"the safetensors files lack the packed weights of {len(remaining)} layers of the format "
