@@ -122,12 +122,12 @@ def sign_carriers(model: nn.Module, quantized: Collection[str]) -> dict[str, str
         parent, _, leaf = name.rpartition(".")
         if leaf not in ("down_proj", "o_proj"):
             continue
-        producer = f"{parent}.{'up_proj' if leaf == 'down_proj' else 'v_proj'}"
+        producer = "up_proj" if leaf == "down_proj" else "v_proj"
         copies, _ = _value_head_sign_copies(model, name) or (1, None)
-        producer_module = _submodule(model, producer)
+        producer_module = getattr(model.get_submodule(parent), producer, None)
         inputs = model.get_submodule(name).in_features
         if isinstance(producer_module, nn.Linear) and producer_module.out_features * copies == inputs:
-            carriers[name] = producer
+            carriers[name] = f"{parent}.{producer}"
     return carriers
 
 
@@ -366,14 +366,6 @@ def _output_linear(model: nn.Module) -> nn.Linear:
     if head is None or not isinstance(head, nn.Linear):
         raise ValueError(f"rotation needs the output embeddings (lm_head) of {type(model).__name__} as an nn.Linear")
     return head
-
-
-def _submodule(model: nn.Module, name: str) -> nn.Module | None:
-    """`model`'s module `name`, or None if it has none."""
-    try:
-        return model.get_submodule(name)
-    except AttributeError:
-        return None
 
 
 def _module_name(model: nn.Module, module: nn.Module) -> str:
