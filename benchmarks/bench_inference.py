@@ -17,13 +17,24 @@ Measures, in one run:
    time per token (32 tokens after a 16-token prompt: one row per step, where a cast's per-call cost counts more
    than its throughput), `from_pretrained`
    time and checkpoint bytes, float vs dMX, and the cached dMX model with every linear casting its own input
-   (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence. The dMX model uses
+   (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence, and the cached dMX
+   model casting each activation in one kernel call instead of a chunk of rows at a time (`formats.cast.map_row_chunks`:
+   in bfloat16, its float32 temporaries were fresh pages on every call). The dMX model uses
    a fixed mixed map applied without calibration, with one format per fused group as the default
    `offset_groups="fused"` gives every calibrated map: of the units of one format (q/k/v, o_proj, gate/up,
    down_proj, layer after layer) every fifth is MXFP8, the rest MXFP4 (4.8 average bits). With
    `--rotation NAME[,NAME...]` one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same
    map, is timed beside them (the cost of the online transforms: `down_proj`'s input for `hadamard` /
    `block_hadamard`, every quantized input for `online_block_hadamard`).
+
+With `--fresh-processes`, instead of all of the above: the whole model in bfloat16 (float, the cached dMX model with
+its casts chunked and not chunked, each rotation), each model timed in a process of its own, started for it, as a
+user's process runs it (the allocator's state, which decides whether the casts' float32 temporaries are fresh pages
+on every call, depends on what the process allocated before; in the long run above it had handed out and taken back
+far larger buffers), three times per model in turn:
+
+    python benchmarks/bench_inference.py --fresh-processes --repeats 7 \
+        --rotation hadamard,block_hadamard,online_block_hadamard --output benchmarks/results/inference_processes.md
 
 Times are median CPU times (one torch thread by default) over `--repeats` runs after a warm-up: the
 linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32 and, with `--model-bf16`, in bf16 too.
@@ -39,6 +50,7 @@ from __future__ import annotations
 import argparse
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -49,7 +61,7 @@ import torch
 from torch import nn
 
 from optimum_dmx import DMXConfig, MXLinear
-from optimum_dmx.formats import MX_FORMATS, get_format, quantize_mx
+from optimum_dmx.formats import MX_FORMATS, cast, get_format, quantize_mx
 from optimum_dmx.formats.cast import fused_cast_mx
 from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS, CompiledKernel
 from optimum_dmx.integration.model_card import checkpoint_bytes
@@ -200,6 +212,73 @@ def generate(model: nn.Module, prompt: torch.Tensor) -> torch.Tensor:
     return model.generate(prompt, max_new_tokens=GENERATED_TOKENS, min_new_tokens=GENERATED_TOKENS, do_sample=False)
 
 
+def save_dmx_models(model_dir: Path, into: Path, rotations: tuple[str, ...]) -> list[Path]:
+    """Folders of the dMX model (`mixed_format_map`, bf16) and of the same map with each rotation, under `into`."""
+    from transformers import AutoModelForCausalLM
+
+    format_map = mixed_format_map(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16))
+    folders = [into / "dmx", *(into / f"rotated-{rotation}" for rotation in rotations)]
+    for rotation, folder in zip(("none", *rotations), folders):
+        config = DMXConfig(format_map=format_map, rotation=rotation)
+        AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=torch.bfloat16, quantization_config=config
+        ).save_pretrained(folder)
+    return folders
+
+
+def forward_seconds(model_dir: str, shape: tuple[int, int], repeats: int, threads: int, chunked: bool) -> float:
+    """Median CPU time of the bf16 forward of the model in `model_dir` on `shape` tokens, in this process (casts not
+    chunked unless `chunked`)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.set_num_threads(threads)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
+    ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0))
+    limit = cast.ROW_CHUNK_ELEMENTS if chunked else sys.maxsize
+    with mock.patch.object(cast, "ROW_CHUNK_ELEMENTS", limit), torch.inference_mode():
+        return median_seconds([lambda: model(ids)], repeats, time.process_time)[0]
+
+
+# Run by `bench_fresh_processes` in a new interpreter: prints one model's `forward_seconds`.
+FORWARD_IN_A_NEW_PROCESS = """
+import sys
+sys.path.insert(0, {benchmarks!r})
+from bench_inference import forward_seconds
+print(forward_seconds({model!r}, {shape!r}, {repeats!r}, {threads!r}, {chunked!r}))
+"""
+
+
+def bench_fresh_processes(
+    model_dir: Path, repeats: int, threads: int, rotations: tuple[str, ...], rounds: int = 3
+) -> list[list[str]]:
+    """Rows per shape: the bf16 forward of float, dMX (casts chunked, then not) and each rotated dMX model, each timed
+    in a new Python process that loads only that model, as a user's does; the models in turn, `rounds` times; the
+    median of the rounds (processes of the same model differ by several percent, as their allocators' states do)."""
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        dmx_dir, *rotated_dirs = save_dmx_models(model_dir, Path(tmp), rotations)
+        models = [(model_dir, True), (dmx_dir, True), (dmx_dir, False), *((path, True) for path in rotated_dirs)]
+        for shape in SHAPES:
+            samples: list[list[float]] = [[] for _ in models]
+            for _ in range(rounds):
+                for (path, chunked), times in zip(models, samples):
+                    code = FORWARD_IN_A_NEW_PROCESS.format(
+                        benchmarks=str(Path(__file__).parent),
+                        model=str(path),
+                        shape=shape,
+                        repeats=repeats,
+                        threads=threads,
+                        chunked=chunked,
+                    )
+                    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+                    times.append(float(result.stdout.split()[-1]))
+            base, *others = (statistics.median(times) for times in samples)
+            log(f"fresh processes {shape}: " + " / ".join(f"{t:.3f}" for t in (base, *others)) + " s")
+            cells = compared(others, base, 1e3, "{:.0f}", against_dmx_from=1)
+            rows.append(["SmolLM2-135M forward", "bfloat16", "x".join(map(str, shape)), f"{base * 1e3:.0f}", *cells])
+    return rows
+
+
 def bench_model(
     model_dir: Path, repeats: int, rotations: tuple[str, ...] = (), dtypes: tuple[torch.dtype, ...] = (torch.float32,)
 ) -> tuple[list[list[str]], list[str]]:
@@ -209,17 +288,7 @@ def bench_model(
     float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     format_map = mixed_format_map(float_model)
     with tempfile.TemporaryDirectory() as tmp:
-        dmx_dir = Path(tmp) / "dmx"
-        dmx = AutoModelForCausalLM.from_pretrained(
-            model_dir, dtype=torch.bfloat16, quantization_config=DMXConfig(format_map=format_map)
-        )
-        dmx.save_pretrained(dmx_dir)
-        del dmx
-        rotated_dirs = [Path(tmp) / f"rotated-{rotation}" for rotation in rotations]
-        for rotation, rotated_dir in zip(rotations, rotated_dirs):
-            AutoModelForCausalLM.from_pretrained(
-                model_dir, dtype=torch.bfloat16, quantization_config=DMXConfig(format_map=format_map, rotation=rotation)
-            ).save_pretrained(rotated_dir)
+        dmx_dir, *rotated_dirs = save_dmx_models(model_dir, Path(tmp), rotations)
 
         load_float, load_dmx = median_seconds(
             [lambda: AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16) for path in (model_dir, dmx_dir)],
@@ -243,7 +312,7 @@ def bench_model(
             f"{(rest_bytes + linear_float_bytes * storage_bits / 16) / float_bytes:.3f})",
         ]
         load_ratio, size_ratio = load_dmx / load_float, dmx_bytes / float_bytes
-        extra = [""] * (1 + len(rotations))
+        extra = [""] * (2 + len(rotations))
         rows.append(
             [
                 "load time (from_pretrained, wall)",
@@ -283,8 +352,15 @@ def bench_model(
             for batch, seq in SHAPES:
                 generator = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
+
+                def unchunked(ids: torch.Tensor = ids) -> None:
+                    with mock.patch.object(cast, "ROW_CHUNK_ELEMENTS", sys.maxsize):
+                        dmx(ids)
+
+                forwards = [lambda m=m: m(ids) for m in models]
+                forwards.insert(4, unchunked)
                 with torch.inference_mode():
-                    base, *others = median_seconds([lambda m=m: m(ids) for m in models], repeats, time.process_time)
+                    base, *others = median_seconds(forwards, repeats, time.process_time)
                 log(f"model {dtype} {batch}x{seq}: " + " / ".join(f"{t:.2f}" for t in (base, *others)) + " s")
                 rows.append(
                     [
@@ -306,6 +382,7 @@ def bench_model(
                     )
                 )
             log(f"generation {dtype}: " + " / ".join(f"{t * 1e3:.1f}" for t in (base, *others)) + " ms per token")
+            others.insert(3, None)  # one row per step: nothing to chunk, not timed
             rows.append(
                 [
                     "SmolLM2-135M generation, ms per token",
@@ -318,11 +395,15 @@ def bench_model(
     return rows, notes
 
 
-def compared(times: list[float], float_time: float, unit: float, number: str) -> list[str]:
-    """Cells for the dMX models' `times` (cached first, then packed-only, unshared casts, rotations): each with its
-    ratio to float; a rotated model's also with its ratio to the cached unrotated dMX model (its transforms' cost)."""
-    cells = [f"{number.format(t * unit)} ({t / float_time:.2f}x)" for t in times]
-    cells[3:] = [f"{cell[:-1]}; {t / times[0]:.2f}x dMX)" for cell, t in zip(cells[3:], times[3:])]
+def compared(
+    times: list[float | None], float_time: float, unit: float, number: str, against_dmx_from: int = 3
+) -> list[str]:
+    """Cells for the dMX models' `times` (the cached model first; None: not timed): each with its ratio to float, and
+    from index `against_dmx_from` on (the whole-model table's unchunked casts and rotations) also with its ratio to
+    the cached dMX model."""
+    cells = ["" if t is None else f"{number.format(t * unit)} ({t / float_time:.2f}x)" for t in times]
+    start = against_dmx_from
+    cells[start:] = [cell and f"{cell[:-1]}; {t / times[0]:.2f}x dMX)" for cell, t in zip(cells[start:], times[start:])]
     return cells
 
 
@@ -341,6 +422,11 @@ def main() -> None:
         help=f"comma list of rotations ({', '.join(ROTATIONS)}): also time a dMX model with each (same map)",
     )
     parser.add_argument("--model-bf16", action="store_true", help="also time the whole model in bfloat16")
+    parser.add_argument(
+        "--fresh-processes",
+        action="store_true",
+        help="only the whole model in bfloat16, each model timed in a process of its own",
+    )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
@@ -354,12 +440,25 @@ def main() -> None:
 
     hf_logging.disable_progress_bar()
 
+    machine = (
+        f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "
+        f"torch {torch.__version__}; times are median CPU times of {args.repeats} runs, in ms unless marked"
+    )
+    if args.fresh_processes:
+        header = ["measure", "dtype", "batch x seq", "float", "dMX cached (vs float)"]
+        header += ["dMX cached, casts not chunked (vs float; vs dMX cached)"]
+        header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]
+        rows = bench_fresh_processes(args.model or benchmark_model(), args.repeats, args.threads, rotations)
+        text = (
+            f"{machine}; each model in a new process that loads only it, three times in turn: the median of the "
+            "three\n\n" + table(header, rows)
+        )
+        write_report(text + "\n", args.output, "Inference, each model in a fresh process")
+        return
     parts = [
         f"Command (from the repository root, with the package importable, e.g. `pip install -e .`): "
         f"`python {' '.join(sys.argv)}`",
-        f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "
-        f"torch {torch.__version__}; "
-        f"times are median CPU times of {args.repeats} runs, in ms unless marked",
+        machine,
         "",
         "### One decoder linear",
         table(
@@ -386,6 +485,7 @@ def main() -> None:
             "dMX cached",
             "dMX packed-only",
             "dMX cached, input casts not shared",
+            "dMX cached, casts not chunked (vs float; vs dMX cached)",
         ]
         header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]
         parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]

@@ -644,6 +644,22 @@ def test_quality_report_sets_the_servable_configuration_against_the_library_defa
     ]
 
 
+@pytest.mark.slow  # 24 new processes, each loading torch and a model: a few minutes
+def test_inference_benchmark_times_each_bfloat16_model_in_new_processes(tiny_text_model_dir, tmp_path):
+    """`--fresh-processes`: one row per shape, the float model's time, then dMX, dMX with unchunked casts and the
+    rotated model, each with its ratio to float and (after the cached model) to the cached dMX model."""
+    output = tmp_path / "processes.md"
+    args = ("--model", tiny_text_model_dir / "model", "--repeats", "1", "--rotation", "online_block_hadamard")
+    run_benchmark("bench_inference.py", "--fresh-processes", *args, "--output", output)
+    rows = [line for line in output.read_text().splitlines() if " forward | bfloat16 |" in line]
+    assert [row.split("|")[3].strip() for row in rows] == ["1x512", "8x128"]
+    for line in rows:
+        cells = [cell.strip() for cell in line.strip("|").split("|")]
+        assert len(cells) == 7 and re.fullmatch(r"\d+", cells[3]), cells
+        assert re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cells[4]), cells
+        assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[5:]), cells
+
+
 INFERENCE_MAP = """
 import sys
 sys.path.insert(0, "benchmarks")
@@ -658,8 +674,9 @@ print(len(fused_projection_groups(format_map)), len(mixed_groups(format_map)), s
 def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_against_the_cached_model(
     tiny_text_model_dir, tmp_path
 ):
-    """The whole-model table's map gives each fused group (q/k/v, gate/up) one format, as calibrated maps have; each
-    rotated model's cells hold its ratios to the float and to the cached dMX model; the online transforms' table
+    """The whole-model table's map gives each fused group (q/k/v, gate/up) one format, as calibrated maps have; the
+    model with unchunked casts and each rotated model have cells with their ratios to the float and to the cached dMX
+    model; the online transforms' table
     times each transform with its cast against the cast alone."""
     script = [sys.executable, "-c", INFERENCE_MAP]
     result = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -673,9 +690,12 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     assert len(forward_rows) == 2  # 1 x 512 and 8 x 128
     for line in forward_rows:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert len(cells) == 7 + len(rotations)
+        assert len(cells) == 8 + len(rotations)
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for cell in cells[4:7]), cells
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[7:]), cells
+    generation = next(line for line in output.read_text().splitlines() if "generation, ms per token | float32" in line)
+    cells = [cell.strip() for cell in generation.strip("|").split("|")]
+    assert len(cells) == 8 + len(rotations) and cells[7] == ""  # one row per step: no chunks, not timed
     transform_rows = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
     calls = [[cell.strip() for cell in line.strip("|").split("|")] for line in transform_rows]
     # per input width and block: the cast alone (1.00x), the transform with it, and a reference: for 32-blocks the

@@ -27,6 +27,7 @@ from optimum_dmx.formats import (
     set_compile_enabled,
     unpack_mx,
 )
+from optimum_dmx.formats import cast as cast_module
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
 from optimum_dmx.formats.packing import fused_dequantize
@@ -82,6 +83,45 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, m
     eager = transform(x)
     eager_results = [eager, *(quantize_mx(eager, *cast) for cast in casts)]
     for got, expected in zip(compiled_results, eager_results, strict=True):
+        assert got.dtype == dtype and torch.equal(_bits(got), _bits(expected))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_large_activations_are_cast_a_chunk_of_rows_at_a_time_on_a_cpu(compiled, monkeypatch, dtype):
+    """On a CPU, an activation not in float32 is cast a chunk of rows at a time (its float32 temporaries stay small
+    enough for the allocator to reuse), into one output of its dtype with the bits of the eager cast; a float32 one
+    (no temporary but the result) in one call. So is an online transform with its cast; one whose products run
+    before its kernel (blocks over 32) is chunked in float32 too."""
+    monkeypatch.setattr(cast_module, "ROW_CHUNK_ELEMENTS", 5 * 128)  # 5 rows of 128 per chunk
+    rows_per_call = []
+
+    def recorded(kernel):
+        class Recorded:
+            active = property(lambda self: kernel.active)
+
+            def __call__(self, x, *args):
+                rows_per_call.append(len(x))
+                return kernel(x, *args)
+
+        return Recorded()
+
+    monkeypatch.setattr(cast_module, "fused_cast_mx", recorded(fused_cast_mx))
+    monkeypatch.setattr(transforms, "_transform_kernel", recorded(_transform_kernel))
+    x = awkward_tensor(23, 128).to(dtype).reshape(1, 23, 128)
+    fmt = get_format("mxfp4_e2m1")
+    chunks = [5, 5, 5, 5, 3] if dtype != torch.float32 else [23]
+    got = quantize_mx(x, fmt)
+    assert rows_per_call == chunks
+    assert got.dtype == dtype and got.shape == x.shape
+    assert torch.equal(_bits(got), _bits(cast_mx(x, fmt, 32, "ocp")))
+    for block_size in (32, 128):
+        transform = RandomizedHadamard(128, block_size, seed=1)
+        rows_per_call.clear()
+        got = transform.quantize(x, fmt, 32, "ocp")
+        assert rows_per_call == (chunks if block_size == 32 else [5, 5, 5, 5, 3])
+        set_compile_enabled(False)
+        expected = quantize_mx(transform(x), fmt)
+        set_compile_enabled(True)
         assert got.dtype == dtype and torch.equal(_bits(got), _bits(expected))
 
 

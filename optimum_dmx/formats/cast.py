@@ -15,6 +15,7 @@ and no gradient is wanted, else the eager cast.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 
@@ -141,10 +142,41 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
         # returns float32 (the cast computes in float32 anyway, so the bits are the same): inductor vectorises a
         # bfloat16 or float16 kernel 32 lanes wide, and at that width (torch 2.13, C++) it reinterprets float32
         # bit patterns through memory one element at a time; converting outside is faster.
-        rows = x.reshape(-1, x.shape[-1]).float()
-        return fused_cast_mx(rows, fmt, block_size, scale_rule)[0].to(x.dtype).view(x.shape)
+        def cast(rows: torch.Tensor) -> torch.Tensor:
+            return fused_cast_mx(rows.float(), fmt, block_size, scale_rule)[0]
+
+        return map_row_chunks(cast, x.reshape(-1, x.shape[-1]), x.dtype).view(x.shape)
     # Traced by an outer `torch.compile`: the bit-pattern rounding, whose graph has no host synchronisation to break.
     return cast_mx(x, fmt, block_size, scale_rule, native_cast=not torch.compiler.is_compiling())
+
+
+# Rows per call of `map_row_chunks`' function: at most this many elements (1 MiB of float32).
+ROW_CHUNK_ELEMENTS = 2**18
+
+
+def map_row_chunks(
+    fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, dtype: torch.dtype, float32_rows: bool = False
+) -> torch.Tensor:
+    """``fn(rows).to(dtype)`` for a row-wise ``fn`` that computes in float32 temporaries; on a CPU, where ``rows`` are
+    not float32 (or ``float32_rows`` says ``fn`` makes such temporaries anyway), a chunk of rows at a time into one
+    output.
+
+    On a CPU, glibc's allocator can hand temporaries of several MiB (a bfloat16 activation's float32 copy, the
+    kernel's float32 result) back to the system when they are freed, so that every call gets fresh pages, each
+    faulted in and zeroed by the kernel: on SmolLM2-135M in bfloat16 at 8 x 128 tokens, in a process holding only the
+    quantized model, its forward took 1.25x as long with each activation cast in one call as in chunks
+    (`benchmarks/results/inference_processes.md`; whether it happens depends on what the process allocated before).
+    Chunks of ``ROW_CHUNK_ELEMENTS`` keep the temporaries small enough to be reused (and in cache); the output is
+    written once, as any layer's. On a GPU (a caching allocator) and for float32 rows with a single temporary (the
+    result, which the caller keeps) ``fn`` runs on all rows at once.
+    """
+    chunk_rows = max(1, ROW_CHUNK_ELEMENTS // max(1, rows.shape[-1]))
+    if rows.device.type != "cpu" or (rows.dtype == torch.float32 and not float32_rows) or len(rows) <= chunk_rows:
+        return fn(rows).to(dtype)
+    out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+    for start in range(0, len(rows), chunk_rows):
+        out[start : start + chunk_rows] = fn(rows[start : start + chunk_rows])
+    return out
 
 
 def compiles(width: int, block_size: int) -> bool:

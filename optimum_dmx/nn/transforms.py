@@ -31,7 +31,9 @@ the division, the rounding to the input's dtype and, through `quantize`, the MX 
 writing a new buffer as large as the activation (on a CPU, fresh buffers that large also cost page faults). Larger
 blocks take the two matrix products before the kernel: inductor's code for more sums and differences in the kernel
 ran several times slower than the products (SmolLM2's `down_proj` transform, on 512-blocks, made the forward pass
-about a fifth slower that way). The kernel is checked bit for bit against the same steps run eagerly; that those
+about a fifth slower that way). On a CPU, an input not in float32, or one whose products run before the kernel, is
+transformed a chunk of rows at a time (`formats.cast.map_row_chunks`: float32 temporaries small enough for the
+allocator to reuse). The kernel is checked bit for bit against the same steps run eagerly; that those
 give the bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
 product's inner loop adds them) is tested.
 """
@@ -46,7 +48,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..formats.blocks import round_to_bfloat16
-from ..formats.cast import cast_mx_blocks, compiles, quantize_mx
+from ..formats.cast import cast_mx_blocks, compiles, map_row_chunks, quantize_mx
 from ..formats.compilation import CompiledKernel
 from ..formats.spec import MXFormat
 
@@ -268,15 +270,22 @@ class RandomizedHadamard(nn.Module):
         fused = _transform_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
         if fused and (cast is None or compiles(self.size, cast[1])):
             rows = x.reshape(-1, self.size)
-            if self._whole_in_kernel:
-                signs, last, sylvester = self._factors_as(x.device, torch.float32)
-                inputs = rows, signs, last.view(-1), sylvester is not None
-            else:
-                inputs = self._products(rows, torch.float32), None, None, False
-            finished = _transform_kernel(*inputs, self._last_order, float(self._norm), x.dtype, cast)
-            return (finished if cast is None else finished[0]).to(x.dtype).view(x.shape)
+            return map_row_chunks(
+                lambda chunk: self._kernel_values(chunk, x.dtype, cast), rows, x.dtype, not self._whole_in_kernel
+            ).view(x.shape)
         transformed = self._transform_rows(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
+
+    def _kernel_values(self, rows: torch.Tensor, dtype: torch.dtype, cast: tuple | None) -> torch.Tensor:
+        """`_transform_kernel`'s values (float32) for `rows`: the whole transform in the kernel, or the products
+        before it."""
+        if self._whole_in_kernel:
+            signs, last, sylvester = self._factors_as(rows.device, torch.float32)
+            inputs = rows, signs, last.view(-1), sylvester is not None
+        else:
+            inputs = self._products(rows, torch.float32), None, None, False
+        finished = _transform_kernel(*inputs, self._last_order, float(self._norm), dtype, cast)
+        return finished if cast is None else finished[0]
 
     @property
     def key(self) -> tuple[int, int, int, tuple[int, int], bool]:
