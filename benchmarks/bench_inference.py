@@ -29,9 +29,8 @@ Measures, in one run:
 
 With `--fresh-processes`, instead of all of the above: the whole model in bfloat16 (float, the cached dMX model with
 its casts chunked and not chunked, each rotation), each model timed in a process of its own, started for it, as a
-user's process runs it (the allocator's state, which decides whether the casts' float32 temporaries are fresh pages
-on every call, depends on what the process allocated before; in the long run above it had handed out and taken back
-far larger buffers), three times per model in turn:
+user's process runs it (whether the casts' float32 temporaries are fresh pages on every call depends on the
+allocator's state, so on what the process did before), three times per model in turn:
 
     python benchmarks/bench_inference.py --fresh-processes --repeats 7 \
         --rotation hadamard,block_hadamard,online_block_hadamard --output benchmarks/results/inference_processes.md

@@ -155,11 +155,11 @@ ROW_CHUNK_ELEMENTS = 2**18
 
 
 def map_row_chunks(
-    fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, dtype: torch.dtype, float32_rows: bool = False
+    fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, dtype: torch.dtype, chunk_float32: bool = False
 ) -> torch.Tensor:
     """``fn(rows).to(dtype)`` for a row-wise ``fn`` that computes in float32 temporaries; on a CPU, where ``rows`` are
-    not float32 (or ``float32_rows`` says ``fn`` makes such temporaries anyway), a chunk of rows at a time into one
-    output.
+    not float32 (or ``chunk_float32``: ``fn`` makes such temporaries from float32 rows too), a chunk of rows at a time
+    into one output.
 
     On a CPU, glibc's allocator can hand temporaries of several MiB (a bfloat16 activation's float32 copy, the
     kernel's float32 result) back to the system when they are freed, so that every call gets fresh pages, each
@@ -171,7 +171,7 @@ def map_row_chunks(
     result, which the caller keeps) ``fn`` runs on all rows at once.
     """
     chunk_rows = max(1, ROW_CHUNK_ELEMENTS // max(1, rows.shape[-1]))
-    if rows.device.type != "cpu" or (rows.dtype == torch.float32 and not float32_rows) or len(rows) <= chunk_rows:
+    if rows.device.type != "cpu" or (rows.dtype == torch.float32 and not chunk_float32) or len(rows) <= chunk_rows:
         return fn(rows).to(dtype)
     out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
     for start in range(0, len(rows), chunk_rows):
