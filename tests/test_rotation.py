@@ -84,6 +84,31 @@ def test_randomized_hadamard_is_orthogonal_block_diagonal_and_rebuilds_exactly(s
         assert not torch.equal(signs[0, 0], signs[1, 0])
 
 
+@pytest.mark.parametrize(
+    "size, block_size, sign_copies, signed",
+    [(96, 32, None, True), (576, 32, None, True), (576, 576, None, True), (1536, 1536, None, True)]
+    + [(2048, 2048, None, True), (384, 32, (3, 64), True), (576, 32, None, False), (1536, 512, None, False)],
+)
+def test_the_transform_applied_from_its_factors_is_the_dense_matrix_and_its_transpose(
+    size, block_size, sign_copies, signed
+):
+    """`apply` (what merges a transform into weights and out of them) computes `x @ T` and `x @ T^T` from the
+    factors: the dense matrix's products to float64 rounding, for every factorization (32-blocks as 16 x 2, odd
+    factors, 512-blocks as 32 x 16, sign copies, no signs); the inverse undoes the transform."""
+    transform = RandomizedHadamard(size, block_size, seed=7, sign_copies=sign_copies, signed=signed)
+    matrix = transform.matrix()
+    weight = torch.randn(3, 5, size, dtype=torch.float64)
+    applied, inverted = transform.apply(weight), transform.apply(weight, inverse=True)
+    assert applied.dtype == inverted.dtype == torch.float64 and applied.shape == weight.shape
+    torch.testing.assert_close(applied, weight @ matrix, rtol=0, atol=1e-12)
+    torch.testing.assert_close(inverted, weight @ matrix.T, rtol=0, atol=1e-12)
+    torch.testing.assert_close(transform.apply(applied, inverse=True), weight, rtol=0, atol=1e-12)
+    # signs make T unsymmetric; without them a block is a Sylvester matrix (symmetric) or holds the odd factor (not)
+    assert torch.allclose(inverted, applied) == (not signed and transform.odd == 1)
+    with pytest.raises(ValueError, match=f"RandomizedHadamard of size {size} applied to a last dimension of 8"):
+        transform.apply(torch.ones(2, 8), inverse=True)
+
+
 @pytest.mark.parametrize("size, block_size", [(64, 64), (128, 128), (96, 32), (576, 576), (1536, 1536)])
 def test_the_online_transform_computes_in_float32_under_autocast(size, block_size):
     """Under `torch.autocast` with bfloat16 products (as the KL scan runs a float32 model), the transform's own

@@ -29,12 +29,12 @@ against it (`benchmarks/results/sensitivity.md`; `research/README.md`, "The scan
 `kl_sensitivities(..., matmul_dtype=torch.float32)` keeps float32.
 
 The copies of layers with an online input transform (`nn.transforms.TransformedLinear`, `y = (x T) W'^T`: the
-`online_block_hadamard` rotation's layers, a `hadamard` rotation's `down_proj`) hold `W' T^T` and compute no
-transform, the same function (`T` is orthogonal): only a unit's own layers, low, transform their input. The
-transforms are compiled kernels, a small part of a pass: in the CLI's default run (every layer transformed) the scan
-took 47 s against 49 s on an AMD EPYC without AMX, the same map (`benchmarks/results/cli_default_run.md`). Without a
-copy (float32 products, or a model in bfloat16) the layers keep their transforms: merging them would hold a second
-copy of their weights.
+`online_block_hadamard` rotation's layers, a `hadamard` rotation's `down_proj`) hold `W' T^T` (computed from the
+transform's factors, `RandomizedHadamard.apply`) and compute no transform, the same function (`T` is orthogonal): only a
+unit's own layers, low, transform their input. The transforms are compiled kernels, a small part of a pass: in the CLI's
+default run (every layer transformed) the scan took 47 s against 49 s on an AMD EPYC without AMX, the same map
+(`benchmarks/results/cli_default_run.md`). Without a copy (float32 products, or a model in bfloat16) the layers keep
+their transforms: merging them would hold a second copy of their weights.
 """
 
 from __future__ import annotations
@@ -51,7 +51,6 @@ from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
 from ..nn.placement import input_device, is_resident, loaded_weights
-from ..nn.rotation import rotate_input_side
 from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
 from .checkpointing import decoder_layers as find_decoder_layers
 from .distributed import process_share, sum_across_processes, world
@@ -305,7 +304,7 @@ def _scan_float_layers(
         for name, state in own.items():
             weight = state.weight
             if state.transform is not None:  # `W' T^T`, as the rotation merged `T` (`T^T = T^-1`), in float64
-                weight = rotate_input_side(weight.double(), state.transform.matrix().to(weight.device).T)
+                weight = state.transform.apply(weight, inverse=True)
             scan_state = _LayerState(weight.to(dtype), None if state.transform is None else nn.Identity())
             stack.enter_context(scan_state.installed_in(targets[name]))
         yield own

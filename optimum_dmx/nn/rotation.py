@@ -205,7 +205,7 @@ def rotate_model(
     for (_, o_proj, _), (_, online) in zip(sites.heads, per_layer):
         name = _down_proj(o_proj)
         if name in quantized:
-            _merge_input_side(model, name, online.matrix())
+            _merge_transform(model, name, online)
             replace_module(model, name, TransformedLinear(model.get_submodule(name), online))
             transforms[name] = online.to_dict()
     return transforms
@@ -310,7 +310,7 @@ def _transform_every_input(
             signed = owner in carriers
             built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies, signed)
         transform = built[owner]
-        _merge_input_side(model, name, transform.matrix())
+        _merge_transform(model, name, transform)
         replace_module(model, name, TransformedLinear(linear, transform))
         transforms[name] = transform.to_dict()
     return transforms
@@ -420,6 +420,12 @@ def _merge_input_side(model: nn.Module, name: str, matrix: torch.Tensor) -> None
     """`W <- W @ diag(matrix, ...)` for module `name`: a linear now expects inputs rotated by `matrix`, an
     embedding's rows come out rotated by it."""
     _rewrite(model, name, lambda weight: rotate_input_side(weight, matrix.to(weight.device, torch.float64)))
+
+
+def _merge_transform(model: nn.Module, name: str, transform: RandomizedHadamard) -> None:
+    """`W <- W T` for linear `name`, computed from the transform's factors (`RandomizedHadamard.apply`): the
+    `TransformedLinear` that replaces it transforms its input by `T` online."""
+    _rewrite(model, name, transform.apply)
 
 
 def _merge_output_side(model: nn.Module, name: str, matrix: torch.Tensor) -> None:
