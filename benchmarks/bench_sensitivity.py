@@ -25,6 +25,12 @@ the whole vocabulary (`head_tokens=None`):
   (ignoring how one token's perturbation moves another's log-probability: lower variance), `sequence` per
   sequence (exact in expectation, noisier).
 
+Every scan of that table reads its sequences whole (`positions=1.0`). With `--positions SHARES`, a second table
+puts the library's default scan (fused groups, the vocabulary's head, bfloat16 products where the device multiplies
+them natively), which reads the first half of each sequence (`KL_POSITIONS`), against the same scan of whole
+sequences: its time and its ranking of the budget's units, for each share of the positions read (`--positions-only`
+runs that table alone).
+
     python benchmarks/bench_sensitivity.py --output benchmarks/results/sensitivity.md
 
 Pass `--model` and `--calibration` for any other model and texts.
@@ -33,6 +39,7 @@ Pass `--model` and `--calibration` for any other model and texts.
 from __future__ import annotations
 
 import dataclasses
+import math
 import statistics
 import time
 from collections.abc import Iterator, Sequence
@@ -44,7 +51,7 @@ from torch.nn import functional as F
 
 from optimum_dmx.calibration import CalibrationSettings, sensitivity
 from optimum_dmx.calibration.groups import offset_groups
-from optimum_dmx.calibration.sensitivity import HEAD_TOKENS, KL_SAMPLES, kl_sensitivities, scan_units
+from optimum_dmx.calibration.sensitivity import HEAD_TOKENS, KL_POSITIONS, KL_SAMPLES, kl_sensitivities, scan_units
 from optimum_dmx.continuous import get_format_pair
 from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn.surgery import linear_modules_to_quantize
@@ -126,6 +133,8 @@ def main() -> None:
     p.add_argument("--skip-elementwise", action="store_true", help="no `kl, element-wise` row")
     p.add_argument("--fused-groups", action="store_true", help="a row for the scan of fused groups, unit by unit")
     p.add_argument("--bfloat16", action="store_true", help="the library's scans again with bfloat16 products")
+    p.add_argument("--positions", default="", help="comma list of shares of the positions read: a table each")
+    p.add_argument("--positions-only", action="store_true", help="only the table of `--positions`")
     p.add_argument(
         "--fisher", default="4:1,4:4,4:16,16:1,16:4", help="comma list of SEQUENCES:SAMPLES of the Fisher estimates"
     )
@@ -141,7 +150,11 @@ def main() -> None:
         target_bits=5.0, format_pair=a.pair, num_samples=count, seq_len=a.seq_len, batch_size=batch_size
     )
 
-    float32 = dict(progress=False, matmul_dtype=torch.float32)
+    shares = [float(share) for share in a.positions.split(",") if share]
+    if a.positions_only:
+        write_report(positions_table(model, ids, settings, shares), a.output, "Sensitivity signals")
+        return
+    float32 = dict(progress=False, matmul_dtype=torch.float32, positions=1.0)
     start = time.perf_counter()
     reference = kl_sensitivities(model, ids, settings, head_tokens=None, **float32)
     reference_seconds = time.perf_counter() - start
@@ -189,7 +202,7 @@ def main() -> None:
         for signal, scan_settings, head_tokens, units in library_scans:
             start = time.perf_counter()
             values = kl_sensitivities(
-                model, ids, scan_settings, progress=False, head_tokens=head_tokens, matmul_dtype=dtype
+                model, ids, scan_settings, progress=False, head_tokens=head_tokens, matmul_dtype=dtype, positions=1.0
             )
             seconds = time.perf_counter() - start
             if dtype == torch.float32:
@@ -216,7 +229,42 @@ def main() -> None:
         lines.append(row("fisher, token", sequences, str(samples), seconds, per_token))
         lines.append(row("fisher, sequence", sequences, str(samples), seconds, per_sequence))
         print(*lines[-2:], sep="\n", flush=True)
+    if shares:
+        lines += ["", positions_table(model, ids, settings, shares)]
     write_report("\n".join(lines) + "\n", a.output, "Sensitivity signals")
+
+
+def positions_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSettings, shares: list[float]) -> str:
+    """The library's default scan reading each share of its sequences' positions against the same scan reading them
+    whole: seconds, and the budget's units (a fused group, or a layer alone) ranked by their summed values."""
+    grouped = dataclasses.replace(settings, offset_groups="fused")
+    names = list(linear_modules_to_quantize(model, settings.modules_to_not_convert))
+    units = scan_units(names, offset_groups("fused", names))
+
+    def scan(share: float) -> tuple[list[float], float]:
+        start = time.perf_counter()
+        values = kl_sensitivities(model, ids, grouped, progress=False, positions=share)
+        return [sum(values[n] for n in unit) for unit in units], time.perf_counter() - start
+
+    whole, whole_seconds = scan(1.0)
+    lines = [
+        f'The library\'s default scan (fused groups, {len(units)} units, head {HEAD_TOKENS}, `matmul_dtype="auto"`) '
+        f"on {KL_SAMPLES} sequences of {ids.shape[1]} tokens read whole: {whole_seconds:.1f} s. The library reads "
+        f"{KL_POSITIONS} of each sequence's positions.",
+        "",
+        "| positions read | tokens per sequence | seconds | / whole sequences | Spearman vs whole sequences, units "
+        "| median ratio |",
+        "|---|---|---|---|---|---|",
+    ]
+    for share in shares:
+        values, seconds = scan(share)
+        ratio = statistics.median(v / w for v, w in zip(values, whole) if w > 0)
+        lines.append(
+            f"| {share} | {math.ceil(ids.shape[1] * share)} | {seconds:.1f} | {seconds / whole_seconds:.1%} | "
+            f"{spearman(whole, values):.4f} | {ratio:.3f} |"
+        )
+        print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

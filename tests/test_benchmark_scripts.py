@@ -529,7 +529,7 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     """The KL scan on its own sequences reproduces itself exactly, with its divergence summed element by element
     to within 1e-4, and so does the library's scan on a vocabulary head as large as the vocabulary; the scan of
     fused groups gets its row; with bfloat16 products both library scans again, ranked against themselves in float32;
-    a Fisher estimate gives a row per reduction."""
+    a Fisher estimate gives a row per reduction; `--positions` tables the library's scan of part of each sequence."""
     root = tiny_text_model_dir
     output = tmp_path / "sensitivity.md"
     run_benchmark(
@@ -548,11 +548,17 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
         1 << 20,
         "--fused-groups",
         "--bfloat16",
+        "--positions",
+        "0.5,1",
         "--output",
         output,
     )
     report = output.read_text()
     assert report.startswith("# Sensitivity signals\n\nCommand: ")
+    # the positions table: the library's scan reading half of each 16-token sequence, and reading it whole (itself)
+    shares = re.findall(r"^\| ([\d.]+) \| (\d+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M)
+    assert [r[:2] for r in shares] == [("0.5", "8"), ("1.0", "16")]
+    assert -1 <= float(shares[0][2]) <= 1 and float(shares[0][3]) > 0 and shares[1][2:] == ("1.0000", "1.000")
     rows = re.findall(
         r"^\| ([a-z\d, -]+) \| (\d+) \| ([\d-]+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \| ([\d.-]+) \|$",
         report,

@@ -188,16 +188,29 @@ def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target
     assert result.method == "kl"
 
 
-def test_kl_scan_reads_the_first_kl_samples_sequences(sensitive, sensitivities):
+def test_kl_scan_reads_the_first_half_of_the_first_kl_samples_sequences(sensitive, sensitivities):
     """The scan reads the first `KL_SAMPLES` sequences wherever it runs (KL pre-selection, the default method's
-    blend), so a caller passing the whole calibration set does not pay one pass per layer over all of it."""
+    blend), so a caller passing the whole calibration set does not pay one pass per layer over all of it, and of
+    each the first `KL_POSITIONS` (half) of its positions, rounded up; `positions` reads another share."""
     from optimum_dmx.calibration import sensitivity
 
     model, ids = sensitive
-    assert sensitivity.KL_SAMPLES == 4
-    assert kl_sensitivities(model, ids[:4], CalibrationSettings(batch_size=4), progress=False) == sensitivities
+    s = CalibrationSettings(batch_size=4)
+    assert sensitivity.KL_SAMPLES == 4 and sensitivity.KL_POSITIONS == 0.5 and ids.shape[1] % 2 == 0
+    half = ids.shape[1] // 2
+    assert kl_sensitivities(model, ids[:4, :half], s, progress=False, positions=1.0) == sensitivities
+    assert kl_sensitivities(model, ids[:4], s, progress=False, positions=0.5) == sensitivities
+    assert kl_sensitivities(model, ids[:4, : half + 1], s, progress=False) != sensitivities  # ceil(half + 1/2)
+    whole = kl_sensitivities(model, ids[:4], s, progress=False, positions=1.0)
+    assert whole != sensitivities
+    assert kl_sensitivities(model, ids[:4, :5], s, progress=False, positions=0.25) == kl_sensitivities(
+        model, ids[:4, :2], s, progress=False, positions=1.0
+    )
     different = torch.cat([ids[4:], ids[:4]])
-    assert kl_sensitivities(model, different, CalibrationSettings(batch_size=4), progress=False) != sensitivities
+    assert kl_sensitivities(model, different, s, progress=False) != sensitivities
+    for bad in (0, 1.5, -0.5, True, "half"):
+        with pytest.raises(ValueError, match=rf"positions={bad!r} is not a share .* allowed: 0 < positions <= 1"):
+            kl_sensitivities(model, ids[:4], s, progress=False, positions=bad)
 
 
 def test_kl_scan_equals_one_whole_pass_per_layer(sensitive):
@@ -207,9 +220,8 @@ def test_kl_scan_equals_one_whole_pass_per_layer(sensitive):
 
     model, ids = sensitive
     batch = ids[:4]
-    sensitivities = kl_sensitivities(
-        model, batch, CalibrationSettings(batch_size=4), progress=False, head_tokens=None, matmul_dtype=torch.float32
-    )
+    exact = dict(progress=False, head_tokens=None, matmul_dtype=torch.float32, positions=1.0)  # the whole batch
+    sensitivities = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), **exact)
     with torch.no_grad():
         reference = NextTokenReference.from_log_probs(next_token_log_probs(model, batch))
         for name, value in sensitivities.items():
@@ -229,7 +241,7 @@ def test_kl_scan_puts_a_group_low_whole_in_one_pass(sensitive):
     names = list(linear_modules_to_quantize(model, ["lm_head"]))
     groups = offset_groups("fused", names)
     assert len(groups) == 2 * len(model.model.layers)  # q/k/v and gate/up of each decoder layer
-    exact = dict(progress=False, head_tokens=None, matmul_dtype=torch.float32)  # float32, as the whole passes below
+    exact = dict(progress=False, head_tokens=None, matmul_dtype=torch.float32, positions=1.0)  # as the passes below
     grouped = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4, offset_groups="fused"), **exact)
     assert grouped == kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), groups=groups, **exact)
     alone = kl_sensitivities(model, batch, CalibrationSettings(batch_size=4), **exact)

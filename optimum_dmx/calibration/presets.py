@@ -7,9 +7,9 @@ overrides its preset's value. The default is `"paper"`.
 * `"gpu"`: the paper's sizes with activation checkpointing, for an 8B model on one 80 GB GPU. Sized on paper: a
   step of a frozen 8B model costs about 3 forward passes (forward, input gradients, recomputation) of 16,384
   tokens, 7.4e14 FLOP, about 2 s at 400 TFLOP/s; the H100 run of this package measured a quantized step at
-  2.3x an unquantized one, so 400 steps take about 30 minutes and the KL scan (224 forward passes of 8,192
-  tokens) about 2. Memory: 16 GB of bf16 weights, two bf16 copies of them quantized at the format endpoints
-  (32 GB), one decoder layer's activations per sequence kept by checkpointing.
+  2.3x an unquantized one, so 400 steps take about 30 minutes and the KL scan (224 forward passes of 4,096
+  tokens: the first half of 4 sequences) about 1. Memory: 16 GB of bf16 weights, two bf16 copies of them
+  quantized at the format endpoints (32 GB), one decoder layer's activations per sequence kept by checkpointing.
 * `"cpu-demo"`: what the CLI's default run uses, for a 135M model on 2 idle CPU cores: 40 steps of 4 x 128 tokens;
   GPTQ reads the first 64 of its 160 sequences, in about half the time of all 160. Measured: on the quality
   benchmark's 5-bit map, GPTQ on 32 / 64 / 160 / 320 sequences gave held-out perplexities within 2% of each other

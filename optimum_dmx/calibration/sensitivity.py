@@ -12,6 +12,12 @@ GPTQ rounding (0.9994x over six maps on two held-out texts; 1.006x rounded to ne
 one pass per layer's experts instead of one per expert linear (`benchmarks/results/sensitivity.md`,
 `research/README.md`, "The additive value").
 
+The scan reads the first half of the positions of each of its `KL_SAMPLES` sequences (`KL_POSITIONS`): a pass
+costs about in proportion to the positions it reads. On SmolLM2-135M reading half ranks the budget's units as
+reading the whole sequences does at Spearman 0.991, in 0.58x the time (`benchmarks/results/sensitivity.md`), and
+the default recipe's maps from the same learned offsets had the same held-out perplexity (`research/README.md`,
+"The scan on the first half of each sequence").
+
 The scan makes one pass per unit (a layer, or a group), and a layer's quantization cannot change what the decoder
 layers before its own compute. So one float pass records every decoder layer's output, and each unit's pass replays
 the outputs of the decoder layers before its own instead of computing them: on average it runs half of the decoder,
@@ -39,6 +45,7 @@ their transforms: merging them would hold a second copy of their weights.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
@@ -60,6 +67,7 @@ from .vocabulary_head import HEAD_TOKENS, VocabularyHeadReference
 
 MATMUL_DTYPES = ("auto", torch.float32, torch.bfloat16, torch.float16)  # `kl_sensitivities`' `matmul_dtype`
 KL_SAMPLES = 4  # calibration sequences the scan reads (the first ones): its ranking is stable from 4 on
+KL_POSITIONS = 0.5  # of each of those sequences' positions, the share the scan reads (from the start)
 KL_BLOCK_ELEMENTS = 2**21  # log-probabilities per block of positions in `next_token_kl` (8 MiB of float32)
 
 
@@ -73,10 +81,12 @@ def kl_sensitivities(
     head_tokens: int | None = HEAD_TOKENS,
     groups: Sequence[Sequence[str]] | None = None,
     matmul_dtype: torch.dtype | str = "auto",
+    positions: float = KL_POSITIONS,
 ) -> dict[str, float]:
     """Per-layer KL(float || only this layer, or its group, in the pair's low format), in nats per token.
 
-    The scan reads the first `KL_SAMPLES` sequences of `input_ids`: one float forward pass gives the reference
+    The scan reads the first `KL_SAMPLES` sequences of `input_ids`, each up to `positions` of its length (the
+    first half by default, rounded up; `1.0` reads them whole): one float forward pass gives the reference
     distributions and the decoder layers' outputs, then one pass per unit from its first decoder layer on, in
     batches of `settings.batch_size`. A unit is a group of layers that share a format, all of them low in its pass,
     each given `1 / len(group)` of its divergence, or a layer alone. Under several processes
@@ -96,8 +106,11 @@ def kl_sensitivities(
     `matmul_dtype`: the dtype of the passes' matrix products (`torch.autocast`): `torch.bfloat16` or
     `torch.float16` on a model with wider weights; `torch.float32`, or the weights' own dtype, leaves the model as it
     is; `"auto"` is bfloat16 for a float32 model on a device that multiplies bfloat16 natively (`native_bfloat16`).
+
+    `positions`: the share of each sequence's positions the scan reads, from its start (`KL_POSITIONS`, half, by
+    default; `1.0` reads the sequences whole, the scan before that default); each pass costs in proportion.
     """
-    input_ids = input_ids[:KL_SAMPLES]
+    input_ids = input_ids[:KL_SAMPLES, : _positions_read(input_ids.shape[-1], positions)]
     device = input_device(model)
     low = get_format_pair(settings.format_pair).low.name
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
@@ -146,6 +159,13 @@ def kl_sensitivities(
     sums = sum_across_processes(sums.to(device), world_size).cpu()
     per_token = sums / (input_ids.numel() * split.sequence_groups)
     return dict(zip(targets, per_token.tolist()))
+
+
+def _positions_read(length: int, share: float) -> int:
+    """How many of a sequence's `length` positions the scan reads: `share` of them, rounded up."""
+    if isinstance(share, bool) or not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"positions={share!r} is not a share of a sequence's positions; allowed: 0 < positions <= 1")
+    return math.ceil(length * share)
 
 
 def scan_units(names: Sequence[str], groups: Sequence[Sequence[str]]) -> list[tuple[str, ...]]:
