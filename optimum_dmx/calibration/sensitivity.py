@@ -15,8 +15,9 @@ one pass per layer's experts instead of one per expert linear (`benchmarks/resul
 The scan reads the first half of the positions of each of its `KL_SAMPLES` sequences (`KL_POSITIONS`): a pass
 costs about in proportion to the positions it reads. On SmolLM2-135M reading half ranks the budget's units as
 reading the whole sequences does at Spearman 0.991, in 0.58x the time (`benchmarks/results/sensitivity.md`), and
-the default recipe's maps from the same learned offsets had the same held-out perplexity (`research/README.md`,
-"The scan on the first half of each sequence").
+the default recipe's maps from the same learned offsets had the same held-out perplexity within the evaluation's
+noise (1.0001x over ten comparisons, -0.8% to +1.5%; `research/README.md`, "The scan on the first half of each
+sequence").
 
 The scan makes one pass per unit (a layer, or a group), and a layer's quantization cannot change what the decoder
 layers before its own compute. So one float pass records every decoder layer's output, and each unit's pass replays
