@@ -103,6 +103,9 @@ def test_the_transform_applied_from_its_factors_is_the_dense_matrix_and_its_tran
     torch.testing.assert_close(applied, weight @ matrix, rtol=0, atol=1e-12)
     torch.testing.assert_close(inverted, weight @ matrix.T, rtol=0, atol=1e-12)
     torch.testing.assert_close(transform.apply(applied, inverse=True), weight, rtol=0, atol=1e-12)
+    strided = torch.randn(size, 6, dtype=torch.float64).T  # a weight stored transposed: not contiguous
+    for direction in (False, True):
+        assert torch.equal(transform.apply(strided, direction), transform.apply(strided.contiguous(), direction))
     # signs make T unsymmetric; without them a block is a Sylvester matrix (symmetric) or holds the odd factor (not)
     assert torch.allclose(inverted, applied) == (not signed and transform.odd == 1)
     with pytest.raises(ValueError, match=f"RandomizedHadamard of size {size} applied to a last dimension of 8"):

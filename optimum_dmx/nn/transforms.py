@@ -310,7 +310,7 @@ class RandomizedHadamard(nn.Module):
         and a `[size, size]` matrix (14,336 x 14,336 float64 values, 1.5 GiB, for an 8B model's `down_proj`)."""
         if x.shape[-1] != self.size:
             raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
-        rows = x.reshape(-1, self.size).double()
+        rows = x.reshape(-1, self.size).double().contiguous()  # a weight may be a strided view (an offloaded one)
         if not inverse:
             return self._transform_rows(rows, torch.float64).view(x.shape)
         # T = D B P / norm (signs, each block's last factor, the Sylvester factor across its runs): B and P commute
