@@ -265,8 +265,7 @@ class RandomizedHadamard(nn.Module):
         return self._transformed(x, (fmt, block_size, scale_rule))
 
     def _transformed(self, x: torch.Tensor, cast: tuple[MXFormat, int, str] | None) -> torch.Tensor:
-        if x.shape[-1] != self.size:
-            raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
+        self._check_size(x)
         fused = _transform_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
         if fused and (cast is None or compiles(self.size, cast[1])):
             rows = x.reshape(-1, self.size)
@@ -275,6 +274,10 @@ class RandomizedHadamard(nn.Module):
             ).view(x.shape)
         transformed = self._transform_rows(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
+
+    def _check_size(self, x: torch.Tensor) -> None:
+        if x.shape[-1] != self.size:
+            raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
 
     def _kernel_values(self, rows: torch.Tensor, dtype: torch.dtype, cast: tuple | None) -> torch.Tensor:
         """`_transform_kernel`'s values (float32) for `rows`: the whole transform in the kernel, or the products
@@ -308,8 +311,7 @@ class RandomizedHadamard(nn.Module):
         takes the transform in (`W T`, the rotation's merge) and gives it back (`W' T^T`, the KL scan's float copies).
         At most a few dozen multiply-adds per element, where a product with the dense `matrix()` costs `size` of them
         and a `[size, size]` matrix (14,336 x 14,336 float64 values, 1.5 GiB, for an 8B model's `down_proj`)."""
-        if x.shape[-1] != self.size:
-            raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
+        self._check_size(x)
         rows = x.reshape(-1, self.size).double().contiguous()  # a weight may be a strided view (an offloaded one)
         if not inverse:
             return self._transform_rows(rows, torch.float64).view(x.shape)
