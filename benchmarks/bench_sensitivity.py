@@ -31,6 +31,12 @@ them natively), which reads the first half of each sequence (`KL_POSITIONS`), ag
 sequences: its time and its ranking of the budget's units, for each share of the positions read (`--positions-only`
 runs that table alone).
 
+With `--passes`, a table of what the library's default scan costs against the scan before its units shared passes
+and before its vocabulary head multiplied in bfloat16 (each change alone, and both undone), and against the scan
+of whole sequences: seconds (the least of two runs of each, the scans alternating) and ranking of the budget's
+units. `--rotation` rotates the model first, as calibration does (`online_block_hadamard`: the CLI's default on
+SmolLM2-135M); `--passes-only` runs that table alone.
+
     python benchmarks/bench_sensitivity.py --output benchmarks/results/sensitivity.md
 
 Pass `--model` and `--calibration` for any other model and texts.
@@ -38,6 +44,7 @@ Pass `--model` and `--calibration` for any other model and texts.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import statistics
@@ -51,9 +58,18 @@ from torch.nn import functional as F
 
 from optimum_dmx.calibration import CalibrationSettings, sensitivity
 from optimum_dmx.calibration.groups import offset_groups
-from optimum_dmx.calibration.sensitivity import HEAD_TOKENS, KL_POSITIONS, KL_SAMPLES, kl_sensitivities, scan_units
+from optimum_dmx.calibration.sensitivity import (
+    HEAD_TOKENS,
+    KL_POSITIONS,
+    KL_SAMPLES,
+    KL_UNITS_PER_PASS,
+    kl_sensitivities,
+    scan_units,
+)
+from optimum_dmx.calibration.vocabulary_head import VocabularyHeadReference
 from optimum_dmx.continuous import get_format_pair
 from optimum_dmx.formats import quantize_mx
+from optimum_dmx.nn.rotation import ROTATIONS, rotate_model
 from optimum_dmx.nn.surgery import linear_modules_to_quantize
 
 from common import calibration_benchmark_parser, device_description, load_model_and_calibration, write_report
@@ -117,6 +133,20 @@ def elementwise_kl() -> Iterator[None]:
         sensitivity.next_token_kl = own
 
 
+@contextmanager
+def float32_head() -> Iterator[None]:
+    """Within the block, the scan's divergences multiply by the vocabulary head's rows in float32 (as before they
+    took the dtype of the scan's other products)."""
+    own, bound = VocabularyHeadReference.__dict__["from_hidden"], VocabularyHeadReference.from_hidden
+    VocabularyHeadReference.from_hidden = staticmethod(
+        lambda hidden, weight, bias, head_tokens, product_dtype=None: bound(hidden, weight, bias, head_tokens)
+    )
+    try:
+        yield
+    finally:
+        VocabularyHeadReference.from_hidden = own
+
+
 def spearman(a: Sequence[float], b: Sequence[float]) -> float:
     """Spearman's rank correlation of two sequences without ties."""
     ranks = [torch.tensor(v).argsort().argsort().double() for v in (a, b)]
@@ -135,6 +165,9 @@ def main() -> None:
     p.add_argument("--bfloat16", action="store_true", help="the library's scans again with bfloat16 products")
     p.add_argument("--positions", default="", help="comma list of shares of the positions read: a table each")
     p.add_argument("--positions-only", action="store_true", help="only the table of `--positions`")
+    p.add_argument("--passes", action="store_true", help="the table of the default scan's passes")
+    p.add_argument("--passes-only", action="store_true", help="only the table of `--passes`")
+    p.add_argument("--rotation", default="none", choices=ROTATIONS, help="rotate the model first")
     p.add_argument(
         "--fisher", default="4:1,4:4,4:16,16:1,16:4", help="comma list of SEQUENCES:SAMPLES of the Fisher estimates"
     )
@@ -149,6 +182,10 @@ def main() -> None:
     settings = CalibrationSettings(
         target_bits=5.0, format_pair=a.pair, num_samples=count, seq_len=a.seq_len, batch_size=batch_size
     )
+    rotate_model(model, a.rotation, list(linear_modules_to_quantize(model, settings.modules_to_not_convert)))
+    if a.passes_only:
+        write_report(passes_table(model, ids, settings, a.rotation), a.output, "Sensitivity signals")
+        return
 
     shares = [float(share) for share in a.positions.split(",") if share]
     if a.positions_only:
@@ -231,6 +268,8 @@ def main() -> None:
         print(*lines[-2:], sep="\n", flush=True)
     if shares:
         lines += ["", positions_table(model, ids, settings, shares)]
+    if a.passes:
+        lines += ["", passes_table(model, ids, settings, a.rotation)]
     write_report("\n".join(lines) + "\n", a.output, "Sensitivity signals")
 
 
@@ -264,6 +303,50 @@ def positions_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSe
             f"{spearman(whole, values):.4f} | {ratio:.3f} |"
         )
         print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
+def passes_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSettings, rotation: str) -> str:
+    """The library's default scan against itself with one unit per pass, with the vocabulary head's products in
+    float32, with both (the scan before either), and reading whole sequences as well: the least of two runs of each
+    (alternating), and the budget's units ranked against the scan before and against whole sequences."""
+    grouped = dataclasses.replace(settings, offset_groups="fused")
+    names = list(linear_modules_to_quantize(model, settings.modules_to_not_convert))
+    units = scan_units(names, offset_groups("fused", names))
+    scans = {  # label: (units per pass, head products in float32, positions)
+        "one unit per pass, head in float32 (the scan before)": (1, True, KL_POSITIONS),
+        "one unit per pass": (1, False, KL_POSITIONS),
+        f"{KL_UNITS_PER_PASS} units per pass, head in float32": (KL_UNITS_PER_PASS, True, KL_POSITIONS),
+        f"{KL_UNITS_PER_PASS} units per pass (the library's)": (KL_UNITS_PER_PASS, False, KL_POSITIONS),
+        "whole sequences, one unit per pass, head in float32": (1, True, 1.0),
+    }
+    seconds: dict[str, float] = {}
+    values: dict[str, list[float]] = {}
+    for _ in range(2):
+        for label, (units_per_pass, head_in_float32, positions) in scans.items():
+            start = time.perf_counter()
+            with float32_head() if head_in_float32 else contextlib.nullcontext():
+                scanned = kl_sensitivities(
+                    model, ids, grouped, progress=False, positions=positions, units_per_pass=units_per_pass
+                )
+            seconds[label] = min(seconds.get(label, math.inf), time.perf_counter() - start)
+            values[label] = [sum(scanned[n] for n in unit) for unit in units]
+            print(f"{label}: {time.perf_counter() - start:.1f} s", flush=True)
+    before, whole = (values[label] for label in (next(iter(scans)), list(scans)[-1]))
+    lines = [
+        f'The library\'s default scan (fused groups, {len(units)} units, head {HEAD_TOKENS}, `matmul_dtype="auto"`, '
+        f"{KL_POSITIONS} of each of {KL_SAMPLES} sequences of {ids.shape[1]} tokens), the model rotated "
+        f"`{rotation}`, {torch.get_num_threads()} torch threads. Seconds: the least of two runs.",
+        "",
+        "| scan | seconds | / the scan before | Spearman vs the scan before | Spearman vs whole sequences |",
+        "|---|---|---|---|---|",
+    ]
+    reference_seconds = seconds[next(iter(scans))]
+    for label in scans:
+        lines.append(
+            f"| {label} | {seconds[label]:.1f} | {seconds[label] / reference_seconds:.1%} | "
+            f"{spearman(before, values[label]):.4f} | {spearman(whole, values[label]):.4f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

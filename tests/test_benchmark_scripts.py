@@ -588,6 +588,31 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[2:])
 
 
+def test_sensitivity_benchmark_tables_the_scans_passes(tiny_text_model_dir, tmp_path):
+    """`--passes-only` on a rotated model: the library's scan with one unit per pass, its head in float32, both,
+    and reading whole sequences, each ranked against the scan before and the whole sequences' scan."""
+    root = tiny_text_model_dir
+    output = tmp_path / "passes.md"
+    run_benchmark(
+        "bench_sensitivity.py",
+        *("--model", root / "model", "--calibration", root / "calibration.txt", "--seq-len", 16),
+        *("--rotation", "online_block_hadamard", "--passes-only", "--output", output),
+    )
+    report = output.read_text()
+    assert "the model rotated `online_block_hadamard`" in report
+    rows = re.findall(r"^\| ([a-z\d, ()'-]+) \| ([\d.]+) \| ([\d.]+)% \| (-?[\d.]+) \| (-?[\d.]+) \|$", report, re.M)
+    assert [r[0] for r in rows] == [
+        "one unit per pass, head in float32 (the scan before)",
+        "one unit per pass",
+        "4 units per pass, head in float32",
+        "4 units per pass (the library's)",
+        "whole sequences, one unit per pass, head in float32",
+    ]
+    assert rows[0][2:4] == ("100.0", "1.0000") and rows[-1][4] == "1.0000"
+    assert rows[2][3] == "1.0000"  # units sharing a pass: the same values (tested exactly in the scan's tests)
+    assert all(float(r[3]) > 0.9 and -1 <= float(r[4]) <= 1 for r in rows)
+
+
 def test_format_latency_benchmark_writes_a_cost_table_the_budget_takes(tmp_path):
     """Every linear shape of the model gets a row and a cost in every format; the JSON is a `cost_table` the
     budget accepts for that model's linears (no shape missing) and prices them at the packed-only times."""

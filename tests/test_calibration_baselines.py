@@ -14,7 +14,7 @@ from optimum_dmx.calibration import (
     uniform_format_map,
 )
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
-from optimum_dmx.calibration.sensitivity import ScanSplit
+from optimum_dmx.calibration.sensitivity import KL_UNITS_PER_PASS, ScanSplit
 from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
 from optimum_dmx.nn.rotation import rotate_model
@@ -309,8 +309,10 @@ def test_kl_scan_computes_each_decoder_layer_only_from_the_perturbed_one_on(sens
         for handle in handles:
             handle.remove()
     per_layer = len(linear_modules_to_quantize(model, ["lm_head"])) // len(decoder_layers)
-    # the float reference pass, then each decoder layer's linears run layers i.. and their successors
-    assert calls == [1 + per_layer * (i + 1) for i in range(len(decoder_layers))]
+    passes = -(-per_layer // KL_UNITS_PER_PASS)  # each decoder layer's 7 linears, 4 to a pass
+    assert (per_layer, passes) == (7, 2)
+    # the float reference pass, then each decoder layer's linears' passes run layers i.. and their successors
+    assert calls == [1 + passes * (i + 1) for i in range(len(decoder_layers))]
     calls[:] = [0] * len(decoder_layers)
     handles = [layer.self_attn.register_forward_pre_hook(count(i)) for i, layer in enumerate(decoder_layers)]
     try:
@@ -318,8 +320,34 @@ def test_kl_scan_computes_each_decoder_layer_only_from_the_perturbed_one_on(sens
     finally:
         for handle in handles:
             handle.remove()
-    # grouped: one pass for q/k/v, o_proj, gate/up and down_proj each
-    assert calls == [1 + 4 * (i + 1) for i in range(len(decoder_layers))]
+    # grouped: q/k/v, o_proj, gate/up and down_proj in one pass
+    assert calls == [1 + (i + 1) for i in range(len(decoder_layers))]
+
+
+@pytest.mark.parametrize("rotation", ["none", "online_block_hadamard"])
+@pytest.mark.parametrize("matmul_dtype", [torch.float32, torch.bfloat16])
+def test_a_pass_over_copies_of_the_batch_gives_each_unit_the_divergence_of_its_own_pass(
+    sensitive, matmul_dtype, rotation
+):
+    """Up to `units_per_pass` units of a decoder layer share a pass, each low in its own copy of the batch: each
+    gets the divergence a pass of its own gives, for layers alone and groups, batches of 2 sequences, layers with an
+    online transform (low with it; float from the bfloat16 copies without it), and every module comes back."""
+    model, ids = sensitive
+    model = copy.deepcopy(model)
+    names = list(linear_modules_to_quantize(model, ["lm_head"]))
+    rotate_model(model, rotation, names, 32)
+    modules = dict(model.named_modules())
+    for offset_groups in ("none", "fused"):
+        s = CalibrationSettings(batch_size=2, offset_groups=offset_groups)  # the scan's 4 sequences in 2 batches
+        shared = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=matmul_dtype)  # 4 units per pass
+        alone = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=matmul_dtype, units_per_pass=1)
+        assert shared.keys() == alone.keys() == set(names)
+        for name in names:
+            assert shared[name] == pytest.approx(alone[name], rel=1e-5)  # equal here; a larger product may round apart
+        assert dict(model.named_modules()) == modules
+    for bad in (0, 1.5, True, "4"):
+        with pytest.raises(ValueError, match=rf"units_per_pass={bad!r} .*an integer >= 1"):
+            kl_sensitivities(model, ids, s, progress=False, units_per_pass=bad)
 
 
 @pytest.mark.parametrize(
@@ -338,8 +366,9 @@ def test_scan_split_gives_each_process_the_fewest_passes(world_size, sequences, 
     assert (split.sequence_groups, split.layer_slots) == expected
 
 
+@pytest.mark.parametrize("units_per_pass", [1, 4])
 @pytest.mark.parametrize("world_size", range(1, 9))
-def test_scan_split_scans_each_layer_once_per_sequence_group_with_every_process_in_step(world_size):
+def test_scan_split_scans_each_layer_once_per_sequence_group_with_every_process_in_step(world_size, units_per_pass):
     # each decoder layer: a group of three, one layer alone, a group of two, two alone (as units of the scan)
     sizes = [3, 1, 2, 1, 1]
     stages = [
@@ -351,12 +380,18 @@ def test_scan_split_scans_each_layer_once_per_sequence_group_with_every_process_
     ]
     stages.append([(("lm_head",), [])])
     split = ScanSplit.choose(world_size, 4, [len(stage) for stage in stages])
-    passes = [split.passes(rank, stages) for rank in range(world_size)]
+    passes = [split.passes(rank, stages, units_per_pass) for rank in range(world_size)]
     # in step: every process gathers the same layers and replays the same decoder layers in each of its passes
     # (FSDP2's gathers match), the round's names being those of all its units
     assert len({tuple((tuple(names), tuple(replayed)) for _, names, replayed in p) for p in passes}) == 1
-    assert all(set(unit) <= set(names) for p in passes for unit, names, _ in p)
-    scanned = [(unit, split.sequence_group(rank)) for rank, p in enumerate(passes) for unit, _, _ in p if unit]
+    assert all(set(unit) <= set(names) for p in passes for units, names, _ in p for unit in units)
+    assert all(len(units) <= units_per_pass for p in passes for units, _, _ in p)
+    # a pass's units share the decoder layers replayed before them
+    unit_stage = {unit: tuple(replayed) for stage in stages for unit, replayed in stage}
+    assert all(unit_stage[unit] == tuple(replayed) for p in passes for units, _, replayed in p for unit in units)
+    scanned = [
+        (unit, split.sequence_group(rank)) for rank, p in enumerate(passes) for units, _, _ in p for unit in units
+    ]
     everything = [
         (unit, (g, split.sequence_groups)) for s in stages for unit, _ in s for g in range(split.sequence_groups)
     ]
@@ -377,7 +412,8 @@ def test_kl_scan_gives_back_a_forward_installed_on_a_layer(sensitive, sensitivit
     layer.forward = installed
     try:
         again = kl_sensitivities(model, ids[:4], CalibrationSettings(batch_size=4), progress=False)
-        assert layer.forward is installed and len(runs) == 1 + 7  # the reference pass and layer 0's own linears
+        # the reference pass and the passes of layer 0's own linears, 4 to a pass
+        assert layer.forward is installed and len(runs) == 1 + 2
     finally:
         del layer.forward
     assert again == sensitivities

@@ -130,3 +130,21 @@ def test_soft_capped_logits_are_scanned_over_the_whole_vocabulary():
         headed = kl_sensitivities(model, ids, settings, progress=False)
     assert len(calls) == 1 + len(headed)
     assert headed == kl_sensitivities(model, ids, settings, progress=False, head_tokens=None)
+
+
+@pytest.mark.parametrize("head_tokens", [60, 300])
+def test_the_heads_products_in_bfloat16_keep_the_divergence_of_float32(head_tokens):
+    """With the head's `dz` multiplied in bfloat16 both sums of the divergence read the same rounded `dz`: against
+    the exact divergence it is within 0.2% of the float32 products' error, down to shifts whose divergence is 1e-5
+    per position, and 0 unshifted."""
+    weight, bias, hidden, direction = embedding_and_hidden(positions=40, scale=0.3)
+    single = VocabularyHeadReference.from_hidden(hidden, weight, bias, head_tokens)
+    half = VocabularyHeadReference.from_hidden(hidden, weight, bias, head_tokens, product_dtype=torch.bfloat16)
+    assert half.head_rows.dtype == torch.bfloat16
+    assert torch.equal(half.head_rows, single.head_rows.bfloat16())
+    for scale in [1e-3, 1e-2, 1e-1]:
+        shifted = hidden + scale * direction
+        exact = exact_kl(hidden, shifted, weight, bias)
+        assert exact / 40 > 7e-6
+        assert abs(half.kl(shifted).item() / exact - 1) < abs(single.kl(shifted).item() / exact - 1) + 2e-3
+    assert half.kl(hidden).item() == pytest.approx(0, abs=1e-6)

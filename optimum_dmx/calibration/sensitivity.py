@@ -28,9 +28,17 @@ final hidden states on the vocabulary's most probable tokens, the rest to second
 layer to a sixth of the embedding's rows (0.66x the scan's time on SmolLM2-135M, Spearman 0.9999 with the whole
 vocabulary's ranking).
 
+The units of one decoder layer (up to `KL_UNITS_PER_PASS`) share a pass: it runs over as many copies of the batch,
+each unit low in its own copy only (`LowInOneCopy`), and each copy's divergence is that unit's, the value a pass of
+its own gives (the same sums, tested). The decoder then multiplies larger matrices and runs its other operations a
+quarter as often: on SmolLM2-135M (4 units per decoder layer with fused groups, 4 x 64 tokens) 0.80x the scan's
+time (`benchmarks/results/sensitivity.md`, "Units sharing passes"). Only divergences from final hidden states share
+passes: the whole vocabulary's logits for every copy would cost as many batches of them.
+
 On a float32 model the passes' matrix products run in bfloat16 where the device multiplies it natively (a CUDA GPU,
 a CPU with AMX or AVX-512 BF16): the float layers hold bfloat16 copies of their weights for the scan, a unit goes low
-from its float32 weight, and the residual stream, normalisations, softmaxes and the divergence stay float32. On
+from its float32 weight, and the residual stream, normalisations, softmaxes and the divergence stay float32 but for
+the divergence's product with the vocabulary head's rows (`calibration.vocabulary_head`; 0.90x the scan's time). On
 SmolLM2-135M with AMX that is 0.54x the float32 scan's time, ranking the budget's units at Spearman 0.998
 against it (`benchmarks/results/sensitivity.md`; `research/README.md`, "The scan in bfloat16", for the maps).
 `kl_sensitivities(..., matmul_dtype=torch.float32)` keeps float32.
@@ -55,11 +63,12 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn import functional as F
+from torch.utils._pytree import tree_map
 from tqdm.auto import tqdm
 
 from ..continuous import get_format_pair
 from ..nn.placement import input_device, is_resident, loaded_weights
-from ..nn.surgery import emulate_format_map, linear_modules_to_quantize
+from ..nn.surgery import emulate_format_map, linear_modules_to_quantize, mx_linears_from, swapped_modules
 from .checkpointing import decoder_layers as find_decoder_layers
 from .distributed import process_share, sum_across_processes, world
 from .groups import offset_groups
@@ -69,6 +78,7 @@ from .vocabulary_head import HEAD_TOKENS, VocabularyHeadReference
 MATMUL_DTYPES = ("auto", torch.float32, torch.bfloat16, torch.float16)  # `kl_sensitivities`' `matmul_dtype`
 KL_SAMPLES = 4  # calibration sequences the scan reads (the first ones): its ranking is stable from 4 on
 KL_POSITIONS = 0.5  # of each of those sequences' positions, the share the scan reads (from the start)
+KL_UNITS_PER_PASS = 4  # units of one decoder layer scanned in one pass, each low in its own copy of the batch
 KL_BLOCK_ELEMENTS = 2**21  # log-probabilities per block of positions in `next_token_kl` (8 MiB of float32)
 
 
@@ -83,17 +93,20 @@ def kl_sensitivities(
     groups: Sequence[Sequence[str]] | None = None,
     matmul_dtype: torch.dtype | str = "auto",
     positions: float = KL_POSITIONS,
+    units_per_pass: int = KL_UNITS_PER_PASS,
 ) -> dict[str, float]:
     """Per-layer KL(float || only this layer, or its group, in the pair's low format), in nats per token.
 
     The scan reads the first `KL_SAMPLES` sequences of `input_ids`, each up to `positions` of its length (the
     first half by default, rounded up; `1.0` reads them whole): one float forward pass gives the reference
-    distributions and the decoder layers' outputs, then one pass per unit from its first decoder layer on, in
-    batches of `settings.batch_size`. A unit is a group of layers that share a format, all of them low in its pass,
-    each given `1 / len(group)` of its divergence, or a layer alone. Under several processes
-    (`calibration.distributed`) the processes divide the passes (`ScanSplit`) and every process ends with every
-    layer's result. The low format is the same for both pairs (MXFP4), so the result can be reused across pairs and
-    targets with the same groups.
+    distributions and the decoder layers' outputs, then passes from a decoder layer on, in batches of
+    `settings.batch_size` sequences, each over `units_per_pass` copies of the batch for as many units of that
+    decoder layer, one low in each copy (one unit per pass when the divergences need the whole vocabulary's
+    logits: `head_tokens=None`, or logits soft-capped or scaled). A unit is a group of layers that share a format,
+    all of them low in its copy, each given `1 / len(group)` of its divergence, or a layer alone. Under several
+    processes (`calibration.distributed`) the processes divide the passes (`ScanSplit`) and every process ends with
+    every layer's result. The low format is the same for both pairs (MXFP4), so the result can be reused across
+    pairs and targets with the same groups.
 
     `groups`: the groups scanned whole; `None` takes `settings.offset_groups`, `()` scans every layer alone.
 
@@ -110,8 +123,13 @@ def kl_sensitivities(
 
     `positions`: the share of each sequence's positions the scan reads, from its start (`KL_POSITIONS`, half, by
     default; `1.0` reads the sequences whole, the scan before that default); each pass costs in proportion.
+
+    `units_per_pass`: the most units a pass scans (`KL_UNITS_PER_PASS`); the values do not depend on it, the time
+    and the memory of a pass (its decoder activations, one layer at a time) do.
     """
     input_ids = input_ids[:KL_SAMPLES, : _positions_read(input_ids.shape[-1], positions)]
+    if isinstance(units_per_pass, bool) or not isinstance(units_per_pass, int) or units_per_pass < 1:
+        raise ValueError(f"units_per_pass={units_per_pass!r} is not a number of units; allowed: an integer >= 1")
     device = input_device(model)
     low = get_format_pair(settings.format_pair).low.name
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
@@ -126,36 +144,49 @@ def kl_sensitivities(
 
     head = _output_head(model, targets) if head_tokens is not None else None
     weights_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
-    with _scan_float_layers(targets, _lower_matmul_dtype(matmul_dtype, weights_dtype, device), device) as own:
+    lowered = _lower_matmul_dtype(matmul_dtype, weights_dtype, device)
+    with _scan_float_layers(targets, lowered, device) as own:
         with emulate_format_map(model, {}):
-            references = [_record(model, b, list(decoder_layers.values()), head, head_tokens) for b in batches]
+            references = [
+                _record(model, b, list(decoder_layers.values()), head, head_tokens, lowered or torch.float32)
+                for b in batches
+            ]
         # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
         sums = torch.zeros(len(targets), dtype=torch.float64)
         index = {name: i for i, name in enumerate(targets)}
-        passes = split.passes(rank, stages)
-        for unit, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
-            with ExitStack() as stack:  # an empty unit: a float pass that keeps the processes in step
-                for name in unit:  # low from its own weight and transform (or `low_weights`), not the scan's copy
+        passes = split.passes(rank, stages, units_per_pass if _from_hidden_states(references) else 1)
+        for units, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
+            names = [name for unit in units for name in unit]
+            with ExitStack() as installed:  # low from its own weight and transform (or `low_weights`), not the copy
+                for name in names:
                     layer = own.get(name, _LayerState.of(targets[name]))
                     if low_weights is not None and name in low_weights:
                         layer = replace(layer, weight=low_weights[name].to(layer.weight))
-                    stack.enter_context(layer.installed_in(targets[name]))
-                stack.enter_context(
-                    emulate_format_map(
-                        model,
-                        dict.fromkeys(unit, low),
-                        settings.block_size,
-                        settings.quantize_activations,
-                        settings.scale_rule,
-                        in_step_with=round_names,
-                    )
+                    installed.enter_context(layer.installed_in(targets[name]))
+                lows = mx_linears_from(
+                    model,
+                    dict.fromkeys(names, low),
+                    settings.block_size,
+                    settings.quantize_activations,
+                    settings.scale_rule,
+                    in_step_with=round_names,
                 )
-                kl = 0.0
+            copies = max(len(units), 1)  # no unit: a float pass that keeps the processes in step
+            if copies > 1:
+                lows = {
+                    name: LowInOneCopy(targets[name], lows[name], copy, copies)
+                    for copy, unit in enumerate(units)
+                    for name in unit
+                }
+            kls = [0.0] * copies
+            with swapped_modules(model, lows):
                 for batch, (reference, outputs) in zip(batches, references):
-                    with replaying(replayed, outputs):
-                        kl += _divergence(model, batch, reference, head).item()
-            for name in unit:
-                sums[index[name]] = kl / len(unit)
+                    with replaying(replayed, outputs, copies):
+                        divergences = _divergences(model, batch.repeat(copies, 1), reference, head, copies)
+                    kls = [kl + divergence for kl, divergence in zip(kls, divergences)]
+            for unit, kl in zip(units, kls):
+                for name in unit:
+                    sums[index[name]] = kl / len(unit)
     # each layer's sums from the processes that scanned it, one per sequence group
     sums = sum_across_processes(sums.to(device), world_size).cpu()
     per_token = sums / (input_ids.numel() * split.sequence_groups)
@@ -217,17 +248,19 @@ class ScanSplit:
         return rank % self.sequence_groups, self.sequence_groups
 
     def passes(
-        self, rank: int, stages: Sequence[Sequence[tuple[tuple[str, ...], list[nn.Module]]]]
-    ) -> list[tuple[tuple[str, ...], list[str], list[nn.Module]]]:
-        """`rank`'s passes, in order: the unit it scans (empty: a float pass), the names of the layers the
-        processes scan in the same round, and the decoder layers the pass replays."""
+        self, rank: int, stages: Sequence[Sequence[tuple[tuple[str, ...], list[nn.Module]]]], units_per_pass: int = 1
+    ) -> list[tuple[tuple[tuple[str, ...], ...], list[str], list[nn.Module]]]:
+        """`rank`'s passes, in order: the units it scans in the pass (up to `units_per_pass`; none: a float pass),
+        the names of the layers the processes scan in the same round, and the decoder layers the pass replays. A
+        round deals up to `layer_slots * units_per_pass` units of a stage to its processes in turn."""
         slot = rank // self.sequence_groups
+        per_round = self.layer_slots * units_per_pass
         passes = []
         for stage in stages:
-            for start in range(0, len(stage), self.layer_slots):
-                units = [unit for unit, _ in stage[start : start + self.layer_slots]]
+            for start in range(0, len(stage), per_round):
+                units = [unit for unit, _ in stage[start : start + per_round]]
                 names = [name for unit in units for name in unit]
-                passes.append((units[slot] if slot < len(units) else (), names, stage[start][1]))
+                passes.append((tuple(units[slot :: self.layer_slots]), names, stage[start][1]))
         return passes
 
 
@@ -331,6 +364,29 @@ def _scan_float_layers(
         yield own
 
 
+def _from_hidden_states(references: Sequence[tuple[Any, list[Any]]]) -> bool:
+    """Whether the passes' divergences come from final hidden states (vocabulary head references)."""
+    return all(isinstance(reference, VocabularyHeadReference) for reference, _ in references)
+
+
+class LowInOneCopy(nn.Module):
+    """A scanned unit's linear in a pass over `copies` copies of the batch (stacked along its first dimension): the
+    low-format module `low` on copy `copy`, the float `linear` on the others, so that each copy sees one unit low.
+
+    The float product covers every copy and the low one then replaces its rows: the float layer is one of many in a
+    pass, and that is simpler than gathering the other copies' rows."""
+
+    def __init__(self, linear: nn.Module, low: nn.Module, copy: int, copies: int):
+        super().__init__()
+        self.linear, self.low, self.copy, self.copies = linear, low, copy, copies
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        rows = slice(self.copy * len(x) // self.copies, (self.copy + 1) * len(x) // self.copies)
+        y = self.linear(x)
+        y[rows] = self.low(x[rows]).to(y.dtype)
+        return y
+
+
 def _output_head(model: nn.Module, targets: Mapping[str, nn.Module]) -> str | None:
     """The name of `model`'s output embedding when the scan can compute divergences from its input: an
     `nn.Linear` that the scan does not quantize itself."""
@@ -341,16 +397,22 @@ def _output_head(model: nn.Module, targets: Mapping[str, nn.Module]) -> str | No
     return None if name in targets else name
 
 
-def _divergence(
-    model: nn.Module, batch: torch.Tensor, reference: NextTokenReference | VocabularyHeadReference, head: str | None
-) -> torch.Tensor:
-    """`sum KL(reference || model)` over the positions of `batch`: from the final hidden states for a vocabulary
-    head reference (the output embedding skipped), else from the whole next-token distributions."""
+def _divergences(
+    model: nn.Module,
+    batch: torch.Tensor,
+    reference: NextTokenReference | VocabularyHeadReference,
+    head: str | None,
+    copies: int = 1,
+) -> list[float]:
+    """`sum KL(reference || model)` over the positions of each of the `copies` copies of the reference's sequences
+    stacked in `batch`: from the final hidden states for a vocabulary head reference (the output embedding
+    skipped), else from the whole next-token distributions."""
     if isinstance(reference, VocabularyHeadReference):
         hidden = _final_hidden_states(model, batch, model.get_submodule(head))
-        with torch.autocast(hidden.device.type, enabled=False):  # as its reference: float32, not bfloat16 products
-            return reference.kl(hidden)
-    return next_token_kl(reference, next_token_log_probs(model, batch))
+        with torch.autocast(hidden.device.type, enabled=False):  # in float32 but for the reference's own products
+            return [reference.kl(copy).item() for copy in hidden.chunk(copies)]
+    log_probs = next_token_log_probs(model, batch)
+    return [next_token_kl(reference, copy).item() for copy in log_probs.chunk(copies)]
 
 
 def _final_hidden_states(model: nn.Module, batch: torch.Tensor, head: nn.Module) -> torch.Tensor:
@@ -407,21 +469,29 @@ def next_token_kl(reference: NextTokenReference, log_probs: torch.Tensor) -> tor
 
 
 @contextmanager
-def replaying(layers: Sequence[nn.Module], outputs: Sequence[Any]) -> Iterator[None]:
-    """Within the block, each of `layers` returns its recorded output instead of computing it.
+def replaying(layers: Sequence[nn.Module], outputs: Sequence[Any], copies: int = 1) -> Iterator[None]:
+    """Within the block, each of `layers` returns its recorded output instead of computing it, repeated `copies`
+    times along the batch (a pass over that many copies of the recorded batch).
 
     A forward that something else installed on the instance (accelerate's offload hooks) comes back on exit.
     """
     with ExitStack() as stack:
         for layer, output in zip(layers, outputs):
-            stack.enter_context(_returning(layer, output))
+            stack.enter_context(_returning(layer, output, copies))
         yield
 
 
 @contextmanager
-def _returning(layer: nn.Module, output: Any) -> Iterator[None]:
-    with _forward_replaced(layer, lambda *args, **kwargs: output):
+def _returning(layer: nn.Module, output: Any, copies: int) -> Iterator[None]:
+    def repeated(*args: Any, **kwargs: Any) -> Any:  # at the call: a copy lives until the next layer has read it
+        return tree_map(lambda x: x.repeat(copies, *[1] * (x.dim() - 1)) if _batched(x) else x, output)
+
+    with _forward_replaced(layer, repeated if copies > 1 else lambda *args, **kwargs: output):
         yield
+
+
+def _batched(x: Any) -> bool:
+    return torch.is_tensor(x) and x.dim() > 0
 
 
 @contextmanager
@@ -449,12 +519,18 @@ def _layers_before(name: str, decoder_layers: dict[str, nn.Module]) -> list[nn.M
 
 
 def _record(
-    model: nn.Module, batch: torch.Tensor, layers: Sequence[nn.Module], head: str | None, head_tokens: int | None
+    model: nn.Module,
+    batch: torch.Tensor,
+    layers: Sequence[nn.Module],
+    head: str | None,
+    head_tokens: int | None,
+    product_dtype: torch.dtype = torch.float32,
 ) -> tuple[NextTokenReference | VocabularyHeadReference, list[Any]]:
     """The float next-token distributions of `batch` and the output of each of `layers`.
 
     With an output embedding `head`, whose output the model returns unchanged as its logits, the distributions
-    are kept as a vocabulary head reference; else (no head, or logits soft-capped or scaled after it) whole.
+    are kept as a vocabulary head reference, whose divergences multiply in `product_dtype`; else (no head, or
+    logits soft-capped or scaled after it) whole.
     """
     outputs: list[Any] = [None] * len(layers)
     head_io: list[torch.Tensor] = []
@@ -480,7 +556,7 @@ def _record(
     if len(head_io) == 2 and torch.equal(logits, head_io[1].to(logits.device)):
         with loaded_weights(model, head) as output_embedding, torch.autocast(logits.device.type, enabled=False):
             reference = VocabularyHeadReference.from_hidden(
-                head_io[0], output_embedding.weight, output_embedding.bias, head_tokens
+                head_io[0], output_embedding.weight, output_embedding.bias, head_tokens, product_dtype
             )
         return reference, outputs
     return NextTokenReference.from_log_probs(F.log_softmax(logits.float(), dim=-1)), outputs

@@ -10,13 +10,18 @@ Both distributions come from final hidden states through the same output embeddi
 
     KL(p || q) = log sum_v p_v exp(dz_v) - sum_v p_v dz_v
 
-The second sum is `m . dh`, with `m = sum_v p_v w_v` computed once from the reference. The first is split between
-the *head*, the `head_tokens` tokens with the most reference probability over the scanned positions, summed exactly,
-and the *tail*, every other token, whose `log sum_tail p_v exp(dz_v)` is taken to second order in `dh`:
-`log a + mu . dh + 1/2 dh^T C dh`, with `a` the position's tail mass and `mu` the mean of its tail's rows of `W`
-(both exact per position) and `C` the covariance of the tail's rows, pooled over the positions (one `d x d`
-matrix). A pass then multiplies `dh` by `head_tokens` rows of `W` instead of all of them, and never normalises over
-the vocabulary. When the head is the whole vocabulary the result is the exact divergence.
+Both sums are split between the *head*, the `head_tokens` tokens with the most reference probability over the
+scanned positions, summed exactly, and the *tail*, every other token. The tail's `log sum_tail p_v exp(dz_v)` is
+taken to second order in `dh`: `log a + mu . dh + 1/2 dh^T C dh`, with `a` the position's tail mass and `mu` the
+mean of its tail's rows of `W` (both exact per position) and `C` the covariance of the tail's rows, pooled over the
+positions (one `d x d` matrix); its share of the second sum is `a mu . dh`. A pass then multiplies `dh` by
+`head_tokens` rows of `W` instead of all of them, and never normalises over the vocabulary. When the head is the
+whole vocabulary the result is the exact divergence.
+
+The head's `dz` may be a product in bfloat16 (`product_dtype`, as the scan's other products): both sums read the
+same rounded `dz`, so their first-order terms still cancel and the result is the divergence of the rounded
+perturbation, within a fraction of a percent of the float32 one. (Rounding `dz` in the first sum only leaves an
+error of first order in `dh`, which grows against the divergence as the shift shrinks.)
 """
 
 from __future__ import annotations
@@ -36,11 +41,11 @@ class VocabularyHeadReference:
 
     Attributes:
         hidden: the final hidden states (the output embedding's input), `[positions, hidden]`.
-        head_rows: the head tokens' rows of the output embedding, `[head, hidden]`.
+        head_rows: the head tokens' rows of the output embedding, `[head, hidden]`, in the dtype of `kl`'s product
+            with them.
         head_log_probs: the head tokens' reference log-probabilities, `[positions, head]`.
         log_total: the log of the stored head probabilities plus the tail mass (0 up to rounding): subtracted in
             `kl` so that the stored log-probabilities' rounding cancels instead of adding a bias.
-        mean_row: `m = sum_v p_v w_v`, the output embedding's rows averaged by the reference distribution.
         tail_log_mass: `log a`, the log probability of the tokens outside the head (`-inf` when there are none).
         tail_mean_row: `mu`, the tail tokens' rows averaged by their probabilities.
         tail_covariance: `C`, the tail rows' covariance pooled over the positions (weighted by tail mass).
@@ -50,7 +55,6 @@ class VocabularyHeadReference:
     head_rows: torch.Tensor
     head_log_probs: torch.Tensor
     log_total: torch.Tensor
-    mean_row: torch.Tensor
     tail_log_mass: torch.Tensor
     tail_mean_row: torch.Tensor
     tail_covariance: torch.Tensor
@@ -58,11 +62,17 @@ class VocabularyHeadReference:
     @classmethod
     @torch.no_grad()
     def from_hidden(
-        cls, hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, head_tokens: int = HEAD_TOKENS
+        cls,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        head_tokens: int = HEAD_TOKENS,
+        product_dtype: torch.dtype = torch.float32,
     ) -> VocabularyHeadReference:
         """The reference for final hidden states `hidden` (`[..., hidden]`) under the output embedding `weight`
         (`[vocab, hidden]`) and `bias`, a block of positions at a time. The logits are normalised in float64: in
-        float32 the log-probabilities' rounding is of the order of the smallest divergences."""
+        float32 the log-probabilities' rounding is of the order of the smallest divergences. `product_dtype`: the
+        dtype of `kl`'s products with the head's rows (bfloat16 where the scan multiplies in it)."""
         weight = weight.detach().float()  # a float32 copy of a bfloat16 embedding, for the length of this call
         vocab = weight.shape[0]
         hidden = hidden.reshape(-1, hidden.shape[-1]).to(weight)
@@ -78,14 +88,12 @@ class VocabularyHeadReference:
         in_tail = torch.ones(vocab, device=weight.device)
         in_tail[head] = 0
 
-        head_log_probs, mean_rows, tail_masses, tail_means = [], [], [], []
+        head_log_probs, tail_masses, tail_means = [], [], []
         for block in blocks:
             block_log_probs = log_probs(block)
-            probabilities = block_log_probs.exp().float()
-            tail_probabilities = probabilities * in_tail
+            tail_probabilities = block_log_probs.exp().float() * in_tail
             tail_mass = tail_probabilities.sum(-1)
             head_log_probs.append(block_log_probs[:, head].float())
-            mean_rows.append(probabilities @ weight)
             tail_masses.append(tail_mass)
             tail_means.append((tail_probabilities @ weight) / tail_mass.clamp_min(1e-30).unsqueeze(-1))
         head_log_probs, tail_mass, tail_mean = torch.cat(head_log_probs), torch.cat(tail_masses), torch.cat(tail_means)
@@ -96,10 +104,9 @@ class VocabularyHeadReference:
             covariance = (second_moment - (tail_mean.T * tail_mass) @ tail_mean) / tail_mass.sum()
         return cls(
             hidden=hidden,
-            head_rows=weight[head].contiguous(),
+            head_rows=weight[head].to(product_dtype).contiguous(),
             head_log_probs=head_log_probs,
             log_total=torch.logaddexp(head_log_probs.logsumexp(-1), tail_log_mass),
-            mean_row=torch.cat(mean_rows),
             tail_log_mass=tail_log_mass,
             tail_mean_row=tail_mean,
             tail_covariance=covariance,
@@ -110,13 +117,12 @@ class VocabularyHeadReference:
         """`sum KL(p_reference || q)` over every position (float64), `q` the distribution of final hidden states
         `hidden` (the shape of the reference's)."""
         shift = hidden.reshape(self.hidden.shape).to(self.hidden) - self.hidden
-        head = (self.head_log_probs + shift @ self.head_rows.T).logsumexp(-1)
-        tail = (
-            self.tail_log_mass
-            + (shift * self.tail_mean_row).sum(-1)
-            + 0.5 * ((shift @ self.tail_covariance) * shift).sum(-1)
-        )
-        divergences = torch.logaddexp(head, tail) - self.log_total - (shift * self.mean_row).sum(-1)
+        head_shift = (shift.to(self.head_rows.dtype) @ self.head_rows.T).float()  # the head's dz
+        tail_shift = (shift * self.tail_mean_row).sum(-1)  # mu . dh
+        head = (self.head_log_probs + head_shift).logsumexp(-1)
+        tail = self.tail_log_mass + tail_shift + 0.5 * ((shift @ self.tail_covariance) * shift).sum(-1)
+        mean_shift = (self.head_log_probs.exp() * head_shift).sum(-1) + self.tail_log_mass.exp() * tail_shift
+        divergences = torch.logaddexp(head, tail) - self.log_total - mean_shift
         return divergences.double().sum()
 
 

@@ -90,11 +90,29 @@ def emulate_format_map(
 ) -> Iterator[None]:
     """Temporarily quantize the linears named in `format_map` (weights and activations) to their formats.
 
-    Inside the block each named linear is an `MXLinear` built from it (the inference module: packed weight,
-    input quantized per call, one input cast shared by the linears that read the same input in the same format),
-    so an assignment is evaluated exactly as a saved dMX model computes (a weight sharded by FSDP2 or offloaded by
-    accelerate is gathered or loaded to be packed: `placement`). Weights are frozen and the model is in
-    eval mode inside the block; the original linears are restored on exit.
+    Inside the block each named linear is an `MXLinear` built from it (`mx_linears_from`: the inference module), so
+    an assignment is evaluated exactly as a saved dMX model computes. Weights are frozen and the model is in eval
+    mode inside the block; the original linears are restored on exit. `in_step_with`: as `mx_linears_from`'s.
+    """
+    layers = mx_linears_from(model, format_map, block_size, quantize_activations, scale_rule, in_step_with=in_step_with)
+    with swapped_modules(model, layers):
+        yield
+
+
+def mx_linears_from(
+    model: nn.Module,
+    format_map: Mapping[str, str],
+    block_size: int = 32,
+    quantize_activations: bool = True,
+    scale_rule: str = "ocp",
+    *,
+    in_step_with: Sequence[str] = (),
+) -> dict[str, MXLinear]:
+    """An `MXLinear` built from each linear named in `format_map`, in its format, by name; the model is unchanged.
+
+    Each is the inference module (packed weight, input quantized per call), and they share one input cache: linears
+    that read the same input in the same format quantize it once. A weight sharded by FSDP2 or offloaded by
+    accelerate is gathered or loaded to be packed (`placement`).
 
     `in_step_with` names linears whose sharded weights are gathered first, in its order, whether `format_map` names
     them or not: processes of a sharded model that quantize different linears (the KL scan's passes) then make the
@@ -116,8 +134,7 @@ def emulate_format_map(
                 scale_rule=scale_rule,
             )
         layers[name].input_casts = input_casts
-    with swapped_modules(model, layers):
-        yield
+    return layers
 
 
 def replace_with_mx_linear(
