@@ -412,7 +412,8 @@ def run_quantize(args) -> int:
     quantizer.save(model, output, info, tokenizer=tokenizer, overwrite=args.overwrite)  # replaced once complete
     info.checkpoint_bytes = checkpoint_bytes(output)
 
-    _print_summary(model.config.quantization_config.to_dict(), info, before, after, output)
+    calibration = model.hf_quantizer.calibration_result
+    _print_summary(model.config.quantization_config.to_dict(), info, calibration, before, after, output)
     if args.push_to_hub:
         tokenizer.push_to_hub(args.push_to_hub)
         quantizer.push_to_hub(model, args.push_to_hub, info)
@@ -420,7 +421,7 @@ def run_quantize(args) -> int:
     return 0
 
 
-def _print_summary(applied: dict, info, before, after, output: Path) -> None:
+def _print_summary(applied: dict, info, calibration, before, after, output: Path) -> None:
     counts = Counter(applied["format_map"].values())
     print("\ndMX quantization done")
     print(f"  formats        {', '.join(f'{n}: {c}' for n, c in sorted(counts.items()))}")
@@ -435,10 +436,23 @@ def _print_summary(applied: dict, info, before, after, output: Path) -> None:
             f"  checkpoint     {info.checkpoint_bytes / 2**20:.1f} MiB "
             f"({info.checkpoint_bytes / info.float_checkpoint_bytes:.3f} x the float checkpoint)"
         )
-    print(f"  time           {info.calibration_seconds / 60:.1f} min calibration")
+    print(f"  time           {info.calibration_seconds / 60:.1f} min calibration{_phases(calibration)}")
     if after is not None:
         print(f"  perplexity     {before.perplexity:.2f} (float) -> {after.perplexity:.2f} (dMX), {after.protocol}")
     print(f"  saved to       {output}")
+
+
+def _phases(calibration) -> str:
+    """Where a calibration's time went, for the summary: its steps and its KL scan (the rest is setup, the
+    rotation, GPTQ rounding and packing)."""
+    if calibration is None:
+        return ""
+    phases = []
+    if calibration.step_seconds:
+        phases.append(f"{len(calibration.step_seconds)} steps {sum(calibration.step_seconds):.0f} s")
+    if calibration.scan_seconds:
+        phases.append(f"KL scan {calibration.scan_seconds:.0f} s")
+    return f" ({', '.join(phases)})" if phases else ""
 
 
 # --- eval and inspect ---------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """The `optimum-dmx` command, run as a real subprocess on a tiny model."""
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -63,6 +64,8 @@ def test_quantize_saves_model_tokenizer_and_card_and_prints_a_summary(quantized)
     assert "| Weight rounding | GPTQ in each layer's format" in card
     for line in ("average bits", "storage bits", "checkpoint", "perplexity", f"saved to       {out}"):
         assert line in result.stdout, result.stdout
+    # where the time went: the 4 steps and the KL scan of the default method
+    assert re.search(r"^  time +[\d.]+ min calibration \(4 steps \d+ s, KL scan \d+ s\)$", result.stdout, re.M)
 
 
 def test_eval_prints_perplexity_and_protocol(quantized, tiny_text_model_dir):

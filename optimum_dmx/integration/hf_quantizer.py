@@ -51,6 +51,8 @@ from .model_card import attach_model_card, detach_model_card
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
 
+    from ..calibration.result import CalibrationResult
+
 MODEL_TAGS = ("dmx", "mx-formats")
 
 
@@ -59,6 +61,7 @@ class DMXHfQuantizer(HfQuantizer):
 
     requires_calibration = False
     quantization_config: DMXConfig
+    calibration_result: CalibrationResult | None = None  # what calibrating gave (its times), when it calibrated
 
     def validate_environment(self, *args: Any, **kwargs: Any) -> None:
         """Fail before any weight is loaded when the config cannot be carried out."""
@@ -125,7 +128,8 @@ class DMXHfQuantizer(HfQuantizer):
             from ..calibration.trainer import calibrate
 
             settings = config.calibration_settings(modules_to_not_convert=skip)
-            format_map = calibrate(model, input_ids, settings).format_map
+            self.calibration_result = calibrate(model, input_ids, settings)
+            format_map = self.calibration_result.format_map
         else:
             format_map = config.format_map
         # GPTQ rounds from the float linears, which the MX modules replace: keep them until it has run.
