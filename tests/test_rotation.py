@@ -168,6 +168,31 @@ def _rotated_copy(kind: str, rotation: str, dtype: torch.dtype) -> tuple[nn.Modu
     return model, rotated, transforms, quantized
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "gemma3"])
+@pytest.mark.parametrize("block_size", [32, None])
+def test_rotations_merge_from_their_factors_as_from_their_matrices(kind, block_size):
+    """`merge_rotations` takes a `RandomizedHadamard` (how `rotate_model` merges its random rotations: from its
+    factors) or its dense matrix (how learned rotations merge): the same weights and biases, up to float64 sums
+    in another order rounded to float32, on the residual stream (96 = 3 x 32: an odd factor) and per head (32)."""
+    from optimum_dmx.nn.rotation import fold_norm_scales, merge_rotations, rotation_sites
+
+    model = tiny_decoder(kind, tied=False)
+    fold_norm_scales(model)
+    sites = rotation_sites(model)
+    size, head_dim = model.config.hidden_size, model.config.head_dim
+    residual = RandomizedHadamard(size, block_size or size, seed=1) if sites.residual else None
+    heads = [RandomizedHadamard(head_dim, block_size or head_dim, seed=2 + i) for i in range(len(sites.heads))]
+    dense = copy.deepcopy(model)
+    before = {name: p.detach().clone() for name, p in model.named_parameters()}
+    merge_rotations(model, sites, residual, heads)
+    merge_rotations(dense, rotation_sites(dense), residual and residual.matrix(), [h.matrix() for h in heads])
+    changed = [name for name, p in model.named_parameters() if not torch.equal(p, before[name])]
+    assert "model.layers.0.self_attn.v_proj.weight" in changed and "model.layers.1.self_attn.o_proj.weight" in changed
+    assert ("model.embed_tokens.weight" in changed) == (residual is not None)
+    for name, parameter in model.named_parameters():
+        torch.testing.assert_close(parameter, dense.get_parameter(name), rtol=2e-7, atol=1e-7, msg=name)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("rotation", ["hadamard", "block_hadamard"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])

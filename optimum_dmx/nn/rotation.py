@@ -55,6 +55,8 @@ from .groups import fused_projection_groups
 from .placement import is_resident, is_sharded, loaded_weights, replace_module, write_parameters
 from .transforms import RandomizedHadamard, TransformedLinear
 
+Rotation = torch.Tensor | RandomizedHadamard  # an orthogonal matrix, or a transform applied from its factors
+
 logger = logging.getLogger(__name__)
 
 ROTATIONS = ("none", "hadamard", "block_hadamard", "online_block_hadamard")  # what `rotate_model` applies
@@ -200,7 +202,7 @@ def rotate_model(
     ]
     if sites.residual:
         fold_norm_scales(model)
-    merge_rotations(model, sites, residual.matrix() if sites.residual else None, [h.matrix() for h, _ in per_layer])
+    merge_rotations(model, sites, residual if sites.residual else None, [head for head, _ in per_layer])
     transforms = {}
     for (_, o_proj, _), (_, online) in zip(sites.heads, per_layer):
         name = _down_proj(o_proj)
@@ -386,14 +388,17 @@ def _norm_scale(norm: nn.Module) -> torch.Tensor:
     return 1.0 + weight if "Gemma" in type(norm).__name__ else weight
 
 
-def rotate_input_side(weight: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+def rotate_input_side(weight: torch.Tensor, matrix: Rotation) -> torch.Tensor:
     """`weight @ diag(matrix, ..., matrix)`: a layer holding the result expects its input rotated by `matrix`
-    (applied to each consecutive group of `len(matrix)` input features)."""
+    (applied to each consecutive group of `len(matrix)` input features). A `RandomizedHadamard` is applied from its
+    factors (`apply`, float64): a few dozen multiply-adds per element instead of `len(matrix)`."""
+    if isinstance(matrix, RandomizedHadamard):
+        return matrix.apply(weight.unflatten(-1, (-1, matrix.size))).flatten(-2)
     size = matrix.shape[0]
     return (weight.unflatten(-1, (-1, size)) @ matrix).flatten(-2)
 
 
-def rotate_output_side(weight: torch.Tensor, matrix: torch.Tensor) -> torch.Tensor:
+def rotate_output_side(weight: torch.Tensor, matrix: Rotation) -> torch.Tensor:
     """`diag(matrix, ..., matrix)^T @ weight` for a weight (`[out, in]`), `bias @ diag(...)` for a bias (`[out]`):
     the layer's output comes out rotated by `matrix` (each consecutive group of `len(matrix)` output features)."""
     if weight.dim() == 1:
@@ -416,10 +421,10 @@ def _rewrite(
     write_parameters(model, name, values)
 
 
-def _merge_input_side(model: nn.Module, name: str, matrix: torch.Tensor) -> None:
+def _merge_input_side(model: nn.Module, name: str, matrix: Rotation) -> None:
     """`W <- W @ diag(matrix, ...)` for module `name`: a linear now expects inputs rotated by `matrix`, an
     embedding's rows come out rotated by it."""
-    _rewrite(model, name, lambda weight: rotate_input_side(weight, matrix.to(weight.device, torch.float64)))
+    _rewrite(model, name, lambda weight: rotate_input_side(weight, _in_float64(matrix, weight.device)))
 
 
 def _merge_transform(model: nn.Module, name: str, transform: RandomizedHadamard) -> None:
@@ -428,10 +433,15 @@ def _merge_transform(model: nn.Module, name: str, transform: RandomizedHadamard)
     _rewrite(model, name, transform.apply)
 
 
-def _merge_output_side(model: nn.Module, name: str, matrix: torch.Tensor) -> None:
+def _in_float64(matrix: Rotation, device: torch.device) -> Rotation:
+    """A rotation matrix in float64 on `device`; a transform as it is (it computes in float64 where its input is)."""
+    return matrix if isinstance(matrix, RandomizedHadamard) else matrix.to(device, torch.float64)
+
+
+def _merge_output_side(model: nn.Module, name: str, matrix: Rotation) -> None:
     """`W <- diag(matrix, ...)^T @ W`, `b <- b @ diag(matrix, ...)` for linear `name`: it now outputs `y` rotated by
     `matrix`."""
-    rotate = lambda tensor: rotate_output_side(tensor, matrix.to(tensor.device, torch.float64))  # noqa: E731
+    rotate = lambda tensor: rotate_output_side(tensor, _in_float64(matrix, tensor.device))  # noqa: E731
     _rewrite(model, name, rotate, ("weight", "bias"))
 
 
@@ -466,11 +476,12 @@ def fold_norm_scales(model: nn.Module) -> None:
 
 @torch.no_grad()
 def merge_rotations(
-    model: nn.Module, sites: RotationSites, residual: torch.Tensor | None, heads: Sequence[torch.Tensor]
+    model: nn.Module, sites: RotationSites, residual: Rotation | None, heads: Sequence[Rotation]
 ) -> None:
     """Merge orthogonal rotations into `model`'s weights without changing its float function: the residual stream
     by `residual` (R1; None leaves it; the norms' scales must be folded already, `has_unit_norm_scales`) and
-    each layer's value heads by its matrix of `heads` (R2, `[head_dim, head_dim]`, in the order of `sites.heads`)."""
+    each layer's value heads by its rotation of `heads` (R2, `[head_dim, head_dim]`, in the order of `sites.heads`).
+    A rotation is a matrix (learned ones) or a `RandomizedHadamard`, merged from its factors."""
     if residual is not None:
         _merge_input_side(model, _module_name(model, model.get_input_embeddings()), residual)
         for name in sites.readers:
