@@ -380,12 +380,14 @@ def test_scan_split_scans_each_layer_once_per_sequence_group_with_every_process_
     ]
     stages.append([(("lm_head",), [])])
     split = ScanSplit.choose(world_size, 4, [len(stage) for stage in stages])
-    passes = [split.passes(rank, stages, units_per_pass) for rank in range(world_size)]
+    alone = {stages[1][2][0]}  # a unit scanned in passes of its own (a mixture of experts' experts)
+    passes = [split.passes(rank, stages, units_per_pass, alone) for rank in range(world_size)]
     # in step: every process gathers the same layers and replays the same decoder layers in each of its passes
     # (FSDP2's gathers match), the round's names being those of all its units
     assert len({tuple((tuple(names), tuple(replayed)) for _, names, replayed in p) for p in passes}) == 1
     assert all(set(unit) <= set(names) for p in passes for units, names, _ in p for unit in units)
     assert all(len(units) <= units_per_pass for p in passes for units, _, _ in p)
+    assert all(units == (unit,) for p in passes for units, _, _ in p for unit in units if unit in alone)
     # a pass's units share the decoder layers replayed before them
     unit_stage = {unit: tuple(replayed) for stage in stages for unit, replayed in stage}
     assert all(unit_stage[unit] == tuple(replayed) for p in passes for units, _, replayed in p for unit in units)

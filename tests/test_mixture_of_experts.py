@@ -267,8 +267,41 @@ def test_the_scan_puts_a_layers_experts_low_in_one_pass():
         shares = {value for name, value in grouped.items() if name.startswith(layer + ".")}
         assert len(shares) == 1 and shares.pop() > 0
     passes.clear()
-    kl_sensitivities(model, ids, CalibrationSettings(batch_size=4, modules_to_not_convert=["lm_head"]), progress=False)
-    assert len(passes) == 1 + 2 * (4 + 4 * 3) // 4  # ungrouped: every linear alone, 4 to a pass
+    alone = kl_sensitivities(
+        model, ids, CalibrationSettings(batch_size=4, modules_to_not_convert=["lm_head"]), progress=False
+    )
+    # ungrouped: every linear alone, q/k/v/o in one pass over 4 copies of the batch, each expert linear in a pass of
+    # its own (it reads the tokens routed to it, not the copies one after the other)
+    assert len(passes) == 1 + 2 * (1 + 4 * 3)
+    passes.clear()
+    assert alone == kl_sensitivities(
+        model,
+        ids,
+        CalibrationSettings(batch_size=4, modules_to_not_convert=["lm_head"]),
+        progress=False,
+        units_per_pass=1,
+    )
+    assert len(passes) == 1 + 2 * (4 + 4 * 3)
+
+
+def test_the_scans_passes_over_copies_scan_a_layers_experts_in_passes_of_their_own():
+    """A pass over copies of the batch puts a unit low in its copy's rows, which a mixture of experts' expert does
+    not read in order (the router's order): a layer's experts are scanned in passes of their own, so that every
+    unit gets the divergence of a pass of its own, grouped (q/k/v, o_proj and the experts would otherwise share a
+    pass) or not."""
+    from optimum_dmx.calibration import kl_sensitivities
+
+    torch.manual_seed(0)
+    model = FAMILIES["qwen3_moe"]()
+    linearize_experts(model, linearizable_experts(model, ["lm_head"]))
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    for groups in ("fused", "none"):
+        settings = CalibrationSettings(batch_size=4, offset_groups=groups, modules_to_not_convert=["lm_head"])
+        shared = kl_sensitivities(model, ids, settings, progress=False, head_tokens=16)
+        single = kl_sensitivities(model, ids, settings, progress=False, head_tokens=16, units_per_pass=1)
+        assert shared.keys() == single.keys()
+        for name in single:
+            assert shared[name] == pytest.approx(single[name], rel=1e-5), name
 
 
 def test_packed_weight_modules_leave_out_convolutions_and_skipped_modules():

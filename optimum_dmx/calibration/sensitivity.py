@@ -33,7 +33,9 @@ each unit low in its own copy only (`LowInOneCopy`), and each copy's divergence 
 its own gives (the same sums, tested). The decoder then multiplies larger matrices and runs its other operations a
 quarter as often: on SmolLM2-135M (4 units per decoder layer with fused groups, 4 x 64 tokens) 0.80x the scan's
 time (`benchmarks/results/sensitivity.md`, "Units sharing passes"). Only divergences from final hidden states share
-passes: the whole vocabulary's logits for every copy would cost as many batches of them.
+passes: the whole vocabulary's logits for every copy would cost as many batches of them. And only units whose linears
+read the batch whole, copy after copy (`_WholeBatchReaders`, seen in the float pass): a mixture of experts' expert
+reads the tokens routed to it in the router's order, so a layer's experts are scanned in passes of their own.
 
 On a float32 model the passes' matrix products run in bfloat16 where the device multiplies it natively (a CUDA GPU,
 a CPU with AMX or AVX-512 BF16): the float layers hold bfloat16 copies of their weights for the scan, a unit goes low
@@ -55,7 +57,7 @@ their transforms: merging them would hold a second copy of their weights.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, replace
 from typing import Any
@@ -102,11 +104,11 @@ def kl_sensitivities(
     distributions and the decoder layers' outputs, then passes from a decoder layer on, in batches of
     `settings.batch_size` sequences, each over `units_per_pass` copies of the batch for as many units of that
     decoder layer, one low in each copy (one unit per pass when the divergences need the whole vocabulary's
-    logits: `head_tokens=None`, or logits soft-capped or scaled). A unit is a group of layers that share a format,
-    all of them low in its copy, each given `1 / len(group)` of its divergence, or a layer alone. Under several
-    processes (`calibration.distributed`) the processes divide the passes (`ScanSplit`) and every process ends with
-    every layer's result. The low format is the same for both pairs (MXFP4), so the result can be reused across
-    pairs and targets with the same groups.
+    logits: `head_tokens=None`, or logits soft-capped or scaled; and for a mixture of experts' experts). A unit is
+    a group of layers that share a format, all of them low in its copy, each given `1 / len(group)` of its
+    divergence, or a layer alone. Under several processes (`calibration.distributed`) the processes divide the
+    passes (`ScanSplit`) and every process ends with every layer's result. The low format is the same for both
+    pairs (MXFP4), so the result can be reused across pairs and targets with the same groups.
 
     `groups`: the groups scanned whole; `None` takes `settings.offset_groups`, `()` scans every layer alone.
 
@@ -146,15 +148,18 @@ def kl_sensitivities(
     weights_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
     lowered = _lower_matmul_dtype(matmul_dtype, weights_dtype, device)
     with _scan_float_layers(targets, lowered, device) as own:
-        with emulate_format_map(model, {}):
-            references = [
-                _record(model, b, list(decoder_layers.values()), head, head_tokens, lowered or torch.float32)
-                for b in batches
-            ]
+        with emulate_format_map(model, {}), _WholeBatchReaders(targets) as readers:
+            references = []
+            for b in batches:
+                readers.expect(b)
+                references.append(
+                    _record(model, b, list(decoder_layers.values()), head, head_tokens, lowered or torch.float32)
+                )
         # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
         sums = torch.zeros(len(targets), dtype=torch.float64)
         index = {name: i for i, name in enumerate(targets)}
-        passes = split.passes(rank, stages, units_per_pass if _from_hidden_states(references) else 1)
+        alone = {unit for stage in stages for unit, _ in stage if not set(unit) <= readers.names}
+        passes = split.passes(rank, stages, units_per_pass if _from_hidden_states(references) else 1, alone)
         for units, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
             names = [name for unit in units for name in unit]
             with ExitStack() as installed:  # low from its own weight and transform (or `low_weights`), not the copy
@@ -248,19 +253,27 @@ class ScanSplit:
         return rank % self.sequence_groups, self.sequence_groups
 
     def passes(
-        self, rank: int, stages: Sequence[Sequence[tuple[tuple[str, ...], list[nn.Module]]]], units_per_pass: int = 1
+        self,
+        rank: int,
+        stages: Sequence[Sequence[tuple[tuple[str, ...], list[nn.Module]]]],
+        units_per_pass: int = 1,
+        alone: Collection[tuple[str, ...]] = (),
     ) -> list[tuple[tuple[tuple[str, ...], ...], list[str], list[nn.Module]]]:
-        """`rank`'s passes, in order: the units it scans in the pass (up to `units_per_pass`; none: a float pass),
-        the names of the layers the processes scan in the same round, and the decoder layers the pass replays. A
-        round deals up to `layer_slots * units_per_pass` units of a stage to its processes in turn."""
+        """`rank`'s passes, in order: the units it scans in the pass (up to `units_per_pass`, one of `alone`; none:
+        a float pass), the names of the layers the processes scan in the same round, and the decoder layers the pass
+        replays. A round deals up to `layer_slots * units_per_pass` units of a stage to its processes in turn (the
+        stage's units of `alone` last, `layer_slots` to a round)."""
         slot = rank // self.sequence_groups
-        per_round = self.layer_slots * units_per_pass
         passes = []
         for stage in stages:
-            for start in range(0, len(stage), per_round):
-                units = [unit for unit, _ in stage[start : start + per_round]]
-                names = [name for unit in units for name in unit]
-                passes.append((tuple(units[slot :: self.layer_slots]), names, stage[start][1]))
+            sharing = [(unit, replayed) for unit, replayed in stage if unit not in alone]
+            single = [(unit, replayed) for unit, replayed in stage if unit in alone]
+            for run, per_pass in ((sharing, units_per_pass), (single, 1)):
+                per_round = self.layer_slots * per_pass
+                for start in range(0, len(run), per_round):
+                    units = [unit for unit, _ in run[start : start + per_round]]
+                    names = [name for unit in units for name in unit]
+                    passes.append((tuple(units[slot :: self.layer_slots]), names, run[start][1]))
         return passes
 
 
@@ -367,6 +380,45 @@ def _scan_float_layers(
 def _from_hidden_states(references: Sequence[tuple[Any, list[Any]]]) -> bool:
     """Whether the passes' divergences come from final hidden states (vocabulary head references)."""
     return all(isinstance(reference, VocabularyHeadReference) for reference, _ in references)
+
+
+class _WholeBatchReaders:
+    """Within the block, which of `targets` read each batch whole: every call's input has the batch's sequences and
+    positions as its leading sizes (`expect` names the batch of the next pass). A pass over copies of the batch can
+    put such a linear low in one copy only (`LowInOneCopy`); a mixture of experts' expert reads the tokens routed to
+    it instead, in the router's order, and is scanned in passes of its own."""
+
+    def __init__(self, targets: Mapping[str, nn.Module]):
+        self.targets = targets
+        self.names = set(targets)
+        self._batch_sizes: tuple[int, ...] = ()
+        self._called: set[str] = set()
+
+    def expect(self, batch: torch.Tensor) -> None:
+        self._drop_uncalled()
+        self._batch_sizes, self._called = tuple(batch.shape), set()
+
+    def _drop_uncalled(self) -> None:
+        if self._batch_sizes:
+            self.names &= self._called
+
+    def _read(self, name: str, args: tuple) -> None:
+        self._called.add(name)
+        x = args[0] if args else None
+        if not torch.is_tensor(x) or tuple(x.shape[: len(self._batch_sizes)]) != self._batch_sizes:
+            self.names.discard(name)
+
+    def __enter__(self) -> _WholeBatchReaders:
+        self._handles = [
+            module.register_forward_pre_hook(lambda module, args, name=name: self._read(name, args))
+            for name, module in self.targets.items()
+        ]
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._drop_uncalled()
 
 
 class LowInOneCopy(nn.Module):
