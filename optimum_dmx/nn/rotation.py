@@ -207,7 +207,7 @@ def rotate_model(
     for (_, o_proj, _), (_, online) in zip(sites.heads, per_layer):
         name = _down_proj(o_proj)
         if name in quantized:
-            _merge_transform(model, name, online)
+            _merge_input_side(model, name, online)  # its TransformedLinear applies `T` online
             replace_module(model, name, TransformedLinear(model.get_submodule(name), online))
             transforms[name] = online.to_dict()
     return transforms
@@ -312,7 +312,7 @@ def _transform_every_input(
             signed = owner in carriers
             built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies, signed)
         transform = built[owner]
-        _merge_transform(model, name, transform)
+        _merge_input_side(model, name, transform)
         replace_module(model, name, TransformedLinear(linear, transform))
         transforms[name] = transform.to_dict()
     return transforms
@@ -425,12 +425,6 @@ def _merge_input_side(model: nn.Module, name: str, matrix: Rotation) -> None:
     """`W <- W @ diag(matrix, ...)` for module `name`: a linear now expects inputs rotated by `matrix`, an
     embedding's rows come out rotated by it."""
     _rewrite(model, name, lambda weight: rotate_input_side(weight, _in_float64(matrix, weight.device)))
-
-
-def _merge_transform(model: nn.Module, name: str, transform: RandomizedHadamard) -> None:
-    """`W <- W T` for linear `name`, computed from the transform's factors (`RandomizedHadamard.apply`): the
-    `TransformedLinear` that replaces it transforms its input by `T` online."""
-    _rewrite(model, name, transform.apply)
 
 
 def _in_float64(matrix: Rotation, device: torch.device) -> Rotation:
