@@ -30,7 +30,7 @@ from optimum_dmx.formats import (
 from optimum_dmx.formats import cast as cast_module
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
-from optimum_dmx.formats.packing import fused_dequantize
+from optimum_dmx.formats.packing import fused_dequantize, fused_pack_rows
 from optimum_dmx.nn import transforms
 from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
@@ -457,6 +457,27 @@ def test_compiled_unpacking_is_bit_identical(compiled, dtype):
     assert fused_dequantize.compiled_variants > 0
 
 
+def test_compiled_packing_is_bit_identical_and_serves_every_row_count(compiled):
+    """`pack_mx` (every `MXLinear` built from a linear, every export) runs one compiled kernel per format and width,
+    for every input dtype (it packs float32 rows): the codes and scales of the eager packing, NaN and Inf blocks
+    included, for any row count after the first call (a pad of nothing made the row count static: the kernel then
+    failed on the next weight's rows, and compilation was off for the rest of the process)."""
+    weight = awkward_tensor(48, 160) * 1e-30  # a width no other test packs: kernels of their own
+    weight[1, 7] = float("nan")
+    before = fused_pack_rows.compiled_variants
+    for dtype in (torch.float32, torch.bfloat16):
+        for name in MX_FORMATS:
+            for rows in (weight, weight[5:17], weight[:1], weight.reshape(4, 12, 160)):
+                packed = pack_mx(rows.to(dtype), name)
+                set_compile_enabled(False)
+                eager = pack_mx(rows.to(dtype), name)
+                set_compile_enabled(True)
+                assert torch.equal(packed.codes, eager.codes) and torch.equal(packed.scales, eager.scales), name
+                assert packed.shape == rows.shape and packed.codes.shape[:-1] == rows.shape[:-1]
+    assert fused_pack_rows.compiled_variants == before + 2 * len(MX_FORMATS)  # many rows and one, per format
+    assert fused_pack_rows.rejected_variants == 0 and fused_pack_rows.active
+
+
 def _one_more_when_compiled(x: torch.Tensor) -> torch.Tensor:
     """A function whose compiled kernel differs from it (it adds 1 while being traced into the kernel's graph): the
     stand-in for a miscompiled kernel."""
@@ -493,7 +514,7 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         from optimum_dmx.continuous.fused import _gradients_kernel, _values_kernel
         from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
         from optimum_dmx.formats.compilation import _same_bits
-        from optimum_dmx.formats.packing import fused_dequantize
+        from optimum_dmx.formats.packing import fused_dequantize, fused_pack_rows
         from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
@@ -508,8 +529,10 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
             packed = pack_mx(x, name)
             set_compile_enabled(False)
             eager = unpack_mx(packed)
+            eager_packed = pack_mx(x, name)
             set_compile_enabled(True)
             assert _same_bits(unpack_mx(packed), eager), name
+            assert _same_bits((packed.codes, packed.scales), (eager_packed.codes, eager_packed.scales)), name
         for pair in ("mxfp8-mxfp4", "mxfp6-mxfp4"):
             runs = []
             for compiled in (True, False):
@@ -526,7 +549,8 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
             assert _same_bits(transformed, quantize_mx(transform(finite.to(dtype)), "mxfp4_e2m1")), dtype
         assert _transform_kernel.compiled_variants == 4 and _transform_kernel.rejected_variants == 0
         assert fused_cast_mx.compiled_variants == 2 * len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
-        assert fused_dequantize.rejected_variants == 0
+        assert fused_dequantize.rejected_variants == 0 and fused_pack_rows.rejected_variants == 0
+        assert fused_pack_rows.compiled_variants == len(MX_FORMATS)
         assert _values_kernel.compiled_variants > 0 and _gradients_kernel.compiled_variants > 0
         assert _values_kernel.rejected_variants == 0 and _gradients_kernel.rejected_variants == 0
         print("EXACT")

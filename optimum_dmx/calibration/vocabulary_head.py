@@ -44,6 +44,7 @@ class VocabularyHeadReference:
         head_rows: the head tokens' rows of the output embedding, `[head, hidden]`, in the dtype of `kl`'s product
             with them.
         head_log_probs: the head tokens' reference log-probabilities, `[positions, head]`.
+        head_probabilities: their exponentials (every `kl` reads them).
         log_total: the log of the stored head probabilities plus the tail mass (0 up to rounding): subtracted in
             `kl` so that the stored log-probabilities' rounding cancels instead of adding a bias.
         tail_log_mass: `log a`, the log probability of the tokens outside the head (`-inf` when there are none).
@@ -54,6 +55,7 @@ class VocabularyHeadReference:
     hidden: torch.Tensor
     head_rows: torch.Tensor
     head_log_probs: torch.Tensor
+    head_probabilities: torch.Tensor
     log_total: torch.Tensor
     tail_log_mass: torch.Tensor
     tail_mean_row: torch.Tensor
@@ -106,6 +108,7 @@ class VocabularyHeadReference:
             hidden=hidden,
             head_rows=weight[head].to(product_dtype).contiguous(),
             head_log_probs=head_log_probs,
+            head_probabilities=head_log_probs.exp(),
             log_total=torch.logaddexp(head_log_probs.logsumexp(-1), tail_log_mass),
             tail_log_mass=tail_log_mass,
             tail_mean_row=tail_mean,
@@ -121,7 +124,7 @@ class VocabularyHeadReference:
         tail_shift = (shift * self.tail_mean_row).sum(-1)  # mu . dh
         head = (self.head_log_probs + head_shift).logsumexp(-1)
         tail = self.tail_log_mass + tail_shift + 0.5 * ((shift @ self.tail_covariance) * shift).sum(-1)
-        mean_shift = (self.head_log_probs.exp() * head_shift).sum(-1) + self.tail_log_mass.exp() * tail_shift
+        mean_shift = (self.head_probabilities * head_shift).sum(-1) + self.tail_log_mass.exp() * tail_shift
         divergences = torch.logaddexp(head, tail) - self.log_total - mean_shift
         return divergences.double().sum()
 

@@ -180,8 +180,8 @@ def map_row_chunks(
 
 
 def compiles(width: int, block_size: int) -> bool:
-    """Whether rows of ``width`` elements run a compiled kernel (the cast, the continuous quantizer, unpacking):
-    compilation is on and the rows are whole blocks.
+    """Whether rows of ``width`` elements run a compiled kernel (the cast, the continuous quantizer, packing and
+    unpacking): compilation is on and the rows are whole blocks.
 
     (Rows with a padded or cut last block run eagerly. Inductor (torch 2.13, C++ backend) miscompiles the cut last
     block of a bfloat16 or float16 unpacking; the cast and the continuous quantizer compile such rows correctly
