@@ -4,16 +4,18 @@ Regenerate `results/formats.md` (a few minutes on one CPU core):
 
     python benchmarks/bench_formats.py --repeats 7 --threads 1 --output benchmarks/results/formats.md
 
-For each MX format, quantize-dequantize one float32 tensor (default 4096 x 4096) with ``quantize_mx`` (its
-compiled kernel, ``formats.compilation``, and its eager cast) and with torchao's ``to_mx`` + ``to_dtype`` (FLOOR
-scaling, the OCP rule), check that they agree bit for bit, and report the median time per element over
-interleaved repetitions (they run alternately, so machine noise hits all alike) with the ratio ours / torchao.
-A ``clone`` of the same tensor is the memory-bound floor. The time of the first compiled call (compilation) is
-reported separately. The continuous dMX quantizer's forward + backward (gradients for the input and beta, from a
-dense incoming gradient, as inside a network) is timed on the same tensor, both pairs interleaved: the autograd
-reference and the fused version at beta 0.5 (a fractional offset: the eager kernel), and the fused version at
-beta 2 (a format endpoint, what the default recipe probes, given as a number as the recipe does), compiled and
-eager. On a GPU each timed sample is ten calls in a row (the device's time per call, its launches overlapped).
+For each MX format, quantize-dequantize one float32 tensor (default 4096 x 4096) with ``quantize_mx`` (its compiled
+kernel, ``formats.compilation``, and its eager cast) and with torchao's ``to_mx`` + ``to_dtype`` (FLOOR scaling, the
+OCP rule), check that they agree bit for bit, and report the median time per element over interleaved repetitions
+(they run alternately, so machine noise hits all alike) with the ratio ours / torchao. A ``clone`` of the same
+tensor is the memory-bound floor. The time of the first compiled call (compilation) is reported separately.
+``pack_mx`` (the storage form: codes and scales, what quantizing or exporting a model's weights runs), compiled and
+eager, is timed against torchao's ``to_mx`` (its scales and element data), its values checked through ``unpack_mx``.
+The continuous dMX quantizer's forward + backward (gradients for the input and beta, from a dense incoming gradient,
+as inside a network) is timed on the same tensor, both pairs interleaved: the autograd reference and the fused
+version at beta 0.5 (a fractional offset: the eager kernel), and the fused version at beta 2 (a format endpoint,
+what the default recipe probes, given as a number as the recipe does), compiled and eager. On a GPU each timed
+sample is ten calls in a row (the device's time per call, its launches overlapped).
 
     python benchmarks/bench_formats.py [--size 4096] [--repeats 7] [--threads N] [--device cpu]
                                        [--output results/formats.md]
@@ -26,7 +28,15 @@ from collections.abc import Callable
 
 import torch
 
-from optimum_dmx import FORMAT_PAIRS, MX_FORMATS, quantize_mx, quantize_mx_continuous, set_compile_enabled
+from optimum_dmx import (
+    FORMAT_PAIRS,
+    MX_FORMATS,
+    pack_mx,
+    quantize_mx,
+    quantize_mx_continuous,
+    set_compile_enabled,
+    unpack_mx,
+)
 from optimum_dmx.continuous import ContinuousQuantization, quantize_mx_continuous_fused
 
 from common import device_description, kernel_benchmark_parser, median_seconds, synchronize, write_report
@@ -49,6 +59,7 @@ def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
         scale, data = to_mx(x, elem_dtypes[name], 32)
         return to_dtype(data, scale, elem_dtypes[name], 32, x.dtype)
 
+    quantize.to_mx = lambda x, name: to_mx(x, elem_dtypes[name], 32)  # the storage form (scales, element data)
     return quantize
 
 
@@ -129,6 +140,26 @@ def main() -> None:
             rows.append(
                 (
                     f"`quantize_mx` {name}, {label}",
+                    "yes" if exact else "NO",
+                    t / n * 1e9,
+                    times[2] / n * 1e9,
+                    t / times[2],
+                    f"{t / floor:.1f}",
+                )
+            )
+    for name in MX_FORMATS:  # the storage form: what quantizing or exporting a model's weights runs
+        compile_seconds[f"`pack_mx` {name}"] = first_call_seconds(lambda: pack_mx(x, name), device)
+        exact = torch.equal(unpack_mx(pack_mx(x, name)).view(torch.int32), reference(x, name).view(torch.int32))
+        times = median_seconds(
+            [lambda: pack_mx(x, name), eager(lambda: pack_mx(x, name)), lambda: reference.to_mx(x, name)],
+            args.repeats,
+            device=device,
+            calls=calls,
+        )
+        for label, t in (("compiled", times[0]), ("eager", times[1])):
+            rows.append(
+                (
+                    f"`pack_mx` {name}, {label} (torchao: `to_mx`)",
                     "yes" if exact else "NO",
                     t / n * 1e9,
                     times[2] / n * 1e9,
