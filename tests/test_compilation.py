@@ -314,6 +314,85 @@ def test_a_kernel_compiled_for_one_width_is_never_served_to_another(tmp_path):
         assert result == {"same": [True] * len(widths), "rejected": 0}, widths
 
 
+def test_a_later_process_loads_the_kernels_an_earlier_one_compiled(tmp_path):
+    """Compiled kernels are stored (in inductor's cache directory by default) and a later process loads them instead
+    of tracing and compiling: with tracing made to fail there, every kernel of the first process still runs compiled,
+    first-call checked, with the same bits. `OPTIMUM_DMX_KERNEL_CACHE` names another folder, or turns storing off."""
+    script = textwrap.dedent("""
+        import json, os, warnings
+        import torch
+        from optimum_dmx.formats import compilation, get_format, pack_mx, quantize_mx
+        from optimum_dmx.formats.cast import fused_cast_mx
+        from optimum_dmx.formats.packing import fused_pack_rows
+        from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
+        warnings.simplefilter("error", RuntimeWarning)  # a failed compilation or a rejected kernel fails the test
+        if os.environ["MODE"] == "load":
+            def no_tracing(*args):
+                raise AssertionError("traced")
+            compilation._compile = no_tracing
+        x = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
+        results = [
+            quantize_mx(x, "mxfp8_e4m3"), quantize_mx(x[:1], "mxfp4_e2m1"), pack_mx(x, "mxfp6_e2m3").codes,
+            RandomizedHadamard(96, 32, seed=1).quantize(x.bfloat16(), get_format("mxfp4_e2m1"), 32, "ocp").float(),
+        ]
+        kernels = [fused_cast_mx, fused_pack_rows, _transform_kernel]
+        folder = compilation.kernel_cache_dir()
+        print(json.dumps({
+            "compiled": [k.compiled_variants for k in kernels], "rejected": [k.rejected_variants for k in kernels],
+            "loaded": [all(v.loaded for v in k._kernels.values()) for k in kernels],
+            "sums": [r.double().sum().item() for r in results],
+            "folder": None if folder is None else str(folder),
+            "stored": 0 if folder is None or not folder.exists() else len(list(folder.glob("*.json"))),
+        }))
+    """)
+    inductor = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OPTIMUM_DMX_COMPILE": "1"}
+    first = last_json_line(run_python(script, env={**inductor, "MODE": "compile"}))
+    assert first["folder"] == str(tmp_path / "inductor" / "optimum_dmx")
+    assert first["compiled"] == [2, 1, 1] and first["rejected"] == [0, 0, 0] and first["loaded"] == [False] * 3
+    assert first["stored"] == 4
+    later = last_json_line(run_python(script, env={**inductor, "MODE": "load"}))
+    assert later["compiled"] == [2, 1, 1] and later["rejected"] == [0, 0, 0] and later["loaded"] == [True] * 3
+    assert later["sums"] == first["sums"] and later["stored"] == 4
+    elsewhere = {**inductor, "OPTIMUM_DMX_KERNEL_CACHE": str(tmp_path / "kernels"), "MODE": "compile"}
+    assert last_json_line(run_python(script, env=elsewhere))["folder"] == str(tmp_path / "kernels")
+    off = last_json_line(run_python(script, env={**inductor, "OPTIMUM_DMX_KERNEL_CACHE": "0", "MODE": "compile"}))
+    assert off["folder"] is None and off["loaded"] == [False] * 3 and off["sums"] == first["sums"]
+
+
+def _doubled(x: torch.Tensor) -> torch.Tensor:
+    return x * 2
+
+
+def _tripled(x: torch.Tensor) -> torch.Tensor:
+    return x * 3
+
+
+def test_a_stored_kernel_that_gives_other_bits_or_cannot_be_read_is_compiled_anew(compiled, tmp_path, monkeypatch):
+    """A stored kernel is checked on its first call like a new one: one that computes something else (here another
+    function's kernel, stored under its key) is deleted, compiled anew and stored, with no warning; a damaged file
+    is compiled over."""
+    from optimum_dmx.formats import compilation
+
+    monkeypatch.setenv("OPTIMUM_DMX_KERNEL_CACHE", str(tmp_path))
+    x = torch.arange(96.0).reshape(3, 32)
+    CompiledKernel(_tripled)(x)
+    (tripled,) = [path for path in tmp_path.iterdir() if path.name.startswith("_tripled") and path.suffix != ".json"]
+    doubled = compilation._kernel_path(_doubled, (x,), inductor_options((x,)))
+    for suffix in ("", ".json"):  # the other function's kernel under this one's key
+        doubled.with_name(doubled.name + suffix).write_bytes(tripled.with_name(tripled.name + suffix).read_bytes())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        kernel = CompiledKernel(_doubled)
+        assert torch.equal(kernel(x), x * 2) and kernel.rejected_variants == 0
+        (compiled_anew,) = kernel._kernels.values()
+        assert not compiled_anew.loaded and compilation._Kernel.load(doubled) is not None
+        assert torch.equal(CompiledKernel(_doubled)(x), x * 2)  # the kernel stored anew, loaded
+        doubled.write_bytes(b"damaged")
+        again = CompiledKernel(_doubled)
+        assert torch.equal(again(x), x * 2) and not next(iter(again._kernels.values())).loaded
+    assert torch.equal(CompiledKernel(_doubled)(x), x * 2)
+
+
 def test_a_compiled_kernel_takes_its_width_as_a_constant():
     """The graph's traced sizes reach inductor (its row count symbolic, its width static): the kernel serves any row
     count of its width and refuses another width, where a kernel with every size symbolic would run it."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import copy
 import random
+import textwrap
 
 import pytest
 import torch
@@ -28,6 +29,8 @@ from .helpers import (
     adversarial_blocks,
     assert_bitwise_equal,
     awkward_tensor,
+    last_json_line,
+    run_python,
     sensitive_llama_and_data,
     wide_range,
     word_tokenizer,
@@ -159,6 +162,36 @@ def test_cuda_kernels_do_not_recompile_when_the_number_of_tokens_changes(compile
 def _texts(n: int = 40) -> list[str]:
     rng = random.Random(0)
     return [words(rng.randrange(0, 100), 20) for _ in range(n)]
+
+
+def test_a_later_process_loads_the_cuda_kernels_an_earlier_one_compiled(tmp_path):
+    """Triton kernels are stored like the CPU's (`formats.compilation`): a second process with tracing made to fail
+    loads the cast, packing and continuous quantizer's kernels, first-call checked, and gets the same bits."""
+    script = textwrap.dedent("""
+        import json, os, warnings
+        import torch
+        from optimum_dmx.continuous import quantize_mx_continuous_fused
+        from optimum_dmx.formats import compilation, pack_mx, quantize_mx
+        from optimum_dmx.formats.cast import fused_cast_mx
+        warnings.simplefilter("error", RuntimeWarning)  # a failed compilation or a rejected kernel fails the test
+        if os.environ["MODE"] == "load":
+            def no_tracing(*args):
+                raise AssertionError("traced")
+            compilation._compile = no_tracing
+        x = torch.randn(40, 96, generator=torch.Generator().manual_seed(0)).cuda()
+        beta = torch.tensor(2.0, device="cuda", requires_grad=True)
+        y = quantize_mx_continuous_fused(x.clone().requires_grad_(), beta, "mxfp8-mxfp4")
+        y.sum().backward()
+        results = [quantize_mx(x, "mxfp8_e4m3"), pack_mx(x, "mxfp4_e2m1").codes, y.detach(), beta.grad]
+        print(json.dumps({
+            "loaded": all(kernel.loaded for kernel in fused_cast_mx._kernels.values()),
+            "sums": [r.double().sum().item() for r in results],
+        }))
+    """)
+    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OPTIMUM_DMX_COMPILE": "1"}
+    first = last_json_line(run_python(script, env={**env, "MODE": "compile"}))
+    later = last_json_line(run_python(script, env={**env, "MODE": "load"}))
+    assert not first["loaded"] and later["loaded"] and later["sums"] == first["sums"]
 
 
 def test_bf16_calibration_on_cuda_through_from_pretrained(tmp_path, tiny_llama_dir):

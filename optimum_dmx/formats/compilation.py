@@ -31,6 +31,13 @@ static in the compiled graph, not only in the key: inductor's on-disk cache keys
 are the same for every width, so a graph with a symbolic width could be served a kernel specialised on another
 width. Keys of zero or one row (a token being generated) get kernels with static sizes.
 
+Compiled kernels are kept on disk (``kernel_cache_dir``: ``$OPTIMUM_DMX_KERNEL_CACHE``, else a folder in inductor's
+cache directory) and loaded by later processes instead of traced and compiled again: tracing a kernel costs 0.1-0.6 s
+on a CPU even when inductor's own cache holds its code, loading it a few milliseconds. A stored kernel is keyed by
+everything its code depends on (this package's source, torch's version, the device and its instruction set, the
+constant arguments, dtypes and width), and its first call is checked like any other: a stored kernel that gives
+other bits is deleted and compiled anew.
+
 A kernel is the function traced into a graph (``make_fx``, over fake tensors whose first size is a symbol) and
 compiled by inductor directly (``torch._inductor.standalone_compile``), not through ``torch.compile``: a call then
 costs the kernel and a few microseconds, where ``torch.compile``'s frame evaluation, guards and wrappers cost tens
@@ -41,9 +48,13 @@ waits.
 from __future__ import annotations
 
 import functools
+import hashlib
+import json
 import os
+import tempfile
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -51,9 +62,17 @@ import torch
 if TYPE_CHECKING:
     from torch.fx.experimental.symbolic_shapes import StatelessSymbolicContext
 
-__all__ = ["COMPILE_ENV_VAR", "CompiledKernel", "compile_enabled", "set_compile_enabled"]
+__all__ = [
+    "COMPILE_ENV_VAR",
+    "KERNEL_CACHE_ENV_VAR",
+    "CompiledKernel",
+    "compile_enabled",
+    "kernel_cache_dir",
+    "set_compile_enabled",
+]
 
 COMPILE_ENV_VAR = "OPTIMUM_DMX_COMPILE"
+KERNEL_CACHE_ENV_VAR = "OPTIMUM_DMX_KERNEL_CACHE"
 # Inductor keeps an intermediate read more than `realize_reads_threshold` (default 4) times in a buffer. Inside one
 # fused kernel that becomes a per-block local buffer, and boolean ones (the continuous quantizer's subnormal and
 # saturation masks, read by both of its derivatives) are stored element by element: with the default, the gradient
@@ -79,6 +98,21 @@ def compile_enabled() -> bool:
     if _enabled_override is not None:
         return _enabled_override
     return os.environ.get(COMPILE_ENV_VAR, "1").strip().lower() not in _FALSE_VALUES
+
+
+def kernel_cache_dir() -> Path | None:
+    """The folder where compiled kernels are kept between processes: ``$OPTIMUM_DMX_KERNEL_CACHE``, else
+    ``optimum_dmx`` in inductor's cache directory (``$TORCHINDUCTOR_CACHE_DIR``, by default in the system's temporary
+    folder), so that emptying inductor's cache empties it too; None (kernels are not kept) when the variable is
+    ``0``, ``false``, ``no`` or ``off``."""
+    value = os.environ.get(KERNEL_CACHE_ENV_VAR, "").strip()
+    if value.lower() in _FALSE_VALUES:
+        return None
+    if value:
+        return Path(value)
+    from torch._inductor.runtime.cache_dir_utils import cache_dir
+
+    return Path(cache_dir()) / "optimum_dmx"
 
 
 def set_compile_enabled(enabled: bool | None) -> None:
@@ -128,11 +162,8 @@ class CompiledKernel:
         args = tuple(arg.contiguous() if isinstance(arg, torch.Tensor) else arg for arg in args)
         key = tuple(map(_signature, args))
         kernel = self._kernels.get(key)  # one lookup per call: this runs once per quantized tensor
-        first_call = kernel is None
         try:
-            if first_call:
-                kernel = _compile(self.fn, args, {**inductor_options(args), **self.options})
-            result = kernel(*args)
+            return kernel(*args) if kernel is not None else self._first_call(key, args)
         except Exception as error:  # a missing compiler or backend must never break quantization
             global _compilation_failed
             _compilation_failed = True
@@ -145,14 +176,18 @@ class CompiledKernel:
                 stacklevel=2,
             )
             return self.fn(*args)
-        if first_call:
-            return self._checked_result(key, kernel, result, args)
-        return result
 
-    def _checked_result(self, key: tuple, kernel: Callable[..., Any], result: Any, args: tuple) -> Any:
-        """A new kernel's first result, checked: ``key`` keeps ``kernel`` if ``result`` equals the eager function's
-        bit for bit; otherwise it keeps the eager function (with one warning), and its result is returned."""
-        expected = self.fn(*args)
+    def _first_call(self, key: tuple, args: tuple) -> Any:
+        """The result for a new ``key``, which from now on runs a kernel stored or compiled for it if its result is
+        the eager function's bit for bit (a stored kernel that differs is compiled anew), else the eager function
+        (with one warning)."""
+        options = {**inductor_options(args), **self.options}
+        kernel = _stored_kernel(self.fn, args, options)
+        result, expected = kernel(*args), self.fn(*args)
+        if kernel.loaded and not _same_bits(result, expected):  # stored by another build or machine, or damaged
+            kernel.discard()
+            kernel = _stored_kernel(self.fn, args, options)
+            result = kernel(*args)
         if _same_bits(result, expected):
             self._kernels[key] = kernel
             return result
@@ -180,7 +215,108 @@ def inductor_options(args: tuple) -> dict[str, Any]:
     return {**INDUCTOR_OPTIONS, **{key: value for key, value in GPU_EAGER_NUMERICS.items() if key in known}}
 
 
-def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Callable[..., Any]:
+class _Kernel:
+    """A compiled kernel: inductor's artifact, called with the tensors among a call's arguments, and what its
+    outputs stand for (inductor's graphs return tensors only: whether the function returns a tuple, and which of its
+    outputs are None). `stored`: its files, when it is kept on disk; `loaded`: whether it came from them."""
+
+    def __init__(self, artifact: Any, returns_tuple: bool, none_outputs: list[bool], loaded: bool = False):
+        self.artifact, self.returns_tuple, self.none_outputs = artifact, returns_tuple, none_outputs
+        self.stored: Path | None = None
+        self.loaded = loaded
+
+    def __call__(self, *call_args: Any) -> Any:
+        tensors = iter(self.artifact(*[arg for arg in call_args if isinstance(arg, torch.Tensor)]))
+        outputs = tuple(None if none else next(tensors) for none in self.none_outputs)
+        return outputs if self.returns_tuple else outputs[0]
+
+    def store(self, path: Path) -> None:
+        """Write the kernel to ``path`` (its artifact) and ``path.json`` (its outputs), each replaced whole, the
+        description last: a process that finds it finds the artifact complete. A kernel that cannot be stored only
+        costs later processes a compilation."""
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.TemporaryDirectory(dir=path.parent) as scratch:
+                self.artifact.save(path=os.path.join(scratch, "artifact"), format="binary")
+                os.replace(os.path.join(scratch, "artifact"), path)
+                description = os.path.join(scratch, "description")
+                Path(description).write_text(json.dumps({"tuple": self.returns_tuple, "none": self.none_outputs}))
+                os.replace(description, _description_path(path))
+        except Exception:  # a folder that cannot be written, or an artifact that cannot be saved: not kept
+            return
+        self.stored = path
+
+    @classmethod
+    def load(cls, path: Path) -> _Kernel | None:
+        """The kernel stored at ``path``, or None when there is none (or it cannot be read)."""
+        from torch._inductor import CompiledArtifact
+
+        try:
+            described = json.loads(_description_path(path).read_text())
+            kernel = cls(CompiledArtifact.load(path=str(path), format="binary"), described["tuple"], described["none"])
+        except Exception:  # none stored, or damaged or unreadable: compiled anew (and stored over it)
+            return None
+        kernel.stored, kernel.loaded = path, True
+        return kernel
+
+    def discard(self) -> None:
+        """Delete the kernel's files."""
+        if self.stored is not None:
+            for path in (self.stored, _description_path(self.stored)):
+                path.unlink(missing_ok=True)
+
+
+def _description_path(path: Path) -> Path:
+    return path.with_name(path.name + ".json")
+
+
+def _stored_kernel(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> _Kernel:
+    """The kernel of ``fn`` for arguments like ``args``: loaded from ``kernel_cache_dir()`` when a process stored
+    it there, else compiled (``_compile``) and stored."""
+    path = _kernel_path(fn, args, options)
+    kernel = None if path is None else _Kernel.load(path)
+    if kernel is None:
+        kernel = _compile(fn, args, options)
+        if path is not None:
+            kernel.store(path)
+    return kernel
+
+
+def _kernel_path(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Path | None:
+    """Where ``fn``'s kernel for arguments like ``args`` is stored: a file named by the hash of everything the
+    kernel's code depends on (``_build``, the function, its constant arguments and its tensors' dtypes, devices and
+    widths, inductor's options). None when kernels are not kept, or an argument has no lasting description."""
+    folder = kernel_cache_dir()
+    devices = sorted({str(arg.device) for arg in args if isinstance(arg, torch.Tensor)})
+    described = repr((fn.__module__, fn.__qualname__, tuple(map(_signature, args)), sorted(options.items())))
+    if folder is None or " at 0x" in described:  # an object described by its address: never the same twice
+        return None
+    digest = hashlib.sha256(repr((described, [_build(device) for device in devices])).encode()).hexdigest()
+    return folder / f"{fn.__name__}-{digest[:40]}"
+
+
+@functools.cache
+def _build(device: str) -> tuple:
+    """What a kernel's code depends on besides its function and arguments: this package's source, torch's version
+    and, for a CPU, the instruction set inductor writes for (``ATEN_CPU_CAPABILITY`` changes it, and inductor's own
+    cache does not key on it); for a GPU, its name, compute capability and Triton's version."""
+    package = Path(__file__).resolve().parents[1]
+    source = hashlib.sha256()
+    for path in sorted(package.rglob("*.py")):
+        source.update(path.relative_to(package).as_posix().encode() + path.read_bytes())
+    target: tuple = ()
+    if device.startswith("cuda"):
+        import triton
+
+        target = (torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device), triton.__version__)
+    elif device == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        target = (torch.backends.cpu.get_cpu_capability(), str(pick_vec_isa()))
+    return source.hexdigest(), torch.__version__, device, target
+
+
+def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> _Kernel:
     """``fn`` for arguments like ``args``, traced into a graph and compiled by inductor with ``options``.
 
     The tensors are traced as fake tensors whose row count is a symbol when it is 2 or more (0 or 1 stays static,
@@ -225,12 +361,7 @@ def _compile(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> Ca
     with inductor_config.patch(options):
         artifact = standalone_compile(graph, examples, dynamic_shapes="from_graph")
 
-    def kernel(*call_args: Any) -> Any:
-        tensors = iter(artifact(*[call_args[i] for i in positions]))
-        outputs = tuple(None if none else next(tensors) for none in returned["none"])
-        return outputs if returned["tuple"] else outputs[0]
-
-    return kernel
+    return _Kernel(artifact, returned["tuple"], returned["none"])
 
 
 def _mark_fake_mode(graph: torch.fx.GraphModule) -> None:
