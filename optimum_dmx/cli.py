@@ -29,8 +29,8 @@ from typing import Any
 # the command handlers, so that `--help` and usage errors answer at once.
 
 EXIT_USAGE = 2
-DEFAULT_RUN_PRESET = "cpu-demo"  # the embedded default run: 7-10 minutes on 2 idle CPU cores (GPTQ included)
-DEFAULT_RUN_MINUTES = 8
+DEFAULT_RUN_PRESET = "cpu-demo"  # the embedded default run (GPTQ included)
+DEFAULT_RUN_MINUTES = "3-5"  # on 2 idle CPU cores (benchmarks/results/cli_default_run.md)
 EVAL_SEQ_LEN = 512
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 QUANTIZE_EVAL_TOKENS, EVAL_MAX_TOKENS = 4096, 8192  # before/after perplexity of `quantize`; `eval`'s default
@@ -350,8 +350,8 @@ def run_quantize(args) -> int:
     if args.model is None and not args.dataset:
         print(
             f"Default run: SmolLM2-135M-Instruct calibrated on Shakespeare's plays, steps={config.steps}, "
-            f"seq_len={config.seq_len}, batch_size={config.batch_size}; expect about {DEFAULT_RUN_MINUTES} "
-            "minutes on 2 CPU cores (plus a one-time ~100 MB download).",
+            f"seq_len={config.seq_len}, batch_size={config.batch_size}; expect {DEFAULT_RUN_MINUTES} "
+            "minutes on 2 idle CPU cores (plus a one-time ~100 MB download).",
             flush=True,
         )
     model_path, source, data_description, eval_text_path = _resolve_inputs(args)
