@@ -22,6 +22,24 @@ def single_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True, scope="session")
+def kernels_compiled_in_each_process():
+    """The tests' processes (and the subprocesses they start) trace and compile their kernels instead of loading ones
+    that an earlier run stored (`formats.compilation`): what a test of the kernels checks then does not depend on
+    what the machine ran before. The tests of stored kernels name their folders themselves."""
+    import os
+
+    from optimum_dmx.formats.compilation import KERNEL_CACHE_ENV_VAR
+
+    own = os.environ.get(KERNEL_CACHE_ENV_VAR)
+    os.environ[KERNEL_CACHE_ENV_VAR] = "0"
+    yield
+    if own is None:
+        del os.environ[KERNEL_CACHE_ENV_VAR]
+    else:
+        os.environ[KERNEL_CACHE_ENV_VAR] = own
+
+
 @pytest.fixture(scope="session")
 def bench():
     """The benchmarks' asset module (the SmolLM2-135M benchmark model and texts, fetched and cached on first use),

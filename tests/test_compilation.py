@@ -346,6 +346,7 @@ def test_a_later_process_loads_the_kernels_an_earlier_one_compiled(tmp_path):
         }))
     """)
     inductor = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OPTIMUM_DMX_COMPILE": "1"}
+    inductor["OPTIMUM_DMX_KERNEL_CACHE"] = ""  # the default folder (the suite turns storing off: conftest)
     first = last_json_line(run_python(script, env={**inductor, "MODE": "compile"}))
     assert first["folder"] == str(tmp_path / "inductor" / "optimum_dmx")
     assert first["compiled"] == [2, 1, 1] and first["rejected"] == [0, 0, 0] and first["loaded"] == [False] * 3

@@ -189,6 +189,7 @@ def test_a_later_process_loads_the_cuda_kernels_an_earlier_one_compiled(tmp_path
         }))
     """)
     env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OPTIMUM_DMX_COMPILE": "1"}
+    env["OPTIMUM_DMX_KERNEL_CACHE"] = ""  # the default folder (the suite turns storing off: conftest)
     first = last_json_line(run_python(script, env={**env, "MODE": "compile"}))
     later = last_json_line(run_python(script, env={**env, "MODE": "load"}))
     assert not first["loaded"] and later["loaded"] and later["sums"] == first["sums"]
