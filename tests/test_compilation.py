@@ -394,6 +394,25 @@ def test_a_stored_kernel_that_gives_other_bits_or_cannot_be_read_is_compiled_ane
     assert torch.equal(CompiledKernel(_doubled)(x), x * 2)
 
 
+def test_a_kernel_that_cannot_be_keyed_for_storing_is_compiled_all_the_same(compiled, tmp_path, monkeypatch):
+    """Storing kernels saves time and never decides whether one is compiled: where no stored kernel's path can be
+    made (here the package's source cannot be read), the kernel is compiled, not stored, and compilation stays on."""
+    from optimum_dmx.formats import compilation
+
+    def unreadable(device: str) -> tuple:
+        raise OSError("no source")
+
+    monkeypatch.setenv("OPTIMUM_DMX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setattr(compilation, "_build", unreadable)
+    kernel = CompiledKernel(_doubled)
+    x = torch.arange(64.0).reshape(2, 32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        assert torch.equal(kernel(x), x * 2)
+    assert kernel.compiled_variants == 1 and kernel.rejected_variants == 0 and kernel.active
+    assert not list(tmp_path.iterdir())
+
+
 def test_a_compiled_kernel_takes_its_width_as_a_constant():
     """The graph's traced sizes reach inductor (its row count symbolic, its width static): the kernel serves any row
     count of its width and refuses another width, where a kernel with every size symbolic would run it."""

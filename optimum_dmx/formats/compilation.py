@@ -272,8 +272,12 @@ def _description_path(path: Path) -> Path:
 
 def _stored_kernel(fn: Callable[..., Any], args: tuple, options: dict[str, Any]) -> _Kernel:
     """The kernel of ``fn`` for arguments like ``args``: loaded from ``kernel_cache_dir()`` when a process stored
-    it there, else compiled (``_compile``) and stored."""
-    path = _kernel_path(fn, args, options)
+    it there, else compiled (``_compile``) and stored (where no path can be made for it, compiled only: storing
+    kernels saves time and never decides whether one is compiled)."""
+    try:
+        path = _kernel_path(fn, args, options)
+    except Exception:
+        path = None
     kernel = None if path is None else _Kernel.load(path)
     if kernel is None:
         kernel = _compile(fn, args, options)
