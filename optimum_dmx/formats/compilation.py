@@ -220,10 +220,10 @@ class _Kernel:
     outputs stand for (inductor's graphs return tensors only: whether the function returns a tuple, and which of its
     outputs are None). `stored`: its files, when it is kept on disk; `loaded`: whether it came from them."""
 
-    def __init__(self, artifact: Any, returns_tuple: bool, none_outputs: list[bool], loaded: bool = False):
+    def __init__(self, artifact: Any, returns_tuple: bool, none_outputs: list[bool]):
         self.artifact, self.returns_tuple, self.none_outputs = artifact, returns_tuple, none_outputs
         self.stored: Path | None = None
-        self.loaded = loaded
+        self.loaded = False
 
     def __call__(self, *call_args: Any) -> Any:
         tensors = iter(self.artifact(*[arg for arg in call_args if isinstance(arg, torch.Tensor)]))
