@@ -44,7 +44,8 @@ from common import device_description, kernel_benchmark_parser, median_seconds, 
 ENDPOINT = 2.0  # the continuous quantizer's high end: an exact format, what the default recipe probes
 
 
-def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
+def torchao_references() -> tuple[Callable[[torch.Tensor, str], torch.Tensor], Callable[[torch.Tensor, str], tuple]]:
+    """torchao's quantize-dequantize of a format by name, and its storage form (`to_mx`: scales, element data)."""
     from torchao.prototype.mx_formats import constants
     from torchao.prototype.mx_formats.mx_tensor import to_dtype, to_mx
 
@@ -55,12 +56,14 @@ def torchao_reference() -> Callable[[torch.Tensor, str], torch.Tensor]:
         "mxfp4_e2m1": torch.float4_e2m1fn_x2,
     }
 
+    def stored(x: torch.Tensor, name: str) -> tuple:
+        return to_mx(x, elem_dtypes[name], 32)
+
     def quantize(x: torch.Tensor, name: str) -> torch.Tensor:
-        scale, data = to_mx(x, elem_dtypes[name], 32)
+        scale, data = stored(x, name)
         return to_dtype(data, scale, elem_dtypes[name], 32, x.dtype)
 
-    quantize.to_mx = lambda x, name: to_mx(x, elem_dtypes[name], 32)  # the storage form (scales, element data)
-    return quantize
+    return quantize, stored
 
 
 def eager(fn: Callable[[], object]) -> Callable[[], None]:
@@ -118,10 +121,22 @@ def main() -> None:
     x = torch.randn(args.size, args.size, generator=generator).to(device)
     grad = torch.randn(args.size, args.size, generator=generator).to(device)
     n = x.numel()
-    reference = torchao_reference()
+    reference, reference_to_mx = torchao_references()
     rows = []
     (floor,) = median_seconds([x.clone], args.repeats, device=device, calls=calls)
     rows.append(("memory copy (`clone`)", "-", floor / n * 1e9, None, None, "-"))
+
+    def against_torchao(label: str, exact: bool, seconds: float, theirs: float) -> tuple:
+        """A table row: an operation of ours timed against torchao's, per element and against the copy floor."""
+        return (
+            label,
+            "yes" if exact else "NO",
+            seconds / n * 1e9,
+            theirs / n * 1e9,
+            seconds / theirs,
+            f"{seconds / floor:.1f}",
+        )
+
     compile_seconds = {}
     for name in MX_FORMATS:
         compile_seconds[f"`quantize_mx` {name}"] = first_call_seconds(lambda: quantize_mx(x, name), device)
@@ -137,36 +152,18 @@ def main() -> None:
         )
         for label, out, t in (("compiled", compiled, times[0]), ("eager", eager_out, times[1])):
             exact = torch.equal(out.view(torch.int32), theirs.view(torch.int32))
-            rows.append(
-                (
-                    f"`quantize_mx` {name}, {label}",
-                    "yes" if exact else "NO",
-                    t / n * 1e9,
-                    times[2] / n * 1e9,
-                    t / times[2],
-                    f"{t / floor:.1f}",
-                )
-            )
+            rows.append(against_torchao(f"`quantize_mx` {name}, {label}", exact, t, times[2]))
     for name in MX_FORMATS:  # the storage form: what quantizing or exporting a model's weights runs
         compile_seconds[f"`pack_mx` {name}"] = first_call_seconds(lambda: pack_mx(x, name), device)
         exact = torch.equal(unpack_mx(pack_mx(x, name)).view(torch.int32), reference(x, name).view(torch.int32))
         times = median_seconds(
-            [lambda: pack_mx(x, name), eager(lambda: pack_mx(x, name)), lambda: reference.to_mx(x, name)],
+            [lambda: pack_mx(x, name), eager(lambda: pack_mx(x, name)), lambda: reference_to_mx(x, name)],
             args.repeats,
             device=device,
             calls=calls,
         )
         for label, t in (("compiled", times[0]), ("eager", times[1])):
-            rows.append(
-                (
-                    f"`pack_mx` {name}, {label} (torchao: `to_mx`)",
-                    "yes" if exact else "NO",
-                    t / n * 1e9,
-                    times[2] / n * 1e9,
-                    t / times[2],
-                    f"{t / floor:.1f}",
-                )
-            )
+            rows.append(against_torchao(f"`pack_mx` {name}, {label} (torchao: `to_mx`)", exact, t, times[2]))
     steps = {}  # both pairs in one interleaved group: they run the same compiled kernel
     for pair in FORMAT_PAIRS:
         endpoint = continuous_step(x, grad, pair, fused_at_endpoint, offset=ENDPOINT)

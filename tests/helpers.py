@@ -8,6 +8,7 @@ import math
 import os
 import subprocess
 import sys
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -159,6 +160,26 @@ def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.Compl
 
 def last_json_line(proc: subprocess.CompletedProcess):
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compiling_then_loading(script: str, inductor_dir: Path, env: dict[str, str] | None = None) -> tuple[dict, dict]:
+    """`script`'s last JSON line from two fresh processes sharing the empty inductor folder `inductor_dir` (kernels
+    stored in its default place): the first compiles and stores its kernels; in the second tracing raises
+    (`formats.compilation._compile`), so every kernel it runs must be one the first stored."""
+    no_tracing = textwrap.dedent("""
+        import os
+        from optimum_dmx.formats import compilation
+        if os.environ["MODE"] == "load":
+            def no_tracing(*args):
+                raise AssertionError("traced")
+            compilation._compile = no_tracing
+    """)
+    # the default folder (the suite turns storing off: conftest)
+    shared = {"TORCHINDUCTOR_CACHE_DIR": str(inductor_dir), "OPTIMUM_DMX_COMPILE": "1", "OPTIMUM_DMX_KERNEL_CACHE": ""}
+    return tuple(
+        last_json_line(run_python(no_tracing + script, env={**shared, **(env or {}), "MODE": mode}))
+        for mode in ("compile", "load")
+    )
 
 
 FORMATS = ["mxfp4_e2m1", "mxfp6_e2m3", "mxfp8_e4m3", "mxfp6_e3m2"]

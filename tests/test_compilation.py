@@ -34,7 +34,7 @@ from optimum_dmx.formats.packing import fused_dequantize, fused_pack_rows
 from optimum_dmx.nn import transforms
 from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
-from .helpers import awkward_tensor, last_json_line, run_python
+from .helpers import awkward_tensor, compiling_then_loading, last_json_line, run_python
 
 
 def _bits(t: torch.Tensor) -> torch.Tensor:
@@ -319,17 +319,13 @@ def test_a_later_process_loads_the_kernels_an_earlier_one_compiled(tmp_path):
     of tracing and compiling: with tracing made to fail there, every kernel of the first process still runs compiled,
     first-call checked, with the same bits. `OPTIMUM_DMX_KERNEL_CACHE` names another folder, or turns storing off."""
     script = textwrap.dedent("""
-        import json, os, warnings
+        import json, warnings
         import torch
         from optimum_dmx.formats import compilation, get_format, pack_mx, quantize_mx
         from optimum_dmx.formats.cast import fused_cast_mx
         from optimum_dmx.formats.packing import fused_pack_rows
         from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
         warnings.simplefilter("error", RuntimeWarning)  # a failed compilation or a rejected kernel fails the test
-        if os.environ["MODE"] == "load":
-            def no_tracing(*args):
-                raise AssertionError("traced")
-            compilation._compile = no_tracing
         x = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
         results = [
             quantize_mx(x, "mxfp8_e4m3"), quantize_mx(x[:1], "mxfp4_e2m1"), pack_mx(x, "mxfp6_e2m3").codes,
@@ -345,18 +341,16 @@ def test_a_later_process_loads_the_kernels_an_earlier_one_compiled(tmp_path):
             "stored": 0 if folder is None or not folder.exists() else len(list(folder.glob("*.json"))),
         }))
     """)
-    inductor = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OPTIMUM_DMX_COMPILE": "1"}
-    inductor["OPTIMUM_DMX_KERNEL_CACHE"] = ""  # the default folder (the suite turns storing off: conftest)
-    first = last_json_line(run_python(script, env={**inductor, "MODE": "compile"}))
+    first, later = compiling_then_loading(script, tmp_path / "inductor")
     assert first["folder"] == str(tmp_path / "inductor" / "optimum_dmx")
     assert first["compiled"] == [2, 1, 1] and first["rejected"] == [0, 0, 0] and first["loaded"] == [False] * 3
     assert first["stored"] == 4
-    later = last_json_line(run_python(script, env={**inductor, "MODE": "load"}))
     assert later["compiled"] == [2, 1, 1] and later["rejected"] == [0, 0, 0] and later["loaded"] == [True] * 3
     assert later["sums"] == first["sums"] and later["stored"] == 4
-    elsewhere = {**inductor, "OPTIMUM_DMX_KERNEL_CACHE": str(tmp_path / "kernels"), "MODE": "compile"}
+    inductor = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OPTIMUM_DMX_COMPILE": "1"}
+    elsewhere = {**inductor, "OPTIMUM_DMX_KERNEL_CACHE": str(tmp_path / "kernels")}
     assert last_json_line(run_python(script, env=elsewhere))["folder"] == str(tmp_path / "kernels")
-    off = last_json_line(run_python(script, env={**inductor, "OPTIMUM_DMX_KERNEL_CACHE": "0", "MODE": "compile"}))
+    off = last_json_line(run_python(script, env={**inductor, "OPTIMUM_DMX_KERNEL_CACHE": "0"}))
     assert off["folder"] is None and off["loaded"] == [False] * 3 and off["sums"] == first["sums"]
 
 

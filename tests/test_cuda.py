@@ -29,8 +29,7 @@ from .helpers import (
     adversarial_blocks,
     assert_bitwise_equal,
     awkward_tensor,
-    last_json_line,
-    run_python,
+    compiling_then_loading,
     sensitive_llama_and_data,
     wide_range,
     word_tokenizer,
@@ -168,16 +167,12 @@ def test_a_later_process_loads_the_cuda_kernels_an_earlier_one_compiled(tmp_path
     """Triton kernels are stored like the CPU's (`formats.compilation`): a second process with tracing made to fail
     loads the cast, packing and continuous quantizer's kernels, first-call checked, and gets the same bits."""
     script = textwrap.dedent("""
-        import json, os, warnings
+        import json, warnings
         import torch
         from optimum_dmx.continuous import quantize_mx_continuous_fused
-        from optimum_dmx.formats import compilation, pack_mx, quantize_mx
+        from optimum_dmx.formats import pack_mx, quantize_mx
         from optimum_dmx.formats.cast import fused_cast_mx
         warnings.simplefilter("error", RuntimeWarning)  # a failed compilation or a rejected kernel fails the test
-        if os.environ["MODE"] == "load":
-            def no_tracing(*args):
-                raise AssertionError("traced")
-            compilation._compile = no_tracing
         x = torch.randn(40, 96, generator=torch.Generator().manual_seed(0)).cuda()
         beta = torch.tensor(2.0, device="cuda", requires_grad=True)
         y = quantize_mx_continuous_fused(x.clone().requires_grad_(), beta, "mxfp8-mxfp4")
@@ -188,10 +183,7 @@ def test_a_later_process_loads_the_cuda_kernels_an_earlier_one_compiled(tmp_path
             "sums": [r.double().sum().item() for r in results],
         }))
     """)
-    env = {"TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "OPTIMUM_DMX_COMPILE": "1"}
-    env["OPTIMUM_DMX_KERNEL_CACHE"] = ""  # the default folder (the suite turns storing off: conftest)
-    first = last_json_line(run_python(script, env={**env, "MODE": "compile"}))
-    later = last_json_line(run_python(script, env={**env, "MODE": "load"}))
+    first, later = compiling_then_loading(script, tmp_path / "inductor")
     assert not first["loaded"] and later["loaded"] and later["sums"] == first["sums"]
 
 

@@ -32,8 +32,9 @@ are the same for every width, so a graph with a symbolic width could be served a
 width. Keys of zero or one row (a token being generated) get kernels with static sizes.
 
 Compiled kernels are kept on disk (``kernel_cache_dir``: ``$OPTIMUM_DMX_KERNEL_CACHE``, else a folder in inductor's
-cache directory) and loaded by later processes instead of traced and compiled again: tracing a kernel costs 0.1-0.6 s
-on a CPU even when inductor's own cache holds its code, loading it a few milliseconds. A stored kernel is keyed by
+cache directory) and loaded by later processes instead of traced and compiled again, which costs a process seconds
+even when inductor's own cache holds the kernels' code (the CLI's default run: its first calibration step 5.7 s with
+the kernels loaded against 8.1 s, `benchmarks/results/cli_default_run.md`). A stored kernel is keyed by
 everything its code depends on (this package's source, torch's version, the device and its instruction set, the
 constant arguments, dtypes and width), and its first call is checked like any other: a stored kernel that gives
 other bits is deleted and compiled anew.
