@@ -31,6 +31,13 @@ them natively), which reads the first half of each sequence (`KL_POSITIONS`), ag
 sequences: its time and its ranking of the budget's units, for each share of the positions read (`--positions-only`
 runs that table alone).
 
+With `--default-scan`, a table of the library's default scan (`kl_sensitivities` as calibration calls it: fused
+groups, the vocabulary's head, bfloat16 products where native, the first half of each sequence, units sharing
+passes; all of the changes above at once) against the original scan (the reference: layer by layer,
+float32, whole sequences and vocabulary), on two sets of `KL_SAMPLES` sequences: the ranking of the budget's units
+on the same tokens and across the sets, which is how far the reference itself moves with its tokens
+(`--default-scan-only` runs that table alone).
+
 With `--passes`, a table of what the library's default scan costs against the scan before its units shared passes
 and before its vocabulary head multiplied in bfloat16 (each change alone, and both undone), and against the scan
 of whole sequences: seconds (the least of two runs of each, the scans alternating) and ranking of the budget's
@@ -165,6 +172,8 @@ def main() -> None:
     p.add_argument("--bfloat16", action="store_true", help="the library's scans again with bfloat16 products")
     p.add_argument("--positions", default="", help="comma list of shares of the positions read: a table each")
     p.add_argument("--positions-only", action="store_true", help="only the table of `--positions`")
+    p.add_argument("--default-scan", action="store_true", help="the table of the library's default scan")
+    p.add_argument("--default-scan-only", action="store_true", help="only the table of `--default-scan`")
     p.add_argument("--passes", action="store_true", help="the table of the default scan's passes")
     p.add_argument("--passes-only", action="store_true", help="only the table of `--passes`")
     p.add_argument("--rotation", default="none", choices=ROTATIONS, help="rotate the model first")
@@ -174,7 +183,7 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     fisher_runs = [] if a.kl_only else [tuple(map(int, run.split(":"))) for run in a.fisher.split(",")]
-    count = max([KL_SAMPLES, *(n for n, _ in fisher_runs)])
+    count = max([KL_SAMPLES * (2 if a.default_scan or a.default_scan_only else 1), *(n for n, _ in fisher_runs)])
     model, model_dir, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, count)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
@@ -187,6 +196,9 @@ def main() -> None:
         write_report(passes_table(model, ids, settings, a.rotation), a.output, "Sensitivity signals")
         return
 
+    if a.default_scan_only:
+        write_report(default_scan_table(model, ids, settings, a.rotation), a.output, "Sensitivity signals")
+        return
     shares = [float(share) for share in a.positions.split(",") if share]
     if a.positions_only:
         write_report(positions_table(model, ids, settings, shares), a.output, "Sensitivity signals")
@@ -268,6 +280,8 @@ def main() -> None:
         print(*lines[-2:], sep="\n", flush=True)
     if shares:
         lines += ["", positions_table(model, ids, settings, shares)]
+    if a.default_scan:
+        lines += ["", default_scan_table(model, ids, settings, a.rotation)]
     if a.passes:
         lines += ["", passes_table(model, ids, settings, a.rotation)]
     write_report("\n".join(lines) + "\n", a.output, "Sensitivity signals")
@@ -303,6 +317,46 @@ def positions_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSe
             f"{spearman(whole, values):.4f} | {ratio:.3f} |"
         )
         print(lines[-1], flush=True)
+    return "\n".join(lines) + "\n"
+
+
+def default_scan_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSettings, rotation: str) -> str:
+    """The library's default scan against the reference scan (layer by layer, float32, whole sequences and
+    vocabulary) on two sets of `KL_SAMPLES` sequences (`ids`' first and second ones): seconds, and the budget's units
+    (a fused group, or a layer alone) ranked by their summed values on the same tokens and across the two sets."""
+    grouped = dataclasses.replace(settings, offset_groups="fused")
+    names = list(linear_modules_to_quantize(model, settings.modules_to_not_convert))
+    units = scan_units(names, offset_groups("fused", names))
+    reference_scan = dict(
+        groups=(), head_tokens=None, matmul_dtype=torch.float32, positions=1.0, units_per_pass=1, progress=False
+    )
+    reference, default, seconds = [], [], []
+    for first in (0, KL_SAMPLES):
+        sequences = ids[first : first + KL_SAMPLES]
+        times = []
+        for scans, kwargs in ((reference, reference_scan), (default, dict(progress=False))):
+            start = time.perf_counter()
+            values = kl_sensitivities(model, sequences, grouped, **kwargs)
+            times.append(time.perf_counter() - start)
+            scans.append([sum(values[n] for n in unit) for unit in units])
+        seconds.append(times)
+        print(f"sequences {first}-{first + KL_SAMPLES - 1}: {times[0]:.1f} s / {times[1]:.1f} s", flush=True)
+    lines = [
+        f"The model rotated `{rotation}`, {len(units)} units (fused groups), {KL_SAMPLES} sequences of {ids.shape[1]} "
+        f"tokens per set, {torch.get_num_threads()} torch threads.",
+        "",
+        "| sequences | reference s | default s | default / reference | Spearman, default vs reference, same tokens "
+        "| Spearman, default vs reference on the other set | Spearman, reference vs reference on the other set |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for first, other in ((0, 1), (1, 0)):
+        span = f"{first * KL_SAMPLES}-{(first + 1) * KL_SAMPLES - 1}"
+        reference_s, default_s = seconds[first]
+        lines.append(
+            f"| {span} | {reference_s:.1f} | {default_s:.1f} | {default_s / reference_s:.1%} | "
+            f"{spearman(reference[first], default[first]):.4f} | {spearman(reference[other], default[first]):.4f} | "
+            f"{spearman(reference[other], reference[first]):.4f} |"
+        )
     return "\n".join(lines) + "\n"
 
 

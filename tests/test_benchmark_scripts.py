@@ -613,6 +613,29 @@ def test_sensitivity_benchmark_tables_the_scans_passes(tiny_text_model_dir, tmp_
     assert all(float(r[3]) > 0.9 and -1 <= float(r[4]) <= 1 for r in rows)
 
 
+def test_sensitivity_benchmark_tables_the_default_scan_against_the_original(tiny_text_model_dir, tmp_path):
+    """`--default-scan-only`: the library's default scan against the original one (layer by layer, float32, whole
+    sequences and vocabulary) on two sets of sequences, ranked on the same tokens and across the sets; the original
+    against itself across the sets is one number, in both rows."""
+    root = tiny_text_model_dir
+    output = tmp_path / "default.md"
+    run_benchmark(
+        "bench_sensitivity.py",
+        *("--model", root / "model", "--calibration", root / "calibration.txt", "--seq-len", 16),
+        *("--rotation", "online_block_hadamard", "--default-scan-only", "--output", output),
+    )
+    report = output.read_text()
+    assert "The model rotated `online_block_hadamard`" in report
+    rows = re.findall(
+        r"^\| (\d+-\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)% \| (-?[\d.]+) \| (-?[\d.]+) \| (-?[\d.]+) \|$",
+        report,
+        re.M,
+    )
+    assert [r[0] for r in rows] == ["0-3", "4-7"]
+    assert rows[0][6] == rows[1][6]
+    assert all(float(r[3]) > 0 and all(-1 <= float(v) <= 1 for v in r[4:]) for r in rows)
+
+
 def test_format_latency_benchmark_writes_a_cost_table_the_budget_takes(tmp_path):
     """Every linear shape of the model gets a row and a cost in every format; the JSON is a `cost_table` the
     budget accepts for that model's linears (no shape missing) and prices them at the packed-only times."""
