@@ -444,7 +444,7 @@ def _print_summary(applied: dict, info, calibration, before, after, output: Path
 
 def _phases(calibration) -> str:
     """Where a calibration's time went, for the summary: its steps and its KL scan (the rest is setup, the
-    rotation, GPTQ rounding and packing)."""
+    rotation, GPTQ rounding and packing), and how much of those two compiled kernels (a machine's first run)."""
     if calibration is None:
         return ""
     phases = []
@@ -452,6 +452,9 @@ def _phases(calibration) -> str:
         phases.append(f"{len(calibration.step_seconds)} steps {sum(calibration.step_seconds):.0f} s")
     if calibration.scan_seconds:
         phases.append(f"KL scan {calibration.scan_seconds:.0f} s")
+    kernels = sum(calibration.kernel_seconds.values())
+    if kernels >= 1:  # a first run compiles its kernels; later ones load them
+        phases.append(f"of these {kernels:.0f} s compiling kernels, which later runs load")
     return f" ({', '.join(phases)})" if phases else ""
 
 

@@ -277,6 +277,35 @@ def test_step_and_scan_times(sensitive, method):
     assert sum(result.step_seconds) + result.scan_seconds <= result.seconds
 
 
+@pytest.mark.parametrize("method, hidden, intermediate", [("dmx", 160, 352), ("kl", 224, 416)])
+def test_the_time_spent_making_kernels_ready_is_reported_by_phase(compiled, method, hidden, intermediate):
+    """A model of widths no other test quantizes has its kernels compiled in this calibration: the
+    steps' continuous quantizer's, and the scan's own (its low layers pack their weights and cast their inputs in
+    the kernels of a quantized model). `kernel_seconds` reports that time within each phase's; calibrating the same
+    model again compiles nothing."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=hidden,
+        intermediate_size=intermediate,
+        num_hidden_layers=1,
+        num_attention_heads=hidden // 32,
+        num_key_value_heads=1,
+        vocab_size=64,
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 64, (8, 16), generator=torch.Generator().manual_seed(0))
+    s = settings(method=method, num_samples=8, seq_len=16, steps=2)
+    first, again = (calibrate(model, ids, s, progress=False) for _ in range(2))
+    phases = ["scan"] if method == "kl" else ["steps", "scan"]
+    assert list(first.kernel_seconds) == list(again.kernel_seconds) == phases
+    assert all(first.kernel_seconds[phase] > 0 and again.kernel_seconds[phase] == 0 for phase in phases)
+    assert first.kernel_seconds["scan"] <= first.scan_seconds
+    if method == "dmx":
+        assert first.kernel_seconds["steps"] <= sum(first.step_seconds)
+
+
 def test_discretization_threshold_is_beta_hat_one(sensitive):
     model, ids = sensitive
     result = calibrate(model, ids, settings(method="paper", target_bits=8.0, steps=20), progress=False)

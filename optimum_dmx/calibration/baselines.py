@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..continuous import get_format_pair
-from ..formats import get_format
+from ..formats import get_format, kernel_setup_seconds
 from ..nn.surgery import linear_modules_to_quantize
 from .budget import budget_format_map
 from .groups import offset_groups
@@ -47,10 +47,11 @@ def kl_preselection(
     """KL pre-selection: the most sensitive layers get the high format while the average stays within
     `settings.target_bits` (in `settings.bit_average`), by the rule every method shares (`budget_format_map`).
     Pass precomputed `sensitivities` to skip the scan."""
-    start = time.perf_counter()
+    start, kernels_before = time.perf_counter(), kernel_setup_seconds()
     if sensitivities is None:
         sensitivities = kl_sensitivities(model, input_ids, settings, progress)
     scan_seconds = time.perf_counter() - start
+    kernel_seconds = {"scan": kernel_setup_seconds() - kernels_before}
     targets = linear_modules_to_quantize(model, settings.modules_to_not_convert)
     missing = set(targets) - set(sensitivities)
     if missing:
@@ -66,5 +67,11 @@ def kl_preselection(
         cost_table=settings.cost_table,
     )
     return result_from_format_map(
-        format_map, targets, settings, method="kl", seconds=time.perf_counter() - start, scan_seconds=scan_seconds
+        format_map,
+        targets,
+        settings,
+        method="kl",
+        seconds=time.perf_counter() - start,
+        scan_seconds=scan_seconds,
+        kernel_seconds=kernel_seconds,
     )

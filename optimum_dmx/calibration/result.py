@@ -30,6 +30,9 @@ class CalibrationResult:
         seconds: wall time of the procedure.
         step_seconds: wall time of each training step (the first one includes compiling the kernels).
         scan_seconds: wall time of the KL scan (0 where the method has none).
+        kernel_seconds: of the steps' and of the scan's wall time, how much went to making compiled kernels ready
+            (`formats.compilation.kernel_setup_seconds`), by phase (`"steps"`, `"scan"`): a cost paid once per
+            kernel, most of it on a machine's first run, whose inductor cache is cold.
     """
 
     format_map: dict[str, str]
@@ -43,6 +46,7 @@ class CalibrationResult:
     seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
     scan_seconds: float = 0.0
+    kernel_seconds: dict[str, float] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -27,6 +27,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from ..continuous import MAX_OFFSET, get_format_pair
+from ..formats import kernel_setup_seconds
 from ..nn.bits import average_bits, tensor_sizes
 from ..nn.experts import linearizable_experts
 from ..nn.placement import input_device
@@ -169,6 +170,7 @@ def calibrate(
         batches = _batches(len(input_ids), settings.batch_size, settings.steps, settings.seed)
         bar = tqdm(batches, total=settings.steps, desc="dMX calibration", disable=not progress or rank > 0)
         step_seconds: list[float] = []
+        kernels_before_steps = kernel_setup_seconds()
         batches = _timed((input_ids[process_share(rows, rank, world_size)] for rows in bar), step_seconds)
         if sampled:
             offsets, history = _sampled_offsets(model, layers, batches, settings, bar, world_size, rotations)
@@ -176,12 +178,14 @@ def calibrate(
             offsets, history = _relaxed_offsets(model, layers, relaxed, batches, settings, bar, world_size, rotations)
         shapes = {name: tuple(layer.weight.shape) for name, layer in layers.items()}
         threshold_map = {name: layer.discrete_format.name for name, layer in layers.items()}
+        kernel_seconds = {"steps": kernel_setup_seconds() - kernels_before_steps}
     # The KL scan swaps modules itself: it runs on the restored model.
     sensitivities, scan_seconds = {}, 0.0
     if sampled:
-        scan_start = time.perf_counter()
+        scan_start, kernels_before_scan = time.perf_counter(), kernel_setup_seconds()
         sensitivities = kl_sensitivities(model, input_ids, settings, progress)
         scan_seconds = time.perf_counter() - scan_start
+        kernel_seconds["scan"] = kernel_setup_seconds() - kernels_before_scan
     if settings.discretization == "threshold":
         format_map = threshold_map
     elif sampled:
@@ -199,6 +203,7 @@ def calibrate(
         seconds=time.perf_counter() - start,
         step_seconds=step_seconds,
         scan_seconds=scan_seconds,
+        kernel_seconds=kernel_seconds,
     )
     logger.info(
         "Calibrated %d layers: %.3f bits (simple), %.3f bits (weighted), %.3f storage bits.",

@@ -53,6 +53,7 @@ import hashlib
 import json
 import os
 import tempfile
+import time
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -69,6 +70,7 @@ __all__ = [
     "CompiledKernel",
     "compile_enabled",
     "kernel_cache_dir",
+    "kernel_setup_seconds",
     "set_compile_enabled",
 ]
 
@@ -91,6 +93,7 @@ _SAME_SIZE_INTEGER = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.in
 
 _enabled_override: bool | None = None
 _compilation_failed = False  # set by the first failure of any kernel: a missing compiler fails them all
+_setup_seconds = 0.0  # wall time of the kernels' first calls in this process (`kernel_setup_seconds`)
 
 
 def compile_enabled() -> bool:
@@ -114,6 +117,14 @@ def kernel_cache_dir() -> Path | None:
     from torch._inductor.runtime.cache_dir_utils import cache_dir
 
     return Path(cache_dir()) / "optimum_dmx"
+
+
+def kernel_setup_seconds() -> float:
+    """Wall time this process has spent making compiled kernels ready: each kernel's first call, which compiles it
+    (seconds on a machine whose inductor cache is cold, a fraction of one when warm) or loads the one an earlier
+    process stored (milliseconds), and checks its result against the eager function. A cost paid once per kernel,
+    which a calibration reports apart from its steps' and its scan's other work (`CalibrationResult.kernel_seconds`)."""
+    return _setup_seconds
 
 
 def set_compile_enabled(enabled: bool | None) -> None:
@@ -164,7 +175,7 @@ class CompiledKernel:
         key = tuple(map(_signature, args))
         kernel = self._kernels.get(key)  # one lookup per call: this runs once per quantized tensor
         try:
-            return kernel(*args) if kernel is not None else self._first_call(key, args)
+            return kernel(*args) if kernel is not None else self._timed_first_call(key, args)
         except Exception as error:  # a missing compiler or backend must never break quantization
             global _compilation_failed
             _compilation_failed = True
@@ -177,6 +188,15 @@ class CompiledKernel:
                 stacklevel=2,
             )
             return self.fn(*args)
+
+    def _timed_first_call(self, key: tuple, args: tuple) -> Any:
+        """`_first_call`, its wall time added to `kernel_setup_seconds()`."""
+        global _setup_seconds
+        start = time.perf_counter()
+        try:
+            return self._first_call(key, args)
+        finally:
+            _setup_seconds += time.perf_counter() - start
 
     def _first_call(self, key: tuple, args: tuple) -> Any:
         """The result for a new ``key``, which from now on runs a kernel stored or compiled for it if its result is
@@ -200,7 +220,7 @@ class CompiledKernel:
             "and this warning; an empty inductor cache (TORCHINDUCTOR_CACHE_DIR) may help if the instruction set "
             "changed since it was filled.",
             RuntimeWarning,
-            stacklevel=3,
+            stacklevel=4,
         )
         return expected
 
