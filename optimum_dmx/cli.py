@@ -444,18 +444,22 @@ def _print_summary(applied: dict, info, calibration, before, after, output: Path
 
 def _phases(calibration) -> str:
     """Where a calibration's time went, for the summary: its steps and its KL scan (the rest is setup, the
-    rotation, GPTQ rounding and packing), and how much of those two compiled kernels (a machine's first run)."""
+    rotation, GPTQ rounding and packing), and how much of each compiled kernels (a machine's first run)."""
     if calibration is None:
         return ""
-    phases = []
+    phases, compiling = [], []
     if calibration.step_seconds:
         phases.append(f"{len(calibration.step_seconds)} steps {sum(calibration.step_seconds):.0f} s")
+        compiling.append(calibration.kernel_seconds.get("steps", 0.0))
     if calibration.scan_seconds:
         phases.append(f"KL scan {calibration.scan_seconds:.0f} s")
-    kernels = sum(calibration.kernel_seconds.values())
-    if kernels >= 1:  # a first run compiles its kernels; later ones load them
-        phases.append(f"of these {kernels:.0f} s compiling kernels, which later runs load")
-    return f" ({', '.join(phases)})" if phases else ""
+        compiling.append(calibration.kernel_seconds.get("scan", 0.0))
+    if not phases:
+        return ""
+    text = ", ".join(phases)
+    if sum(compiling) >= 1:  # a first run compiles its kernels; later ones load them
+        text += f"; of these, compiling kernels {' and '.join(f'{s:.0f} s' for s in compiling)}, which later runs load"
+    return f" ({text})"
 
 
 # --- eval and inspect ---------------------------------------------------------------------------------

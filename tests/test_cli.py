@@ -66,7 +66,7 @@ def test_quantize_saves_model_tokenizer_and_card_and_prints_a_summary(quantized)
         assert line in result.stdout, result.stdout
     # where the time went: the 4 steps and the KL scan of the default method, and of these the kernels' compiling
     # where it took a second or more (the suite's processes compile their kernels, inductor's cache may be cold)
-    phases = r"\(4 steps \d+ s, KL scan \d+ s(, of these \d+ s compiling kernels, which later runs load)?\)"
+    phases = r"\(4 steps \d+ s, KL scan \d+ s(; of these, compiling kernels \d+ s and \d+ s, which later runs load)?\)"
     assert re.search(rf"^  time +[\d.]+ min calibration {phases}$", result.stdout, re.M)
 
 
@@ -77,7 +77,8 @@ def test_the_summary_says_how_much_of_the_steps_and_the_scan_compiled_kernels():
     result = CalibrationResult({}, 5.0, 5.0, 5.25, step_seconds=[30.0, 2.0], scan_seconds=9.6)
     assert _phases(result) == " (2 steps 32 s, KL scan 10 s)"
     result.kernel_seconds = {"steps": 27.2, "scan": 0.4}
-    assert _phases(result) == " (2 steps 32 s, KL scan 10 s, of these 28 s compiling kernels, which later runs load)"
+    compiled = "; of these, compiling kernels 27 s and 0 s, which later runs load"
+    assert _phases(result) == f" (2 steps 32 s, KL scan 10 s{compiled})"
     result.kernel_seconds = {"steps": 0.5, "scan": 0.4}  # loaded, or compiled from a warm cache: not worth a word
     assert _phases(result) == " (2 steps 32 s, KL scan 10 s)"
 
