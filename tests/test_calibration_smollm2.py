@@ -84,8 +84,8 @@ def one_thread():
 
 # How far another CPU's float arithmetic may move the 0.1.0.dev0 regression run below, per pair: (layers of 210 whose
 # format may differ, largest offset difference). Measured on an AMD EPYC (AVX-512 BF16) against the fixture: MXFP8
-# pair 8 layers and 0.035, MXFP6 pair none and 2e-7; the same run with `seed=1` on that CPU differs from the fixture
-# by 14 layers and 0.12, 8 layers and 0.026, beyond both bounds.
+# pair 8 layers and 0.035, MXFP6 pair none and 2e-7; the same run with `seed=1` on that CPU (a one-off run, not a
+# test) differs from the fixture by 14 layers and 0.12, 8 layers and 0.026, beyond both bounds.
 MOVED_BY_ANOTHER_CPU = {"mxfp8-mxfp4": (12, 0.08), "mxfp6-mxfp4": (2, 1e-3)}
 
 
