@@ -32,11 +32,12 @@ sequences: its time and its ranking of the budget's units, for each share of the
 runs that table alone).
 
 With `--default-scan`, a table of the library's default scan (`kl_sensitivities` as calibration calls it: fused
-groups, the vocabulary's head, bfloat16 products where native, the first half of each sequence, units sharing
-passes; all of the changes above at once) against the original scan (the reference: layer by layer,
-float32, whole sequences and vocabulary), on two sets of `KL_SAMPLES` sequences: the ranking of the budget's units
-on the same tokens and across the sets, which is how far the reference itself moves with its tokens
-(`--default-scan-only` runs that table alone).
+groups, the vocabulary's head, bfloat16 products where native, the first half of each sequence with its later
+positions weighing more, units sharing passes; all of the changes above at once) against the original scan (the
+reference: layer by layer, float32, whole sequences and vocabulary, every position alike), on `--scan-sets` (2) sets
+of `KL_SAMPLES` sequences: the ranking of the budget's units on the same tokens (also with every position of the
+half weighed alike, the default before) and on the next set's, which is how far the reference itself moves with its
+tokens (`--default-scan-only` runs that table alone).
 
 With `--passes`, a table of what the library's default scan costs against the scan before its units shared passes
 and before its vocabulary head multiplied in bfloat16 (each change alone, and both undone), and against the scan
@@ -67,6 +68,7 @@ from optimum_dmx.calibration import CalibrationSettings, sensitivity
 from optimum_dmx.calibration.groups import offset_groups
 from optimum_dmx.calibration.sensitivity import (
     HEAD_TOKENS,
+    KL_POSITION_WEIGHTING,
     KL_POSITIONS,
     KL_SAMPLES,
     KL_UNITS_PER_PASS,
@@ -131,9 +133,14 @@ def fisher_sensitivities(
 def elementwise_kl() -> Iterator[None]:
     """Within the block, the scan sums each pass's KL divergence element by element, with `F.kl_div`."""
     own = sensitivity.next_token_kl
-    sensitivity.next_token_kl = lambda reference, log_probs: F.kl_div(
-        log_probs, reference.log_probs, log_target=True, reduction="sum"
-    )
+
+    def kl_div(
+        reference: sensitivity.NextTokenReference, log_probs: torch.Tensor, weights: None = None
+    ) -> torch.Tensor:
+        assert weights is None, "the element-wise KL sums every position alike"
+        return F.kl_div(log_probs, reference.log_probs, log_target=True, reduction="sum")
+
+    sensitivity.next_token_kl = kl_div
     try:
         yield
     finally:
@@ -174,6 +181,7 @@ def main() -> None:
     p.add_argument("--positions-only", action="store_true", help="only the table of `--positions`")
     p.add_argument("--default-scan", action="store_true", help="the table of the library's default scan")
     p.add_argument("--default-scan-only", action="store_true", help="only the table of `--default-scan`")
+    p.add_argument("--scan-sets", type=int, default=2, help="sets of sequences of `--default-scan`'s table")
     p.add_argument("--passes", action="store_true", help="the table of the default scan's passes")
     p.add_argument("--passes-only", action="store_true", help="only the table of `--passes`")
     p.add_argument("--rotation", default="none", choices=ROTATIONS, help="rotate the model first")
@@ -183,7 +191,8 @@ def main() -> None:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     fisher_runs = [] if a.kl_only else [tuple(map(int, run.split(":"))) for run in a.fisher.split(",")]
-    count = max([KL_SAMPLES * (2 if a.default_scan or a.default_scan_only else 1), *(n for n, _ in fisher_runs)])
+    sets = a.scan_sets if a.default_scan or a.default_scan_only else 1
+    count = max([KL_SAMPLES * sets, *(n for n, _ in fisher_runs)])
     model, model_dir, ids = load_model_and_calibration(a.model, a.calibration, a.seq_len, count)
     for parameter in model.parameters():
         parameter.requires_grad_(False)
@@ -197,7 +206,7 @@ def main() -> None:
         return
 
     if a.default_scan_only:
-        write_report(default_scan_table(model, ids, settings, a.rotation), a.output, "Sensitivity signals")
+        write_report(default_scan_table(model, ids, settings, a.rotation, sets), a.output, "Sensitivity signals")
         return
     shares = [float(share) for share in a.positions.split(",") if share]
     if a.positions_only:
@@ -251,7 +260,13 @@ def main() -> None:
         for signal, scan_settings, head_tokens, units in library_scans:
             start = time.perf_counter()
             values = kl_sensitivities(
-                model, ids, scan_settings, progress=False, head_tokens=head_tokens, matmul_dtype=dtype, positions=1.0
+                model,
+                ids,
+                scan_settings,
+                progress=False,
+                head_tokens=head_tokens,
+                matmul_dtype=dtype,
+                positions=1.0,
             )
             seconds = time.perf_counter() - start
             if dtype == torch.float32:
@@ -281,7 +296,7 @@ def main() -> None:
     if shares:
         lines += ["", positions_table(model, ids, settings, shares)]
     if a.default_scan:
-        lines += ["", default_scan_table(model, ids, settings, a.rotation)]
+        lines += ["", default_scan_table(model, ids, settings, a.rotation, sets)]
     if a.passes:
         lines += ["", passes_table(model, ids, settings, a.rotation)]
     write_report("\n".join(lines) + "\n", a.output, "Sensitivity signals")
@@ -303,7 +318,8 @@ def positions_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSe
     lines = [
         f'The library\'s default scan (fused groups, {len(units)} units, head {HEAD_TOKENS}, `matmul_dtype="auto"`) '
         f"on {KL_SAMPLES} sequences of {ids.shape[1]} tokens read whole: {whole_seconds:.1f} s. The library reads "
-        f"{KL_POSITIONS} of each sequence's positions.",
+        f"{KL_POSITIONS} of each sequence's positions, position p weighing (p + 1) ** {KL_POSITION_WEIGHTING} (a "
+        "share read weighs its positions so; whole sequences weigh them alike).",
         "",
         "| positions read | tokens per sequence | seconds | / whole sequences | Spearman vs whole sequences, units "
         "| median ratio |",
@@ -320,42 +336,57 @@ def positions_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSe
     return "\n".join(lines) + "\n"
 
 
-def default_scan_table(model: nn.Module, ids: torch.Tensor, settings: CalibrationSettings, rotation: str) -> str:
+def default_scan_table(
+    model: nn.Module, ids: torch.Tensor, settings: CalibrationSettings, rotation: str, sets: int = 2
+) -> str:
     """The library's default scan against the reference scan (layer by layer, float32, whole sequences and
-    vocabulary) on two sets of `KL_SAMPLES` sequences (`ids`' first and second ones): seconds, and the budget's units
-    (a fused group, or a layer alone) ranked by their summed values on the same tokens and across the two sets."""
+    vocabulary, every position alike) on `sets` sets of `KL_SAMPLES` sequences (`ids`' first, second, ... ones):
+    seconds, and the budget's units (a fused group, or a layer alone) ranked by their summed values on the same tokens
+    and on the next set's; also the default scan with every position of its half weighed alike
+    (`position_weighting=0`, the default before `KL_POSITION_WEIGHTING`)."""
     grouped = dataclasses.replace(settings, offset_groups="fused")
     names = list(linear_modules_to_quantize(model, settings.modules_to_not_convert))
     units = scan_units(names, offset_groups("fused", names))
-    reference_scan = dict(
-        groups=(), head_tokens=None, matmul_dtype=torch.float32, positions=1.0, units_per_pass=1, progress=False
-    )
-    reference, default, seconds = [], [], []
-    for first in (0, KL_SAMPLES):
+    scans = {  # name: the scan's arguments
+        "reference": dict(
+            groups=(),
+            head_tokens=None,
+            matmul_dtype=torch.float32,
+            positions=1.0,
+            units_per_pass=1,
+        ),
+        "default": {},
+        "alike": dict(position_weighting=0),
+    }
+    values = {name: [] for name in scans}
+    seconds = {name: [] for name in scans}
+    for first in range(0, sets * KL_SAMPLES, KL_SAMPLES):
         sequences = ids[first : first + KL_SAMPLES]
-        times = []
-        for scans, kwargs in ((reference, reference_scan), (default, dict(progress=False))):
+        for name, kwargs in scans.items():
             start = time.perf_counter()
-            values = kl_sensitivities(model, sequences, grouped, **kwargs)
-            times.append(time.perf_counter() - start)
-            scans.append([sum(values[n] for n in unit) for unit in units])
-        seconds.append(times)
-        print(f"sequences {first}-{first + KL_SAMPLES - 1}: {times[0]:.1f} s / {times[1]:.1f} s", flush=True)
+            scanned = kl_sensitivities(model, sequences, grouped, progress=False, **kwargs)
+            seconds[name].append(time.perf_counter() - start)
+            values[name].append([sum(scanned[n] for n in unit) for unit in units])
+        timed = ", ".join(f"{name} {times[-1]:.1f} s" for name, times in seconds.items())
+        print(f"sequences {first}-{first + KL_SAMPLES - 1}: {timed}", flush=True)
     lines = [
         f"The model rotated `{rotation}`, {len(units)} units (fused groups), {KL_SAMPLES} sequences of {ids.shape[1]} "
         f"tokens per set, {torch.get_num_threads()} torch threads.",
         "",
         "| sequences | reference s | default s | default / reference | Spearman, default vs reference, same tokens "
-        "| Spearman, default vs reference on the other set | Spearman, reference vs reference on the other set |",
-        "|---|---|---|---|---|---|---|",
+        "| the same, positions alike | Spearman, default vs reference on the next set | Spearman, reference vs "
+        "reference on the next set |",
+        "|---|---|---|---|---|---|---|---|",
     ]
-    for first, other in ((0, 1), (1, 0)):
-        span = f"{first * KL_SAMPLES}-{(first + 1) * KL_SAMPLES - 1}"
-        reference_s, default_s = seconds[first]
+    reference, default = values["reference"], values["default"]
+    for i in range(sets):
+        following = (i + 1) % sets
+        span = f"{i * KL_SAMPLES}-{(i + 1) * KL_SAMPLES - 1}"
+        reference_s, default_s = seconds["reference"][i], seconds["default"][i]
         lines.append(
             f"| {span} | {reference_s:.1f} | {default_s:.1f} | {default_s / reference_s:.1%} | "
-            f"{spearman(reference[first], default[first]):.4f} | {spearman(reference[other], default[first]):.4f} | "
-            f"{spearman(reference[other], reference[first]):.4f} |"
+            f"{spearman(reference[i], default[i]):.4f} | {spearman(reference[i], values['alike'][i]):.4f} | "
+            f"{spearman(reference[following], default[i]):.4f} | {spearman(reference[following], reference[i]):.4f} |"
         )
     return "\n".join(lines) + "\n"
 

@@ -614,25 +614,25 @@ def test_sensitivity_benchmark_tables_the_scans_passes(tiny_text_model_dir, tmp_
 
 
 def test_sensitivity_benchmark_tables_the_default_scan_against_the_original(tiny_text_model_dir, tmp_path):
-    """`--default-scan-only`: the library's default scan against the original one (layer by layer, float32, whole
-    sequences and vocabulary) on two sets of sequences, ranked on the same tokens and across the sets; the original
-    against itself across the sets is one number, in both rows."""
+    """`--default-scan-only`: the library's default scan (and with every position alike) against the original one
+    (layer by layer, float32, whole sequences and vocabulary) on `--scan-sets` sets of sequences, ranked on the same
+    tokens and on the next set's (the last set's next is the first)."""
     root = tiny_text_model_dir
     output = tmp_path / "default.md"
     run_benchmark(
         "bench_sensitivity.py",
         *("--model", root / "model", "--calibration", root / "calibration.txt", "--seq-len", 16),
-        *("--rotation", "online_block_hadamard", "--default-scan-only", "--output", output),
+        *("--rotation", "online_block_hadamard", "--default-scan-only", "--scan-sets", 3, "--output", output),
     )
     report = output.read_text()
     assert "The model rotated `online_block_hadamard`" in report
     rows = re.findall(
-        r"^\| (\d+-\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)% \| (-?[\d.]+) \| (-?[\d.]+) \| (-?[\d.]+) \|$",
+        r"^\| (\d+-\d+) \| ([\d.]+) \| ([\d.]+) \| ([\d.]+)% \| "
+        r"(-?[\d.]+) \| (-?[\d.]+) \| (-?[\d.]+) \| (-?[\d.]+) \|$",
         report,
         re.M,
     )
-    assert [r[0] for r in rows] == ["0-3", "4-7"]
-    assert rows[0][6] == rows[1][6]
+    assert [r[0] for r in rows] == ["0-3", "4-7", "8-11"]
     assert all(float(r[3]) > 0 and all(-1 <= float(v) <= 1 for v in r[4:]) for r in rows)
 
 

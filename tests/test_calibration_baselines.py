@@ -122,8 +122,9 @@ def test_the_scan_multiplies_in_bfloat16_with_layers_low_from_their_float32_weig
 def test_a_rotated_models_float_layers_skip_their_online_transforms_in_the_bfloat16_scan(sensitive):
     """With online block-Hadamard transforms (`TransformedLinear`: `y = (x T) W'^T`), the bfloat16 scan's float
     layers hold `W' T^T` and compute no transform, while a layer goes low with its own transform and float32
-    weight: its values stay those of the float32 scan, which computes every transform (measured within 7%; a layer
-    low without its transform is off by up to 68x), and every weight and transform comes back."""
+    weight: its values stay those of the float32 scan, which computes every transform (measured within 15%, 13% with
+    every position weighed alike; a layer low without its transform is off by up to 68x), and every weight and
+    transform comes back."""
     model, ids = sensitive
     model = copy.deepcopy(model)
     rotate_model(model, "online_block_hadamard", list(linear_modules_to_quantize(model, ["lm_head"])), 32)
@@ -145,7 +146,7 @@ def test_a_rotated_models_float_layers_skip_their_online_transforms_in_the_bfloa
             handle.remove()
     names = list(single)
     assert spearmanr([single[n] for n in names], [half[n] for n in names]).statistic > 0.95
-    assert max(abs(half[n] / single[n] - 1) for n in names) < 0.15
+    assert max(abs(half[n] / single[n] - 1) for n in names) < 0.2
     for name, linear in targets.items():
         weight, values, transform = own[name]
         assert linear.weight is weight and torch.equal(weight, values) and linear.input_transform is transform
@@ -198,12 +199,15 @@ def test_kl_scan_reads_the_first_half_of_the_first_kl_samples_sequences(sensitiv
     s = CalibrationSettings(batch_size=4)
     assert sensitivity.KL_SAMPLES == 4 and sensitivity.KL_POSITIONS == 0.5 and ids.shape[1] % 2 == 0
     half = ids.shape[1] // 2
-    assert kl_sensitivities(model, ids[:4, :half], s, progress=False, positions=1.0) == sensitivities
+    alike = dict(progress=False, position_weighting=0)  # as a scan of whole sequences weighs them
+    assert kl_sensitivities(model, ids[:4, :half], s, progress=False, positions=1.0) == kl_sensitivities(
+        model, ids, s, **alike
+    )
     assert kl_sensitivities(model, ids[:4], s, progress=False, positions=0.5) == sensitivities
     assert kl_sensitivities(model, ids[:4, : half + 1], s, progress=False) != sensitivities  # ceil(half + 1/2)
     whole = kl_sensitivities(model, ids[:4], s, progress=False, positions=1.0)
     assert whole != sensitivities
-    assert kl_sensitivities(model, ids[:4, :5], s, progress=False, positions=0.25) == kl_sensitivities(
+    assert kl_sensitivities(model, ids[:4, :5], s, positions=0.25, **alike) == kl_sensitivities(
         model, ids[:4, :2], s, progress=False, positions=1.0
     )
     different = torch.cat([ids[4:], ids[:4]])
@@ -211,6 +215,39 @@ def test_kl_scan_reads_the_first_half_of_the_first_kl_samples_sequences(sensitiv
     for bad in (0, 1.5, -0.5, True, "half"):
         with pytest.raises(ValueError, match=rf"positions={bad!r} is not a share .* allowed: 0 < positions <= 1"):
             kl_sensitivities(model, ids[:4], s, progress=False, positions=bad)
+
+
+def test_kl_scan_weighs_each_position_of_a_part_read_by_the_square_root_of_its_place(sensitive):
+    """By default, in a scan of part of each sequence, a position `p`'s divergence counts `sqrt(p + 1)` times in its
+    sequence's mean, the weights scaled to a mean of 1: each layer's value is `F.kl_div` per position of whole passes
+    over the part read, weighted so; `position_weighting=0` gives the plain mean, another power its own weights, whole
+    sequences weigh every position alike, and a value that weighs nothing is refused."""
+    from optimum_dmx.calibration import sensitivity
+    from optimum_dmx.calibration.sensitivity import next_token_log_probs
+
+    model, ids = sensitive
+    assert sensitivity.KL_POSITION_WEIGHTING == 0.5 and sensitivity.KL_POSITIONS == 0.5
+    read = ids[:4, : ids.shape[1] // 2]
+    exact = dict(progress=False, head_tokens=None, matmul_dtype=torch.float32)
+    s = CalibrationSettings(batch_size=4)
+    scans = {power: kl_sensitivities(model, ids[:4], s, position_weighting=power, **exact) for power in (0, 0.5, 2)}
+    assert kl_sensitivities(model, ids[:4], s, **exact) == scans[0.5] != scans[0]
+    whole = kl_sensitivities(model, ids[:4], s, positions=1.0, **exact)
+    assert kl_sensitivities(model, ids[:4], s, positions=1.0, position_weighting=0, **exact) == whole
+    place = torch.arange(1, read.shape[1] + 1, dtype=torch.float64)
+    with torch.no_grad():
+        float_log_probs = next_token_log_probs(model, read)
+        for name in scans[0]:
+            with emulate_format_map(model, {name: "mxfp4"}):
+                log_probs = next_token_log_probs(model, read)
+            per_position = F.kl_div(log_probs, float_log_probs, log_target=True, reduction="none").sum(-1).double()
+            for power in (0, 0.5, 2):
+                weights = place**power / (place**power).mean()
+                expected = (per_position * weights).sum().item() / read.numel()
+                assert scans[power][name] == pytest.approx(expected, rel=1e-4), (name, power)
+    for bad in (-0.5, True, "sqrt", float("nan"), float("inf")):
+        with pytest.raises(ValueError, match=r"position_weighting=.* is not a weighting .* allowed: a number >= 0"):
+            kl_sensitivities(model, ids[:4], s, progress=False, position_weighting=bad)
 
 
 def test_kl_scan_equals_one_whole_pass_per_layer(sensitive):

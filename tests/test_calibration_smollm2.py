@@ -93,9 +93,9 @@ MOVED_BY_ANOTHER_CPU = {"mxfp8-mxfp4": (12, 0.08), "mxfp6-mxfp4": (2, 1e-3)}
 def test_short_default_calibration_on_austen_lands_on_the_budget(smollm2, texts, one_thread, monkeypatch, pair, target):
     from optimum_dmx.calibration import sensitivity, trainer
 
-    # the scan of 0.1.0.dev0 read its sequences whole, in float32; it now reads their first half (`KL_POSITIONS`), in
-    # bfloat16 where the CPU multiplies it natively, and the map moves with each (`research/README.md`): the old scan
-    # here, so that the rest of the method is what is compared
+    # the scan of 0.1.0.dev0 read its sequences whole, in float32; it now reads their first half (`KL_POSITIONS`),
+    # later positions weighing more, in bfloat16 where the CPU multiplies it natively, and the map moves with each
+    # (`research/README.md`): the old scan here, so that the rest of the method is what is compared
     old_scan = functools.partial(sensitivity.kl_sensitivities, positions=1.0, matmul_dtype=torch.float32)
     monkeypatch.setattr(trainer, "kl_sensitivities", old_scan)
     model, tokenizer = smollm2

@@ -43,6 +43,17 @@ def test_with_the_whole_vocabulary_as_head_it_is_the_kl_divergence():
     assert abs(reference.kl(hidden).item()) < 1e-3 * exact_kl(hidden, hidden + 1e-2 * direction, weight, bias)
 
 
+def test_weighted_positions_sum_each_positions_divergence_times_its_weight():
+    """`kl(hidden, weights)`: each position's divergence (the whole vocabulary as head: exact) times its weight."""
+    weight, bias, hidden, direction = embedding_and_hidden()
+    reference = VocabularyHeadReference.from_hidden(hidden, weight, bias, head_tokens=300)
+    shifted = hidden + 0.1 * direction
+    weights = torch.rand(len(hidden), generator=torch.Generator().manual_seed(1), dtype=torch.float64) * 3
+    exact = sum(w.item() * exact_kl(hidden[i : i + 1], shifted[i : i + 1], weight, bias) for i, w in enumerate(weights))
+    assert reference.kl(shifted, weights).item() == pytest.approx(exact, rel=1e-3)
+    assert reference.kl(shifted, torch.ones_like(weights)).item() == pytest.approx(reference.kl(shifted).item())
+
+
 def test_the_tail_is_exact_to_second_order_at_one_position():
     """At one position the pooled tail covariance is that position's: the error is third order in the shift, so
     the relative error falls with it; without the covariance term it does not."""

@@ -116,17 +116,18 @@ class VocabularyHeadReference:
         )
 
     @torch.no_grad()
-    def kl(self, hidden: torch.Tensor) -> torch.Tensor:
+    def kl(self, hidden: torch.Tensor, weights: torch.Tensor | None = None) -> torch.Tensor:
         """`sum KL(p_reference || q)` over every position (float64), `q` the distribution of final hidden states
-        `hidden` (the shape of the reference's)."""
+        `hidden` (the shape of the reference's); with `weights` (float64, one per position, in the order of the
+        flattened leading dimensions), each position's divergence times its weight."""
         shift = hidden.reshape(self.hidden.shape).to(self.hidden) - self.hidden
         head_shift = (shift.to(self.head_rows.dtype) @ self.head_rows.T).float()  # the head's dz
         tail_shift = (shift * self.tail_mean_row).sum(-1)  # mu . dh
         head = (self.head_log_probs + head_shift).logsumexp(-1)
         tail = self.tail_log_mass + tail_shift + 0.5 * ((shift @ self.tail_covariance) * shift).sum(-1)
         mean_shift = (self.head_probabilities * head_shift).sum(-1) + self.tail_log_mass.exp() * tail_shift
-        divergences = torch.logaddexp(head, tail) - self.log_total - mean_shift
-        return divergences.double().sum()
+        divergences = (torch.logaddexp(head, tail) - self.log_total - mean_shift).double()
+        return divergences.sum() if weights is None else divergences @ weights
 
 
 def _weighted_gram(weight: torch.Tensor, weights: torch.Tensor, rows: int = 8192) -> torch.Tensor:
