@@ -18,6 +18,7 @@ from optimum_dmx.calibration.sensitivity import KL_UNITS_PER_PASS, ScanSplit
 from optimum_dmx.formats import quantize_mx
 from optimum_dmx.nn import average_bits, emulate_format_map, linear_modules_to_quantize, tensor_sizes
 from optimum_dmx.nn.rotation import rotate_model
+from optimum_dmx.nn.surgery import swapped_modules
 
 from .helpers import sensitive_llama_and_data, tiny_llama
 
@@ -187,6 +188,40 @@ def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target
     # The most sensitive layer is in the high format.
     assert result.format_map[max(sensitivities, key=sensitivities.get)] != "mxfp4_e2m1"
     assert result.method == "kl"
+
+
+def test_swapped_modules_freeze_and_evaluate_the_model_within_and_give_back_modes_and_flags(monkeypatch):
+    """Inside `swapped_modules` every weight is frozen and every module in eval mode; on exit the replaced modules,
+    the `requires_grad` flags and the mode come back. A model already frozen and in eval mode is left as it is: no
+    module's mode is set (the scan swaps modules twice per pass)."""
+    model = tiny_llama()
+    model.train()
+    model.lm_head.weight.requires_grad_(False)
+    flags = {name: p.requires_grad for name, p in model.named_parameters()}
+    original = model.model.layers[0].mlp.down_proj
+    replacement = torch.nn.Linear(original.in_features, original.out_features)
+    with swapped_modules(model, {"model.layers.0.mlp.down_proj": replacement}):
+        assert model.model.layers[0].mlp.down_proj is replacement
+        assert not any(m.training for m in model.modules() if m is not replacement)
+        own = {id(p) for p in replacement.parameters()}  # the replacement's are its caller's to set
+        assert not any(p.requires_grad for p in model.parameters() if id(p) not in own)
+    assert model.model.layers[0].mlp.down_proj is original
+    assert all(m.training for m in model.modules())
+    assert {name: p.requires_grad for name, p in model.named_parameters()} == flags
+
+    model.eval()
+    model.model.layers[1].train()  # one module in train mode in an eval model: evaluated within, as the rest
+    with swapped_modules(model, {}):
+        assert not any(m.training for m in model.modules())
+    assert not model.training
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    calls = []
+    monkeypatch.setattr(torch.nn.Module, "train", lambda module, mode=True: calls.append(mode) or module)
+    with swapped_modules(model, {"model.layers.0.mlp.down_proj": replacement}):
+        assert model.model.layers[0].mlp.down_proj is replacement
+    assert calls == [] and not any(p.requires_grad for p in model.parameters())
 
 
 def test_kl_scan_reads_the_first_half_of_the_first_kl_samples_sequences(sensitive, sensitivities):

@@ -18,7 +18,10 @@ reading the whole sequences does at Spearman 0.991, in 0.58x the time (`benchmar
 the default recipe's maps from the same learned offsets had the same held-out perplexity within the evaluation's
 noise (1.0001x over ten comparisons, -0.8% to +1.5%; `research/README.md`, "The scan on the first half of each
 sequence"). Within the half, a position's divergence weighs more the more context precedes it (`position_weights`:
-`sqrt(p + 1)`), so that the later positions read stand in for the unread ones.
+`sqrt(p + 1)`), so that the later positions read stand in for the unread ones. Against the original scan (every layer
+alone, float32, whole sequences and vocabulary) the half ranks the units at Spearman 0.99 or more on six of eight sets
+of sequences; reading 9/16 of each does on all eight, but takes 1.1-1.3x the half's time, which put the scan at 11%
+of the CLI's default run's steps against 9% (`benchmarks/results/sensitivity.md`, "Eight sets of sequences").
 
 The scan makes one pass per unit (a layer, or a group), and a layer's quantization cannot change what the decoder
 layers before its own compute. So one float pass records every decoder layer's output, and each unit's pass replays
@@ -159,7 +162,8 @@ def kl_sensitivities(
     head = _output_head(model, targets) if head_tokens is not None else None
     weights_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
     lowered = _lower_matmul_dtype(matmul_dtype, weights_dtype, device)
-    with _scan_float_layers(targets, lowered, device) as own:
+    # frozen and in eval mode once for the whole scan, so that its passes' module swaps need not set them again
+    with swapped_modules(model, {}), _scan_float_layers(targets, lowered, device) as own:
         with emulate_format_map(model, {}), _WholeBatchReaders(targets) as readers:
             references = []
             for b in batches:
@@ -224,12 +228,12 @@ def position_weights(length: int, power: float) -> torch.Tensor | None:
 
     The scan reads the first `KL_POSITIONS` of each sequence to estimate its whole mean divergence, and a layer's
     divergence at a position depends on how much context precedes it: the early positions, over-represented in a
-    prefix, say less about the rest. On SmolLM2-135M (four sets of 4 x 128 tokens, the first 64 read), weights
+    prefix, say less about the rest. On SmolLM2-135M (eight sets of 4 x 128 tokens, the first 64 read), weights
     growing as the square root make the default scan rank the budget's units closer to the original scan's (whole
-    sequences, every position alike): Spearman 0.9873-0.9925, 0.9902 on average, against 0.9865-0.9908 and 0.9880
+    sequences, every position alike): Spearman 0.9859-0.9937, 0.9905 on average, against 0.9786-0.9927 and 0.9869
     with every position alike, at no measurable cost; the maps the default recipe made from the same learned offsets
-    stayed within the evaluation's noise (`benchmarks/results/sensitivity.md`, "The default scan against the original
-    scan"; `research/README.md`, "Weighted positions in the scan")."""
+    stayed within the evaluation's noise (`benchmarks/results/sensitivity.md`, "Eight sets of sequences";
+    `research/README.md`, "Weighted positions in the scan")."""
     if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0 <= power < math.inf:
         raise ValueError(
             f"position_weighting={power!r} is not a weighting of the positions; allowed: a number >= 0 (0: every "
