@@ -64,7 +64,7 @@ def swapped_modules(model: nn.Module, replacements: Mapping[str, nn.Module]) -> 
     trainable = [p for p in model.parameters() if p.requires_grad]
     was_training = model.training
     # A model already in eval mode is left as it is: the KL scan swaps modules in every pass, and setting every
-    # module's mode and back walks the whole model twice (about 3 ms on SmolLM2-135M, 62 times per scan).
+    # module's mode and back walks the whole model twice (about 3 ms on SmolLM2-135M, once per pass).
     switch_mode = any(module.training for module in model.modules())
     try:
         for p in trainable:
