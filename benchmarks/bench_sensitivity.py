@@ -346,8 +346,7 @@ def default_scan_table(
     the default before `KL_POSITION_WEIGHTING`) and reading 9/16 of each sequence instead of half (`positions=0.5625`,
     the least share whose ranking reached 0.99 on eight sets of SmolLM2-135M's, in a one-off simulation from whole
     sequences' divergences per position). The library's scans are timed after one untimed default scan, so that none of
-    them is the first after the reference's long float32 passes (a scan timed there ran up to a third slower in a first
-    version of this table)."""
+    them is the first after the reference's long float32 passes."""
     grouped = dataclasses.replace(settings, offset_groups="fused")
     names = list(linear_modules_to_quantize(model, settings.modules_to_not_convert))
     units = scan_units(names, offset_groups("fused", names))
