@@ -193,7 +193,7 @@ def test_kl_preselection_meets_the_budget(sensitive, sensitivities, pair, target
 def test_swapped_modules_freeze_and_evaluate_the_model_within_and_give_back_modes_and_flags(monkeypatch):
     """Inside `swapped_modules` every weight is frozen and every module in eval mode; on exit the replaced modules,
     the `requires_grad` flags and the mode come back. A model already frozen and in eval mode is left as it is: no
-    module's mode is set (the scan swaps modules twice per pass)."""
+    module's mode is set (the scan swaps modules once per pass)."""
     model = tiny_llama()
     model.train()
     model.lm_head.weight.requires_grad_(False)
