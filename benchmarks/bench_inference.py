@@ -47,12 +47,15 @@ usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--mode
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from unittest import mock
 
@@ -61,7 +64,8 @@ from torch import nn
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, cast, get_format, quantize_mx
-from optimum_dmx.formats.cast import fused_cast_mx
+from optimum_dmx.formats.blocks import round_to_bfloat16
+from optimum_dmx.formats.cast import cast_mx_blocks, fused_cast_mx
 from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS, CompiledKernel
 from optimum_dmx.integration.model_card import checkpoint_bytes
 from optimum_dmx.nn import transforms
@@ -155,33 +159,77 @@ def split_64_by_8(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
     return (power // 64).bit_length() - 1, torch.kron(transforms.sylvester_matrix(64), odd.contiguous())
 
 
+def transform_then_round(
+    x: torch.Tensor,
+    signs: torch.Tensor | None,
+    matrices: torch.Tensor | None,
+    pairs: bool,
+    last: int,
+    norm: float,
+    dtype: torch.dtype,
+    cast: tuple,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`transforms._transform_kernel` for 32-blocks as it was: the sums and differences put together, then divided
+    and rounded to `dtype` (which inductor then computes in each of the MX cast's two loops over the stored sums)."""
+    summed = transforms._sum_and_difference(transforms._signed_product_in_order(x, signs, matrices, last), last)
+    finished = summed / norm
+    finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
+    return cast_mx_blocks(finished, *cast, native_cast=False)
+
+
+def signs_apart(transform: transforms.RandomizedHadamard, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`RandomizedHadamard._kernel_factor` as it is for float32 rows: the signs apart from the last factor."""
+    signs, last, _ = transform._factors_as(rows.device, torch.float32)
+    return signs, last.view(-1)
+
+
 def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
-    """Time per call of an online transform with its MX cast (`RandomizedHadamard.quantize`, float32, `tokens`
-    rows: 8 x 128) against the plain cast of the same input: 32-blocks on SmolLM2's two input widths (576: q/k/v,
-    o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input. As references, how each ran
-    before: for 32-blocks the same kernel compiled with inductor's default fusion thresholds (the 16 x 16 product
-    split in two passes over a buffer as large as the input), for 512-blocks the transform split into a 64 x 64
-    product and a Sylvester factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
+    """Time per call of an online transform with its MX cast (`RandomizedHadamard.quantize`, `tokens` rows: 8 x 128)
+    against the plain cast of the same input, in float32 and bfloat16: 32-blocks on SmolLM2's two input widths (576:
+    q/k/v, o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input. As references, how
+    each ran before: for 32-blocks in float32 the same kernel compiled with inductor's default fusion thresholds (the
+    16 x 16 product split in two passes over a buffer as large as the input), in bfloat16 the signs apart from the
+    16 x 16 factor (as in float32) and, besides, the sums divided and rounded after they are put together
+    (`transform_then_round`); for 512-blocks in float32 the transform split into a 64 x 64 product and a Sylvester
+    factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
     fmt = get_format("mxfp4_e2m1")
     kernel = transforms._transform_kernel
     options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
     default_thresholds = CompiledKernel(kernel.fn, options=options)
+    rounded_after = CompiledKernel(transform_then_round, options=kernel.options)
+    cases = [
+        (dtype, width, block)
+        for dtype in (torch.float32, torch.bfloat16)
+        for width, block in ((576, 32), (1536, 32), (1536, 512))
+    ]
     table = []
-    for width, block in ((576, 32), (1536, 32), (1536, 512)):
-        x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
+    for dtype, width, block in cases:
+        x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0)).to(dtype)
         transform = transforms.RandomizedHadamard(width, block, seed=0)
 
-        def with_default_thresholds() -> None:
-            with mock.patch.object(transforms, "_transform_kernel", default_thresholds):
-                transform.quantize(x, fmt, 32, "ocp")
+        def with_kernel(replacement: CompiledKernel, factor: Callable | None = None) -> Callable[[], None]:
+            def call() -> None:
+                with contextlib.ExitStack() as patches:
+                    patches.enter_context(mock.patch.object(transforms, "_transform_kernel", replacement))
+                    if factor is not None:
+                        patches.enter_context(mock.patch.object(transform, "_kernel_factor", factor))
+                    transform.quantize(x, fmt, 32, "ocp")
+
+            return call
 
         candidates = {
             "MX cast alone (quantize_mx)": lambda: quantize_mx(x, fmt),
             "transform and cast": lambda: transform.quantize(x, fmt, 32, "ocp"),
         }
-        if block == 32:
-            candidates["transform and cast, inductor's default fusion thresholds"] = with_default_thresholds
-        else:
+        apart = functools.partial(signs_apart, transform)
+        if block == 32 and dtype == torch.float32:
+            candidates["transform and cast, inductor's default fusion thresholds"] = with_kernel(default_thresholds)
+        elif block == 32:
+            candidates["transform and cast, signs apart from the factor"] = with_kernel(kernel, apart)
+            candidates["transform and cast, signs apart, sums rounded after they are put together"] = with_kernel(
+                rounded_after, apart
+            )
+        elif dtype == torch.float32:
             with mock.patch.object(transforms, "kronecker_split", split_64_by_8):
                 split_before = transforms.RandomizedHadamard(width, block, seed=0)
             candidates["transform and cast, 64 x 64 product then order 8"] = lambda: split_before.quantize(
@@ -190,9 +238,16 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
         with torch.inference_mode():
             seconds = median_seconds(list(candidates.values()), repeats, time.process_time, calls=20)
         for name, per_call in zip(candidates, seconds):
-            log(f"{width} wide, {block}-blocks, {name}: {per_call * 1e3:.2f} ms per call")
+            log(f"{dtype}, {width} wide, {block}-blocks, {name}: {per_call * 1e3:.2f} ms per call")
             table.append(
-                [f"{tokens} x {width}", str(block), name, f"{per_call * 1e3:.2f}", f"{per_call / seconds[0]:.2f}x"]
+                [
+                    f"{tokens} x {width}",
+                    str(dtype).removeprefix("torch."),
+                    str(block),
+                    name,
+                    f"{per_call * 1e3:.2f}",
+                    f"{per_call / seconds[0]:.2f}x",
+                ]
             )
     return table
 
@@ -469,9 +524,8 @@ def main() -> None:
         f"{args.repeats} x 1000 calls)",
         table(["rows", "call", "us per call", "x the cast through torch.compile"], bench_per_call(args.repeats)),
         "",
-        f"### Online transforms with their MX cast, per call (float32, CPU time in ms, median of {args.repeats} x 20 "
-        "calls)",
-        table(["input", "block", "call", "ms per call", "x the cast alone"], bench_transforms(args.repeats)),
+        f"### Online transforms with their MX cast, per call (CPU time in ms, median of {args.repeats} x 20 calls)",
+        table(["input", "dtype", "block", "call", "ms per call", "x the cast alone"], bench_transforms(args.repeats)),
     ]
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)

@@ -755,16 +755,26 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     assert len(cells) == 8 + len(rotations) and cells[7] == ""  # one row per step: no chunks, not timed
     transform_rows = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
     calls = [[cell.strip() for cell in line.strip("|").split("|")] for line in transform_rows]
-    # per input width and block: the cast alone (1.00x), the transform with it, and a reference: for 32-blocks the
-    # same kernel compiled with inductor's default fusion thresholds, for 512-blocks the 64 x 64 split
+    # per dtype, input width and block: the cast alone (1.00x), the transform with it, and the references: in float32
+    # for 32-blocks the same kernel compiled with inductor's default fusion thresholds, for 512-blocks the 64 x 64
+    # split; in bfloat16 for 32-blocks the signs apart from the factor, then also the sums rounded after the stack
     cast, transform = "MX cast alone (quantize_mx)", "transform and cast"
-    assert [(c[0], c[1], c[2].split(",")[0]) for c in calls] == [
-        *[("1024 x 576", "32", call) for call in (cast, transform, transform)],
-        *[("1024 x 1536", "32", call) for call in (cast, transform, transform)],
-        *[("1024 x 1536", "512", call) for call in (cast, transform, transform)],
+    thresholds = f"{transform}, inductor's default fusion thresholds"
+    split = f"{transform}, 64 x 64 product then order 8"
+    apart = f"{transform}, signs apart from the factor"
+    rounded_after = f"{transform}, signs apart, sums rounded after they are put together"
+    expected = [
+        *[("1024 x 576", "float32", "32", call) for call in (cast, transform, thresholds)],
+        *[("1024 x 1536", "float32", "32", call) for call in (cast, transform, thresholds)],
+        *[("1024 x 1536", "float32", "512", call) for call in (cast, transform, split)],
+        *[("1024 x 576", "bfloat16", "32", call) for call in (cast, transform, apart, rounded_after)],
+        *[("1024 x 1536", "bfloat16", "32", call) for call in (cast, transform, apart, rounded_after)],
+        *[("1024 x 1536", "bfloat16", "512", call) for call in (cast, transform)],
     ]
+    assert [tuple(c[:4]) for c in calls] == expected
     # each ratio is the row's time over its cast's (a one-repeat run on a busy machine can time the transform below
     # the cast, so the ratio's size is not asserted)
-    for group in (calls[0:3], calls[3:6], calls[6:9]):
-        assert group[0][4] == "1.00x", group
-        assert all(ratio_matches_rounded_times(row[4], row[3], group[0][3], step=0.01) for row in group[1:]), group
+    groups = [[c for c in calls if tuple(c[:3]) == key] for key in dict.fromkeys(row[:3] for row in expected)]
+    for group in groups:
+        assert group[0][5] == "1.00x", group
+        assert all(ratio_matches_rounded_times(row[5], row[4], group[0][4], step=0.01) for row in group[1:]), group

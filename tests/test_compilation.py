@@ -60,15 +60,19 @@ def test_compiled_cast_is_bit_identical_to_the_eager_cast(compiled, dtype):
 def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, monkeypatch, dtype, size, block_size):
     """An online transform's kernel (the products for 32-blocks, the division, rounding to the input's dtype and,
     for `quantize`, the MX cast) gives the bits of the same steps run eagerly, which `quantize_mx(transform(x))`
-    is."""
-    given_the_input = []  # per kernel call: whether it got the input and the signs (the whole transform)
+    is; for 32-blocks, with the signs apart from the last factor (float32) and in one copy of it per run (bfloat16
+    and float16 on a CPU)."""
+    given_the_input = []  # per kernel call: whether it got the input and the factor (the whole transform)
+    signs_apart = []  # per such call: whether the signs came apart from the factor
 
     class Recorded:
         active = property(lambda self: _transform_kernel.active)
 
-        def __call__(self, x, signs, *args):
-            given_the_input.append(signs is not None)
-            return _transform_kernel(x, signs, *args)
+        def __call__(self, x, signs, matrices, *args):
+            given_the_input.append(matrices is not None)
+            if matrices is not None:
+                signs_apart.append(signs is not None)
+            return _transform_kernel(x, signs, matrices, *args)
 
     monkeypatch.setattr(transforms, "_transform_kernel", Recorded())
     transform = RandomizedHadamard(size, block_size, seed=3)
@@ -79,6 +83,7 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, m
     # 32-blocks (a 16 x 16 last factor, then order 2): the kernel computes the whole transform; larger blocks and
     # larger last factors: the matrix products run before it
     assert given_the_input == [block_size == 32] * (1 + len(casts))
+    assert signs_apart == [dtype == torch.float32] * len(signs_apart)
     set_compile_enabled(False)
     eager = transform(x)
     eager_results = [eager, *(quantize_mx(eager, *cast) for cast in casts)]

@@ -28,7 +28,10 @@ At inference (no gradient wanted) the transform's last steps run as one compiled
 the division, the rounding to the input's dtype and, through `quantize`, the MX cast that follows. For 32-blocks (a
 16 x 16 last factor and `S` of order 2, `KERNEL_MATRIX_ORDER`) the kernel also applies the signs and both products
 (`_signed_product_in_order`, then one sum and one difference), which ran as separate operations before it, each
-writing a new buffer as large as the activation (on a CPU, fresh buffers that large also cost page faults). Larger
+writing a new buffer as large as the activation (on a CPU, fresh buffers that large also cost page faults). On a CPU,
+for an input not in float32, the signs come inside the factor, one copy of it per run of 16 elements (a product then
+loads a vector of the matrix instead of a sign and multiplies once less); the kernel divides and rounds the sums
+before it stores them, so that the MX cast's two loops over them do not each do it again. Larger
 blocks take the two matrix products before the kernel: inductor's code for more sums and differences in the kernel
 ran several times slower than the products (SmolLM2's `down_proj` transform, on 512-blocks, made the forward pass
 about a fifth slower that way). On a CPU, an input not in float32, or one whose products run before the kernel, is
@@ -41,6 +44,7 @@ product's inner loop adds them) is tested.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -116,12 +120,20 @@ def _sylvester_product(x: torch.Tensor, sylvester: torch.Tensor | None, last: in
     return torch.matmul(sylvester, x.reshape(-1, len(sylvester), last)).view(x.shape)
 
 
-def _sum_and_difference(x: torch.Tensor, last: int) -> torch.Tensor:
+def _sum_and_difference(
+    x: torch.Tensor, last: int, then: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """Rows `x` multiplied across pairs of runs of `last` elements by the Sylvester matrix of order 2
-    (`[[1, 1], [1, -1]]`): one sum and one difference, which also compile into the inference kernel."""
+    (`[[1, 1], [1, -1]]`): one sum and one difference, which also compile into the inference kernel. `then`, an
+    element-wise function, is applied to both before they are put together: in the kernel the division and the
+    rounding, which inductor then computes once and stores, where it otherwise computes them again in each of the MX
+    cast's two loops over the stored sums."""
     rows, width = x.shape
     first, second = x.view(rows, -1, 2, last).unbind(2)
-    return torch.stack((first + second, first - second), 2).view(rows, width)
+    total, difference = first + second, first - second
+    if then is not None:
+        total, difference = then(total), then(difference)
+    return torch.stack((total, difference), 2).view(rows, width)
 
 
 # The largest last Kronecker factor the inference kernel multiplies by itself (`order` products per element), when the
@@ -129,16 +141,21 @@ def _sum_and_difference(x: torch.Tensor, last: int) -> torch.Tensor:
 KERNEL_MATRIX_ORDER = 16
 
 
-def _signed_product_in_order(x: torch.Tensor, signs: torch.Tensor, matrix: torch.Tensor, order: int) -> torch.Tensor:
-    """Rows `x` times the signs, then each block's last Kronecker factor (`matrix`, `order` x `order`, flattened),
-    in float32, its `order` products added in the order of the factor's rows, one after the other, as a matrix
-    product's inner loop adds them (and, the factor's entries being +-1, as a fused multiply-add rounds them). Compiled,
+def _signed_product_in_order(
+    x: torch.Tensor, signs: torch.Tensor | None, matrices: torch.Tensor, order: int
+) -> torch.Tensor:
+    """Rows `x` times the signs, then each run of `order` elements times the last Kronecker factor (`order` x
+    `order`), in float32, its `order` products added in the order of the factor's rows, one after the other, as a
+    matrix product's inner loop adds them (and, the factor's entries being +-1, as a fused multiply-add rounds them).
+    `matrices` holds the factor (flattened), or, with `signs` None, one copy of it per run with the run's signs in its
+    rows (`RandomizedHadamard._signed_run_matrices`): the same products, as a sign flips a product exactly. Compiled,
     one pass over `x` with nothing stored between; a matrix product writes a buffer as large as `x`."""
     rows, width = x.shape
-    signed = (x.float() * signs).view(rows, width // order, order)
-    product = signed[..., :1] * matrix[:order]
+    signed = (x.float() if signs is None else x.float() * signs).view(rows, width // order, order)
+    factor = matrices.view(-1, order, order)  # one matrix for every run, or one per run
+    product = signed[..., :1] * factor[:, 0]
     for k in range(1, order):
-        product = product + signed[..., k : k + 1] * matrix[k * order : (k + 1) * order]
+        product = product + signed[..., k : k + 1] * factor[:, k]
     return product.view(rows, width)
 
 
@@ -157,7 +174,7 @@ def _signed_product_in_order(x: torch.Tensor, signs: torch.Tensor, matrix: torch
 def _transform_kernel(
     x: torch.Tensor,
     signs: torch.Tensor | None,
-    matrix: torch.Tensor | None,
+    matrices: torch.Tensor | None,
     pairs: bool,
     last: int,
     norm: float,
@@ -166,15 +183,20 @@ def _transform_kernel(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The transform of rows `x` divided by `norm`, rounded to `dtype` (returned as float32) and, with `cast`
     (format, block size, scale rule), MX-quantized (the values and the block output of
-    `formats.cast.cast_mx_blocks`). With `signs` and `matrix` (the last factor, `last` x `last`, flattened), `x` is
-    the input and the kernel computes the signs and the product (`_signed_product_in_order`) and, with `pairs`, the
-    Sylvester factor of order 2 (`_sum_and_difference`); without, `x` is the whole product."""
-    if signs is not None:
-        x = _signed_product_in_order(x, signs, matrix, last)
-        if pairs:
-            x = _sum_and_difference(x, last)
-    finished = x / norm
-    finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
+    `formats.cast.cast_mx_blocks`). With `matrices` (the last factor, `last` x `last`, and the `signs`; or one such
+    matrix per run with the signs in it), `x` is the input and the kernel computes the signs and the product
+    (`_signed_product_in_order`) and, with `pairs`, the Sylvester factor of order 2 (`_sum_and_difference`);
+    without, `x` is the whole product."""
+
+    def finish(values: torch.Tensor) -> torch.Tensor:
+        values = values / norm
+        return round_to_bfloat16(values) if dtype == torch.bfloat16 else values.to(dtype).float()
+
+    if matrices is None:
+        finished = finish(x)
+    else:
+        product = _signed_product_in_order(x, signs, matrices, last)
+        finished = _sum_and_difference(product, last, finish) if pairs else finish(product)
     return finished if cast is None else cast_mx_blocks(finished, *cast, native_cast=False)
 
 
@@ -230,8 +252,10 @@ class RandomizedHadamard(nn.Module):
         # were computed with these exact values), and a state dict has nothing to hold.
         self._factors = {(torch.device("cpu"), torch.float64): (signs, last, sylvester)}
         self._last_order = len(last)
+        self._signed_runs: torch.Tensor | None = None
         # The whole transform in the inference kernel: a small last factor and at most one sum and difference.
         self._whole_in_kernel = self._last_order <= KERNEL_MATRIX_ORDER and sylvester_power <= 1
+        self._pairs = sylvester_power == 1  # the Sylvester factor is one sum and one difference
 
     def _factors_as(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
         """The signs, the last factor's matrix and the Sylvester one (or None) on `device` in `dtype` (converted
@@ -283,12 +307,32 @@ class RandomizedHadamard(nn.Module):
         """`_transform_kernel`'s values (float32) for `rows`: the whole transform in the kernel, or the products
         before it."""
         if self._whole_in_kernel:
-            signs, last, sylvester = self._factors_as(rows.device, torch.float32)
-            inputs = rows, signs, last.view(-1), sylvester is not None
+            inputs = rows, *self._kernel_factor(rows), self._pairs
         else:
             inputs = self._products(rows, torch.float32), None, None, False
         finished = _transform_kernel(*inputs, self._last_order, float(self._norm), dtype, cast)
         return finished if cast is None else finished[0]
+
+    def _kernel_factor(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """The signs and the last factor (flattened) that the inference kernel takes to compute the whole transform
+        of `rows`: on a CPU, for rows not in float32, no signs and one copy of the factor per run with the signs in
+        it (`_signed_run_matrices`)."""
+        signs, last, _ = self._factors_as(rows.device, torch.float32)
+        if rows.device.type == "cpu" and rows.dtype != torch.float32:
+            return None, self._signed_run_matrices().view(-1)
+        return signs, last.view(-1)
+
+    def _signed_run_matrices(self) -> torch.Tensor:
+        """The last factor once per run of `_last_order` elements of the input, each copy with its run's signs in its
+        rows (float32, on the CPU, `[size / order, order * order]`: `size * order` values, made on first use, then
+        kept). The inference kernel's factor on a CPU for inputs not in float32, where a vector of the matrix costs
+        less than a sign and one more multiplication per product; in float32 the signs apart cost less
+        (`benchmarks/bench_inference.py` times both)."""
+        if self._signed_runs is None:
+            signs, last, _ = self._factors_as(torch.device("cpu"), torch.float32)
+            order = self._last_order
+            self._signed_runs = (signs.view(-1, order, 1) * last.view(1, order, order)).view(-1, order * order)
+        return self._signed_runs
 
     @property
     def key(self) -> tuple[int, int, int, tuple[int, int], bool]:
