@@ -5,8 +5,9 @@ Tiny randomly initialised Qwen3-MoE and Mixtral (2 layers of 4 experts, 2 per to
 the packed ones' logits bit for bit (also Qwen2-MoE's and OLMoE's, of the same layout); calibration gives each
 layer's experts one format, hits the budget and reloads in a fresh process with the same logits (Mixtral's
 checkpoint keys are renamed by transformers on saving); keeping the experts float on request, and refusing what
-cannot be carried out (part of a layer's experts, offloaded experts, packed tensors of another layout, exporting
-quantized experts), each before any calibration.
+cannot be carried out (part of a layer's experts, offloaded experts, packed tensors of another layout), each before
+any calibration. Quantized experts export to compressed-tensors, read back by its own decompressors and by
+transformers; what no loader takes is refused at export, naming the layer.
 """
 
 import json
@@ -35,6 +36,7 @@ from optimum_dmx.calibration import CalibrationSettings, calibrate
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
 from optimum_dmx.export import ExportError, export_checkpoint
 from optimum_dmx.nn import LinearExperts, linearizable_experts, linearize_experts, packed_weight_modules
+from optimum_dmx.nn.experts import PROJECTIONS
 
 from .helpers import last_json_line, run_python, word_tokenizer, words
 
@@ -318,14 +320,121 @@ def test_packed_weight_modules_leave_out_convolutions_and_skipped_modules():
     }
 
 
-def test_exporting_quantized_experts_is_refused_and_float_ones_export(tmp_path):
+def expert_map(layer_formats: tuple[str, str]) -> dict[str, str]:
+    """A servable map of the tiny Qwen3-MoE: attention MXFP4 (o_proj MXFP8), layer i's experts in layer_formats[i]."""
+    format_map = {}
+    for layer, experts_format in enumerate(layer_formats):
+        format_map.update({f"model.layers.{layer}.self_attn.{p}_proj": "mxfp4_e2m1" for p in "qkv"})
+        format_map[f"model.layers.{layer}.self_attn.o_proj"] = "mxfp8_e4m3"
+        for expert in range(4):
+            format_map.update({f"{EXPERTS[layer]}.{expert}.{p}": experts_format for p in PROJECTIONS})
+    return format_map
+
+
+def save_dmx_with_map(tmp_path, layer_formats: tuple[str, str]):
     save_float("qwen3_moe", tmp_path / "float")
-    AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=dmx_config()).save_pretrained(
-        tmp_path / "dmx"
-    )
-    with pytest.raises(ExportError, match=r"quantized mixture-of-experts experts is not supported yet \(2 layers"):
+    config = DMXConfig(format_map=expert_map(layer_formats), scale_rule="compressed-tensors")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
+    model.save_pretrained(tmp_path / "dmx")
+    return model
+
+
+def test_quantized_experts_export_to_compressed_tensors_and_decompress_with_its_own_code(tmp_path, caplog):
+    """Each layer's experts in its own format (MXFP4, MXFP8): every expert's tensors, read through the config group
+    compressed-tensors matches to the expert's name and decompressed by compressed-tensors' compressor for that
+    group's format, give this package's weight bit for bit; one target per layer's experts. transformers cannot
+    load experts that differ between layers, which the export says."""
+    from compressed_tensors.compressors import BaseCompressor
+    from compressed_tensors.quantization import QuantizationScheme
+    from compressed_tensors.utils.match import match_name
+
+    model = save_dmx_with_map(tmp_path, ("mxfp4_e2m1", "mxfp8_e4m3"))
+    with caplog.at_level("WARNING", logger="optimum_dmx"):
         export_checkpoint(tmp_path / "dmx", tmp_path / "ct", "compressed-tensors")
-    assert not (tmp_path / "ct").exists()
+    assert "transformers cannot load this export, only vLLM" in caplog.text
+    assert "are mxfp4_e2m1, mxfp8_e4m3" in (tmp_path / "ct" / "README.md").read_text()
+    groups = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["config_groups"]
+    assert sum(target.startswith("re:") for group in groups.values() for target in group["targets"]) == 2
+    tensors = load_file(tmp_path / "ct" / "model.safetensors")
+    for name, fmt in expert_map(("mxfp4_e2m1", "mxfp8_e4m3")).items():
+        (group,) = [g for g in groups.values() if any(match_name(name, target) for target in g["targets"])]
+        scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
+        stored = {key.rpartition(".")[2]: tensor for key, tensor in tensors.items() if key.startswith(name + ".")}
+        module = model.get_submodule(name)
+        stored["weight_shape"] = torch.tensor(module.weight_shape)
+        weight = BaseCompressor.get_value_from_registry(group["format"]).decompress(stored, scheme)["weight"]
+        assert module.fmt.name == fmt
+        assert torch.equal(weight.to(torch.bfloat16), module.dequantized_weight(torch.bfloat16)), name
+
+
+@pytest.mark.parametrize("experts_format", ["mxfp4_e2m1", "mxfp6_e2m3"])
+def test_experts_of_one_packed_format_load_through_transformers_to_our_weights_and_function(tmp_path, experts_format):
+    """transformers with compressed-tensors decompresses MXFP4 (or MXFP6) experts into its packed experts modules:
+    the same weights as ours, and the same logits as this package's model with the experts' inputs left unquantized
+    (the loader computes experts from their decompressed weights)."""
+    bf16 = torch.bfloat16
+    save_dmx_with_map(tmp_path, (experts_format, experts_format))
+    export_checkpoint(tmp_path / "dmx", tmp_path / "ct", "compressed-tensors", force=True)  # vLLM: no MXFP6
+    assert "transformers cannot" not in (tmp_path / "ct" / "README.md").read_text()
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ct", dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)
+    for layer in EXPERTS:
+        theirs, mine = loaded.get_submodule(layer), ours.get_submodule(layer)
+        for expert in range(4):
+            gate_up = torch.cat(
+                [mine[expert].gate_proj.dequantized_weight(bf16), mine[expert].up_proj.dequantized_weight(bf16)]
+            )
+            assert torch.equal(theirs.gate_up_proj[expert], gate_up)
+            assert torch.equal(theirs.down_proj[expert], mine[expert].down_proj.dequantized_weight(bf16))
+            for projection in PROJECTIONS:
+                getattr(mine[expert], projection).quantize_activations = False
+    with torch.no_grad():
+        assert torch.equal(loaded(torch.tensor(INPUT)).logits, ours(torch.tensor(INPUT)).logits)
+
+
+def test_experts_exports_refuse_what_no_loader_takes_naming_the_layer(tmp_path):
+    save_dmx_with_map(tmp_path, ("mxfp4_e2m1", "mxfp4_e2m1"))
+    with pytest.raises(
+        ExportError,
+        match=r"quark cannot take quantized mixture-of-experts experts \(2 layers, e.g. "
+        r"model.layers.0.mlp.experts\): transformers with amd-quark 0.13 does not load them",
+    ):
+        export_checkpoint(tmp_path / "dmx", tmp_path / "quark", "quark", force=True)
+    # online transforms on experts: no loader applies them to fused experts
+    config = dmx_config(rotation="online_block_hadamard")
+    AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config).save_pretrained(
+        tmp_path / "rotated"
+    )
+    with pytest.raises(ExportError, match=r"expert linears have online input transforms \(e.g. model.layers.0.mlp"):
+        export_checkpoint(tmp_path / "rotated", tmp_path / "ct", "compressed-tensors")
+    # Mixtral's experts are saved under its original checkpoints' names
+    save_float("mixtral", tmp_path / "mixtral")
+    config = DMXConfig(format_map=expert_map(("mxfp4_e2m1", "mxfp4_e2m1")))
+    mixtral = AutoModelForCausalLM.from_pretrained(tmp_path / "mixtral", quantization_config=config)
+    mixtral.save_pretrained(tmp_path / "mixtral-dmx")
+    with pytest.raises(ExportError, match=r"stores the quantized experts of model.layers.0.mlp.experts under other"):
+        export_checkpoint(tmp_path / "mixtral-dmx", tmp_path / "ct", "compressed-tensors")
+    assert not (tmp_path / "quark").exists() and not (tmp_path / "ct").exists()
+
+
+def test_auto_leaves_a_model_with_quantized_experts_unrotated_so_that_it_exports(tmp_path, caplog):
+    save_float("qwen3_moe", tmp_path / "float")
+    with caplog.at_level("WARNING", logger="optimum_dmx"):
+        model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=dmx_config())
+    assert "rotation='auto' leaves this model unrotated" in caplog.text and "mixture-of-experts expert" in caplog.text
+    assert not model.config.quantization_config.input_transforms
+    model.save_pretrained(tmp_path / "dmx")
+    export_checkpoint(tmp_path / "dmx", tmp_path / "ct", "compressed-tensors")
+    exported = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
+    targets = [target for group in exported["config_groups"].values() for target in group["targets"]]
+    assert sorted(t for t in targets if t.startswith("re:")) == [
+        r"re:^model\.layers\.0\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$",
+        r"re:^model\.layers\.1\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$",
+    ]
+    # with the experts float, "auto" transforms the other linears' inputs
+    kept = dmx_config(modules_to_not_convert=["mlp.experts"])
+    float_experts = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=kept)
+    assert len(float_experts.config.quantization_config.input_transforms) == 2 * 4
 
 
 def test_the_command_line_keeps_the_experts_float_with_its_flag(tmp_path):

@@ -25,7 +25,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from ..formats.packing import negate_rows
 from ..integration.configuration import QUANT_METHOD
 from ..integration.folders import check_output, staged_folder
-from ..nn.groups import expert_groups, mixed_groups
+from ..nn.experts import linearize_experts
+from ..nn.groups import expert_groups, experts_module, mixed_groups
 from .targets import ExportTarget, get_export_target
 from .transforms import TransformExport
 
@@ -82,7 +83,7 @@ def export_checkpoint(
     quantization = config["quantization_config"]
     format_map: dict[str, str] = quantization["format_map"]
     _check_exportable(spec, quantization, for_vllm=for_vllm, force=force)
-    skeleton = _skeleton(config)
+    skeleton = _skeleton(config, format_map)
     _check_whole_blocks(skeleton, format_map, spec)
     transforms = _online_transforms(spec, quantization, skeleton)
 
@@ -134,14 +135,7 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
         raise ExportError(
             f"{spec.name} stores MX blocks of 32 elements; this checkpoint uses block_size={quantization['block_size']}"
         )
-    experts = expert_groups(format_map)
-    if experts:
-        raise ExportError(
-            f"exporting quantized mixture-of-experts experts is not supported yet ({len(experts)} layers, e.g. "
-            f"{experts[0][0].rpartition('.')[0].rpartition('.')[0]}): the export does not write them and no loader "
-            "was tested with them. Keep the experts in float (modules_to_not_convert=['mlp.experts']) to export "
-            "the rest"
-        )
+    _check_experts(spec, quantization)
     unsupported = sorted(name for name, fmt in format_map.items() if fmt not in spec.formats)
     if unsupported:
         found = sorted({format_map[name] for name in unsupported})
@@ -168,8 +162,8 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
                 for g in mixed[:3]
             )
             problems.append(
-                f"vLLM runs q/k/v and gate/up as one fused matmul with one format, but {len(mixed)} "
-                f"groups mix formats ({shown}); calibrate with shared offsets for fused projections"
+                f"vLLM runs q/k/v, gate/up and a layer's experts as one fused operation with one format, but "
+                f"{len(mixed)} groups mix formats ({shown}); calibrate with shared offsets for fused projections"
             )
         if problems and not force:
             raise ExportError(
@@ -192,12 +186,43 @@ def _check_exportable(spec: ExportTarget, quantization: Mapping[str, Any], *, fo
         )
 
 
-def _skeleton(config: dict[str, Any]) -> torch.nn.Module:
-    """The checkpoint's model built on the meta device (no memory, no weights): its modules and shapes."""
+def _check_experts(spec: ExportTarget, quantization: Mapping[str, Any]) -> None:
+    """Raise for quantized mixture-of-experts experts `spec` cannot take, or that carry online transforms; warn for
+    what a loader cannot do with them."""
+    format_map = quantization["format_map"]
+    experts = expert_groups(format_map)
+    if not experts:
+        return
+    layer = experts_module(experts[0][0])
+    if spec.experts_refused:
+        raise ExportError(
+            f"{spec.name} cannot take quantized mixture-of-experts experts ({len(experts)} layers, e.g. {layer}): "
+            f"{spec.experts_refused}. Export to {spec.alternative!r}, or keep the experts in float "
+            "(modules_to_not_convert=['mlp.experts']) to export the rest"
+        )
+    expert_linears = {name for group in experts for name in group}
+    transformed = sorted(set(quantization.get("input_transforms") or {}) & expert_linears)
+    if transformed:
+        raise ExportError(
+            f"{len(transformed)} expert linears have online input transforms (e.g. {transformed[0]}), which no loader "
+            "applies to a mixture-of-experts layer's fused experts (vLLM applies compressed-tensors' transforms to "
+            "linear layers only). Calibrate with rotation='auto' (no online transforms where the model has "
+            "quantized experts) or 'none'"
+        )
+    caveat = spec.experts_caveat(format_map)
+    if caveat:
+        logger.warning("%s.", caveat)
+
+
+def _skeleton(config: dict[str, Any], format_map: Mapping[str, str]) -> torch.nn.Module:
+    """The checkpoint's model built on the meta device (no memory, no weights): its modules and shapes, with the
+    mixture-of-experts layers whose experts `format_map` quantizes as one linear per expert, as dMX built them."""
     plain = {key: value for key, value in config.items() if key != "quantization_config"}
     architecture = AutoConfig.for_model(**plain)
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(architecture)
+        model = AutoModelForCausalLM.from_config(architecture)
+    linearize_experts(model, [experts_module(group[0]) for group in expert_groups(format_map)], skeleton=True)
+    return model
 
 
 def _online_transforms(
@@ -239,6 +264,7 @@ def _convert_tensors(
     files = sorted(source.glob("*.safetensors"))
     if not files:
         raise ExportError(f"{str(source)!r} has no safetensors files")
+    _check_expert_keys(files, format_map)
     weight_map = {}
     remaining = set(format_map)
     for file in files:
@@ -274,6 +300,24 @@ def _convert_tensors(
             f"map, e.g. {sorted(remaining)[:3]}"
         )
     return weight_map
+
+
+def _check_expert_keys(files: list[Path], format_map: Mapping[str, str]) -> None:
+    """Raise when the checkpoint stores quantized experts under other names than their modules': transformers saves
+    some families' experts under their original checkpoints' names (Mixtral's `block_sparse_moe` for `mlp`), whose
+    loaders then expect that family's own projection names (`w1`, `w2`, `w3`), which the export does not write."""
+    keys = set()
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            keys.update(reader.keys())
+    renamed = [name for group in expert_groups(format_map) for name in group if f"{name}.weight_packed" not in keys]
+    if renamed:
+        raise ExportError(
+            f"the checkpoint stores the quantized experts of {experts_module(renamed[0])} under other names than "
+            "their modules' (as transformers saves Mixtral's, under block_sparse_moe): exporting experts in that "
+            "family's layout is not supported; keep the experts in float (modules_to_not_convert=['mlp.experts']) "
+            "to export the rest"
+        )
 
 
 def _apply_row_signs(

@@ -5,8 +5,10 @@ MXFP6 (E2M3) weights as `weight_packed` uint8 codes in the same layout as dMX (F
 nibble; FP6: `c0 | c1 << 6 | c2 << 12 | c3 << 18` in three little-endian bytes) and MXFP8 weights as a
 float8_e4m3fn `weight` (the same bits as dMX's E4M3 codes), each with a uint8 E8M0 `weight_scale` of shape
 `[out_features, in_features / 32]`. A checkpoint whose layers differ lists one config group per format, with
-the exact module names as targets, under the top-level format `"mixed-precision"`. Input activations are
-quantized dynamically per block of 32 in the layer's format with compressed-tensors' scale rule.
+the exact module names as targets, under the top-level format `"mixed-precision"`; a mixture-of-experts layer's
+experts (one format per layer) are one regular-expression target per layer, as their per-expert tensors are named
+(`<layer>.experts.<e>.gate_proj`, ...). Input activations are quantized dynamically per block of 32 in the layer's
+format with compressed-tensors' scale rule.
 
 AMD Quark (read by transformers with `amd-quark` installed, and vLLM on AMD GPUs) stores MXFP4 and MXFP6 (E2M3,
 E3M2) weights as a uint8 `weight` holding the same codes, with a uint8 E8M0 `weight_scale`; `quantization_config`
@@ -16,6 +18,7 @@ per-group scales of 32 in E8M0 and dynamic input quantization with Quark's "even
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..nn.experts import PROJECTIONS
+from ..nn.groups import expert_groups, experts_module
 from .transforms import TransformExport, compressed_tensors_transforms, quark_transforms
 
 __all__ = ["EXPORT_TARGETS", "ExportTarget", "get_export_target"]
@@ -54,7 +59,16 @@ vllm serve path/to/{name}
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("path/to/{name}", dtype="bfloat16")  # needs {package}
 ```
-{transforms}"""
+{transforms}{experts}"""
+
+_CT_EXPERTS_SECTION = """
+## Mixture-of-experts layers
+
+The experts of {count} layers are quantized ({formats}), each layer's experts in one format. vLLM reads them with
+its compressed-tensors mixture-of-experts methods (not tested by optimum-dmx, which has no GPU). transformers
+(its compressed-tensors loader) decompresses them to bfloat16 while loading and computes them without quantizing
+their inputs.{caveat}
+"""
 
 _CT_TRANSFORMS_SECTION = """
 ## Online transforms
@@ -105,6 +119,11 @@ class ExportTarget:
             rotated checkpoint's online transforms.
         transforms_card: the model card's section on loading a checkpoint with online transforms (a template of
             `count`, `layers` and `name`).
+        experts_card: the model card's section on quantized mixture-of-experts experts (a template of `count`,
+            `formats` and `caveat`).
+        experts_refused: why the target takes no quantized mixture-of-experts experts (None: it takes them).
+        experts_caveat: `format_map -> ` what a loader cannot do with the map's quantized experts (None: nothing),
+            for a warning and the model card.
     """
 
     name: str
@@ -117,6 +136,9 @@ class ExportTarget:
     quantization_config: Callable[[Mapping[str, str], Sequence[str] | None], dict[str, Any]]
     input_transforms: Callable[[Mapping[str, dict], nn.Module], TransformExport]
     transforms_card: str
+    experts_card: str = ""
+    experts_refused: str | None = None
+    experts_caveat: Callable[[Mapping[str, str]], str | None] = lambda format_map: None
 
     def model_card(self, dmx_quantization: Mapping[str, Any], name: str) -> str:
         """A README saying what the export holds and how to serve and load it."""
@@ -128,8 +150,21 @@ class ExportTarget:
         kinds = ", ".join(sorted({layer.rpartition(".")[2] for layer in transformed}))
         transforms = self.transforms_card.format(count=len(transformed), layers=kinds, name=name) if transformed else ""
         return _SERVE_TEMPLATE.format(
-            name=name, target=self.name, summary=summary, package=self.package, transforms=transforms
+            name=name,
+            target=self.name,
+            summary=summary,
+            package=self.package,
+            transforms=transforms,
+            experts=self._experts_section(dmx_quantization["format_map"]),
         )
+
+    def _experts_section(self, format_map: Mapping[str, str]) -> str:
+        groups = expert_groups(format_map)
+        if not groups:
+            return ""
+        formats = ", ".join(sorted({format_map[group[0]] for group in groups}))
+        caveat = self.experts_caveat(format_map)
+        return self.experts_card.format(count=len(groups), formats=formats, caveat=f" {caveat}." if caveat else "")
 
 
 # --- compressed-tensors ------------------------------------------------------------------------------------
@@ -160,12 +195,50 @@ def _ct_mx_args(bits: int, dynamic: bool) -> dict[str, Any]:
     }
 
 
+def _ct_targets(format_map: Mapping[str, str]) -> dict[str, list[str]]:
+    """Each format's `config_groups` targets: the exact names of its layers, and for a mixture-of-experts layer's
+    experts one regular expression matching all of them (`re:` and an anchored pattern, as compressed-tensors and
+    vLLM match targets), instead of a name per expert and projection (18,432 on Qwen3-30B-A3B)."""
+    targets: dict[str, list[str]] = {}
+    in_experts = set()
+    for group in expert_groups(format_map):
+        pattern = rf"re:^{re.escape(experts_module(group[0]))}\.\d+\.({'|'.join(PROJECTIONS)})$"
+        targets.setdefault(format_map[group[0]], []).append(pattern)
+        in_experts.update(group)
+    for name, fmt in format_map.items():
+        if name not in in_experts:
+            targets.setdefault(fmt, []).append(name)
+    return {fmt: sorted(names) for fmt, names in targets.items()}
+
+
+# The expert formats transformers' compressed-tensors loader decompresses: packed ones (its other path reads 8-bit
+# float experts as per-channel FP8, and stops on MX scales).
+_CT_TRANSFORMERS_EXPERT_FORMATS = ("mxfp4_e2m1", "mxfp6_e2m3")
+
+
+def _ct_experts_caveat(format_map: Mapping[str, str]) -> str | None:
+    """What transformers (5.x, with compressed-tensors) cannot load of the compressed-tensors export of `format_map`'s
+    quantized experts: it decompresses every layer's experts with one scheme (the first config group targeting
+    experts), so all of them must share one packed format. Tested: MXFP8 experts, or formats that differ between
+    layers, stop its loading with a conversion error."""
+    formats = sorted({format_map[group[0]] for group in expert_groups(format_map)})
+    if len(formats) <= 1 and set(formats) <= set(_CT_TRANSFORMERS_EXPERT_FORMATS):
+        return None
+    return (
+        f"transformers cannot load this export, only vLLM (not tested here): its compressed-tensors loader "
+        f"decompresses every layer's "
+        f"experts with one scheme, and only packed ones ({', '.join(_CT_TRANSFORMERS_EXPERT_FORMATS)}), where these "
+        f"experts are {', '.join(formats)}"
+    )
+
+
 def _ct_quantization_config(format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None) -> dict:
     groups = {}
-    for fmt in sorted({f for f in format_map.values()}, key=lambda f: _CT_FORMATS[f][0]):
+    targets = _ct_targets(format_map)
+    for fmt in sorted(targets, key=lambda f: _CT_FORMATS[f][0]):
         bits, packing = _CT_FORMATS[fmt]
         groups[f"group_{len(groups)}"] = {
-            "targets": sorted(name for name, f in format_map.items() if f == fmt),
+            "targets": targets[fmt],
             "weights": _ct_mx_args(bits, dynamic=False),
             "input_activations": _ct_mx_args(bits, dynamic=True),
             "output_activations": None,
@@ -192,6 +265,8 @@ COMPRESSED_TENSORS = ExportTarget(
     quantization_config=_ct_quantization_config,
     input_transforms=compressed_tensors_transforms,
     transforms_card=_CT_TRANSFORMS_SECTION,
+    experts_card=_CT_EXPERTS_SECTION,
+    experts_caveat=_ct_experts_caveat,
 )
 
 # --- AMD Quark ---------------------------------------------------------------------------------------------
@@ -271,6 +346,10 @@ QUARK = ExportTarget(
     quantization_config=_quark_quantization_config,
     input_transforms=quark_transforms,
     transforms_card=_QUARK_TRANSFORMS_SECTION,
+    experts_refused=(
+        "transformers with amd-quark 0.13 does not load them into its packed experts modules (it stops on "
+        "mismatched sizes; tested), and no other loader of Quark's format was tested with them"
+    ),
 )
 
 EXPORT_TARGETS: dict[str, ExportTarget] = {COMPRESSED_TENSORS.name: COMPRESSED_TENSORS, QUARK.name: QUARK}

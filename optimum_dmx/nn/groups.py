@@ -14,7 +14,14 @@ from collections.abc import Iterable, Mapping
 
 from .experts import PROJECTIONS
 
-__all__ = ["FUSED_PROJECTIONS", "expert_groups", "fused_projection_groups", "mixed_groups", "serving_groups"]
+__all__ = [
+    "FUSED_PROJECTIONS",
+    "expert_groups",
+    "experts_module",
+    "fused_projection_groups",
+    "mixed_groups",
+    "serving_groups",
+]
 
 # Fused name -> the projections it is made of, as transformers' decoder families name them.
 FUSED_PROJECTIONS: dict[str, tuple[str, ...]] = {
@@ -55,6 +62,11 @@ def expert_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:
             parent, index, projection = match.groups()
             members.setdefault(parent, []).append((int(index), PROJECTIONS.index(projection), name))
     return [tuple(name for *_, name in sorted(group)) for _, group in sorted(members.items()) if len(group) > 1]
+
+
+def experts_module(expert_linear: str) -> str:
+    """The experts module `<layer>.experts` of an expert's linear `<layer>.experts.<e>.<projection>`."""
+    return expert_linear.rpartition(".")[0].rpartition(".")[0]
 
 
 def serving_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:

@@ -33,8 +33,8 @@ Any architecture, tied embeddings stay tied, norms keep their scales; the price 
 each quantized linear's input per call.
 
 `rotation="auto"` (`resolve_rotation`) is `"online_block_hadamard"` where an exported checkpoint can carry it (every
-quantized linear a plain, unsharded `nn.Linear` with whole MX blocks of inputs), else `"none"`, with a warning that
-names the obstacle.
+quantized linear a plain, unsharded `nn.Linear` with whole MX blocks of inputs, and no mixture-of-experts experts
+quantized), else `"none"`, with a warning that names the obstacle.
 
 All rotations are computed in float64 and written back in each weight's dtype, where the weight lives: in memory,
 offloaded by accelerate or sharded by FSDP2 (`nn.placement.write_parameters`).
@@ -51,7 +51,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .groups import fused_projection_groups
+from .groups import expert_groups, fused_projection_groups
 from .placement import is_resident, is_sharded, loaded_weights, replace_module, write_parameters
 from .transforms import RandomizedHadamard, TransformedLinear
 
@@ -89,7 +89,14 @@ def resolve_rotation(model: nn.Module, rotation: str, quantized: Collection[str]
 
 def online_transform_obstacle(model: nn.Module, quantized: Collection[str], block_size: int = 32) -> str | None:
     """Why `rotation="online_block_hadamard"` does not suit `model` for serving, or None if it does: each quantized
-    linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks."""
+    linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks, and none a mixture-of-experts
+    expert (no loader of an exported checkpoint applies online transforms to a layer's fused experts)."""
+    experts = expert_groups(quantized)
+    if experts:
+        return (
+            f"{experts[0][0]} is a mixture-of-experts expert, and vLLM applies exported online transforms to "
+            "linear layers only, not to a layer's fused experts"
+        )
     for name in quantized:
         linear = model.get_submodule(name)
         refusal = _online_transform_refusal(name, linear, block_size)
