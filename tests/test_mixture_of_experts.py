@@ -417,24 +417,34 @@ def test_experts_exports_refuse_what_no_loader_takes_naming_the_layer(tmp_path):
     assert not (tmp_path / "quark").exists() and not (tmp_path / "ct").exists()
 
 
-def test_auto_leaves_a_model_with_quantized_experts_unrotated_so_that_it_exports(tmp_path, caplog):
+def test_auto_transforms_the_linears_outside_the_experts_so_that_it_exports(tmp_path, caplog):
+    """`rotation="auto"` gives online transforms to attention's linears, none to the experts (no loader applies them
+    there), and the calibrated model exports with one regular-expression target per layer's experts."""
     save_float("qwen3_moe", tmp_path / "float")
     with caplog.at_level("WARNING", logger="optimum_dmx"):
         model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=dmx_config())
-    assert "rotation='auto' leaves this model unrotated" in caplog.text and "mixture-of-experts expert" in caplog.text
-    assert not model.config.quantization_config.input_transforms
+    assert "rotation='auto' leaves this model unrotated" not in caplog.text
+    recorded = model.config.quantization_config
+    assert recorded.rotation == "online_block_hadamard"
+    assert sorted(recorded.input_transforms) == sorted(
+        f"model.layers.{i}.self_attn.{p}_proj" for i in range(2) for p in "qkvo"
+    )
     model.save_pretrained(tmp_path / "dmx")
-    export_checkpoint(tmp_path / "dmx", tmp_path / "ct", "compressed-tensors")
+    export_checkpoint(tmp_path / "dmx", tmp_path / "ct", "compressed-tensors", force=True)
     exported = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]
     targets = [target for group in exported["config_groups"].values() for target in group["targets"]]
     assert sorted(t for t in targets if t.startswith("re:")) == [
         r"re:^model\.layers\.0\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$",
         r"re:^model\.layers\.1\.mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$",
     ]
-    # with the experts float, "auto" transforms the other linears' inputs
-    kept = dmx_config(modules_to_not_convert=["mlp.experts"])
-    float_experts = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=kept)
-    assert len(float_experts.config.quantization_config.input_transforms) == 2 * 4
+    assert len(exported["transform_config"]["config_groups"]) >= 1
+    # a model whose only quantized linears are experts stays unrotated, with the reason
+    caplog.clear()
+    attention_float = dmx_config(modules_to_not_convert=["q_proj", "k_proj", "v_proj", "o_proj"])
+    with caplog.at_level("WARNING", logger="optimum_dmx"):
+        experts_only = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=attention_float)
+    assert "no quantized linear outside mixture-of-experts experts" in caplog.text
+    assert not experts_only.config.quantization_config.input_transforms
 
 
 def test_the_command_line_keeps_the_experts_float_with_its_flag(tmp_path):

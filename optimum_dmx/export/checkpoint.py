@@ -206,8 +206,7 @@ def _check_experts(spec: ExportTarget, quantization: Mapping[str, Any]) -> None:
         raise ExportError(
             f"{len(transformed)} expert linears have online input transforms (e.g. {transformed[0]}), which no loader "
             "applies to a mixture-of-experts layer's fused experts (vLLM applies compressed-tensors' transforms to "
-            "linear layers only). Calibrate with rotation='auto' (no online transforms where the model has "
-            "quantized experts) or 'none'"
+            "linear layers only). Calibrate with rotation='auto', which transforms the other linears only, or 'none'"
         )
     caveat = spec.experts_caveat(format_map)
     if caveat:

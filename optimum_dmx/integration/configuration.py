@@ -115,8 +115,8 @@ class DMXConfig(QuantizationConfigMixin):
             `"auto"`, `"none"`, `"hadamard"`, `"block_hadamard"` or `"online_block_hadamard"`. Merged rotations
             change the saved weights (tied embeddings are untied); online transforms are recorded in
             `input_transforms` and rebuilt on load. `"auto"` is `"online_block_hadamard"` where every quantized
-            layer is an `nn.Linear` of whole MX blocks and no mixture-of-experts experts are quantized (exported
-            checkpoints carry its transforms), else `"none"`
+            layer is an `nn.Linear` of whole MX blocks (exported checkpoints carry its transforms; mixture-of-experts
+            experts get none, as no loader applies them there), else `"none"`
             (`nn.rotation.resolve_rotation`; config.json records which). Default: `"auto"` when calibrating with
             `method="dmx"` or `"kl"`, `"none"` with `method="paper"` (the paper's procedure, exactly) or a given
             `format_map`.

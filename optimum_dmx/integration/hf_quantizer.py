@@ -42,7 +42,7 @@ from ..nn import (
     packed_weight_modules,
     replace_with_mx_linear,
 )
-from ..nn.rotation import resolve_rotation, rotate_model
+from ..nn.rotation import online_transform_targets, resolve_rotation, rotate_model
 from ..nn.surgery import is_skipped, per_layer_pattern
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
@@ -114,7 +114,8 @@ class DMXHfQuantizer(HfQuantizer):
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
         quantized = linear_modules_to_quantize(model, skip)
         rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
-        rotate_model(model, rotation, quantized, config.block_size, config.seed)
+        transformed = online_transform_targets(config.rotation, quantized)  # "auto": no expert
+        rotate_model(model, rotation, transformed, config.block_size, config.seed)
         # Imported when needed, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
         # loading a saved dMX checkpoint (the other use of this module) never needs.
         input_ids = None

@@ -33,8 +33,9 @@ Any architecture, tied embeddings stay tied, norms keep their scales; the price 
 each quantized linear's input per call.
 
 `rotation="auto"` (`resolve_rotation`) is `"online_block_hadamard"` where an exported checkpoint can carry it (every
-quantized linear a plain, unsharded `nn.Linear` with whole MX blocks of inputs, and no mixture-of-experts experts
-quantized), else `"none"`, with a warning that names the obstacle.
+quantized linear a plain, unsharded `nn.Linear` with whole MX blocks of inputs), else `"none"`, with a warning that
+names the obstacle. It transforms no mixture-of-experts expert (`online_transform_targets`): no loader of an export
+applies online transforms to a layer's fused experts.
 
 All rotations are computed in float64 and written back in each weight's dtype, where the weight lives: in memory,
 offloaded by accelerate or sharded by FSDP2 (`nn.placement.write_parameters`).
@@ -75,28 +76,34 @@ def validate_rotation(rotation: str) -> str:
 
 
 def resolve_rotation(model: nn.Module, rotation: str, quantized: Collection[str], block_size: int = 32) -> str:
-    """The rotation `rotate_model` applies for `rotation`: `"auto"` becomes `"online_block_hadamard"` where
-    `online_transform_obstacle` finds none, else `"none"` (with a warning naming the obstacle); any other rotation
-    is returned as it is."""
+    """The rotation `rotate_model` applies for `rotation`: `"auto"` becomes `"online_block_hadamard"` (on
+    `online_transform_targets`) where `online_transform_obstacle` finds none, else `"none"` (with a warning naming the
+    obstacle); any other rotation is returned as it is."""
     if validate_rotation(rotation) != AUTO_ROTATION:
         return rotation
-    obstacle = online_transform_obstacle(model, quantized, block_size)
+    obstacle = online_transform_obstacle(model, online_transform_targets(rotation, quantized), block_size)
     if obstacle is None:
         return "online_block_hadamard"
     logger.warning("rotation='auto' leaves this model unrotated (rotation='none'): %s.", obstacle)
     return "none"
 
 
+def online_transform_targets(rotation: str, quantized: Collection[str]) -> list[str]:
+    """The linears `rotate_model` gives online transforms for the requested `rotation`: for `"auto"` the quantized
+    ones but mixture-of-experts experts (no loader of an exported checkpoint applies online transforms to a layer's
+    fused experts: vLLM applies them to linear layers only), so that an export carries every transform; for any other
+    rotation all of `quantized`."""
+    if validate_rotation(rotation) != AUTO_ROTATION:
+        return list(quantized)
+    experts = {name for group in expert_groups(quantized) for name in group}
+    return [name for name in quantized if name not in experts]
+
+
 def online_transform_obstacle(model: nn.Module, quantized: Collection[str], block_size: int = 32) -> str | None:
     """Why `rotation="online_block_hadamard"` does not suit `model` for serving, or None if it does: each quantized
-    linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks, and none a mixture-of-experts
-    expert (no loader of an exported checkpoint applies online transforms to a layer's fused experts)."""
-    experts = expert_groups(quantized)
-    if experts:
-        return (
-            f"{experts[0][0]} is a mixture-of-experts expert, and vLLM applies exported online transforms to "
-            "linear layers only, not to a layer's fused experts"
-        )
+    linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks."""
+    if not quantized:
+        return "no quantized linear outside mixture-of-experts experts would take an online transform"
     for name in quantized:
         linear = model.get_submodule(name)
         refusal = _online_transform_refusal(name, linear, block_size)
