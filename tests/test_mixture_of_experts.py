@@ -331,32 +331,40 @@ def expert_map(layer_formats: tuple[str, str]) -> dict[str, str]:
     return format_map
 
 
-def save_dmx_with_map(tmp_path, layer_formats: tuple[str, str]):
+def save_dmx_with_map(tmp_path, layer_formats: tuple[str, str], **changes: str):
+    """The tiny Qwen3-MoE saved with `expert_map(layer_formats)`, with `changes` (module name -> format)."""
     save_float("qwen3_moe", tmp_path / "float")
-    config = DMXConfig(format_map=expert_map(layer_formats), scale_rule="compressed-tensors")
+    config = DMXConfig(format_map={**expert_map(layer_formats), **changes}, scale_rule="compressed-tensors")
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     model.save_pretrained(tmp_path / "dmx")
     return model
 
 
-def test_quantized_experts_export_to_compressed_tensors_and_decompress_with_its_own_code(tmp_path, caplog):
-    """Each layer's experts in its own format (MXFP4, MXFP8): every expert's tensors, read through the config group
-    compressed-tensors matches to the expert's name and decompressed by compressed-tensors' compressor for that
-    group's format, give this package's weight bit for bit; one target per layer's experts. transformers cannot
-    load experts that differ between layers, which the export says."""
+# Layer 1's experts in MXFP8 (a regular-expression target per layer); or, exported forced, one of layer 0's experts.
+EXPERT_CHANGES = {"per layer": {}, "within a layer": {f"{EXPERTS[0]}.2.{p}": "mxfp8_e4m3" for p in PROJECTIONS}}
+
+
+@pytest.mark.parametrize("changes", list(EXPERT_CHANGES))
+def test_quantized_experts_export_to_compressed_tensors_and_decompress_with_its_own_code(tmp_path, caplog, changes):
+    """Experts in MXFP4 and MXFP8: every expert's tensors, read through the config group compressed-tensors matches
+    to the expert's name and decompressed by compressed-tensors' compressor for that group's format, give this
+    package's weight bit for bit; one target per layer's experts in one format, exact names where a forced export's
+    layer mixes them. transformers cannot load experts whose formats differ, which the export says."""
     from compressed_tensors.compressors import BaseCompressor
     from compressed_tensors.quantization import QuantizationScheme
     from compressed_tensors.utils.match import match_name
 
-    model = save_dmx_with_map(tmp_path, ("mxfp4_e2m1", "mxfp8_e4m3"))
+    layer_formats = ("mxfp4_e2m1", "mxfp8_e4m3") if changes == "per layer" else ("mxfp4_e2m1", "mxfp4_e2m1")
+    model = save_dmx_with_map(tmp_path, layer_formats, **EXPERT_CHANGES[changes])
     with caplog.at_level("WARNING", logger="optimum_dmx"):
-        export_checkpoint(tmp_path / "dmx", tmp_path / "ct", "compressed-tensors")
+        export_checkpoint(tmp_path / "dmx", tmp_path / "ct", "compressed-tensors", force=changes != "per layer")
     assert "transformers cannot load this export, only vLLM" in caplog.text
-    assert "are mxfp4_e2m1, mxfp8_e4m3" in (tmp_path / "ct" / "README.md").read_text()
+    assert "quantized (mxfp4_e2m1, mxfp8_e4m3)" in (tmp_path / "ct" / "README.md").read_text()
     groups = json.loads((tmp_path / "ct" / "config.json").read_text())["quantization_config"]["config_groups"]
-    assert sum(target.startswith("re:") for group in groups.values() for target in group["targets"]) == 2
+    patterns = sum(target.startswith("re:") for group in groups.values() for target in group["targets"])
+    assert patterns == (2 if changes == "per layer" else 1)
     tensors = load_file(tmp_path / "ct" / "model.safetensors")
-    for name, fmt in expert_map(("mxfp4_e2m1", "mxfp8_e4m3")).items():
+    for name, fmt in {**expert_map(layer_formats), **EXPERT_CHANGES[changes]}.items():
         (group,) = [g for g in groups.values() if any(match_name(name, target) for target in g["targets"])]
         scheme = QuantizationScheme(targets=group["targets"], weights=group["weights"])
         stored = {key.rpartition(".")[2]: tensor for key, tensor in tensors.items() if key.startswith(name + ".")}

@@ -64,7 +64,7 @@ model = AutoModelForCausalLM.from_pretrained("path/to/{name}", dtype="bfloat16")
 _CT_EXPERTS_SECTION = """
 ## Mixture-of-experts layers
 
-The experts of {count} layers are quantized ({formats}), each layer's experts in one format. vLLM reads them with
+The experts of {count} layers are quantized ({formats}). vLLM reads them, each layer's experts in one format, with
 its compressed-tensors mixture-of-experts methods (not tested by optimum-dmx, which has no GPU). transformers
 (its compressed-tensors loader) decompresses them to bfloat16 while loading and computes them without quantizing
 their inputs.{caveat}
@@ -162,7 +162,7 @@ class ExportTarget:
         groups = expert_groups(format_map)
         if not groups:
             return ""
-        formats = ", ".join(sorted({format_map[group[0]] for group in groups}))
+        formats = ", ".join(sorted({format_map[name] for group in groups for name in group}))
         caveat = self.experts_caveat(format_map)
         return self.experts_card.format(count=len(groups), formats=formats, caveat=f" {caveat}." if caveat else "")
 
@@ -196,15 +196,18 @@ def _ct_mx_args(bits: int, dynamic: bool) -> dict[str, Any]:
 
 
 def _ct_targets(format_map: Mapping[str, str]) -> dict[str, list[str]]:
-    """Each format's `config_groups` targets: the exact names of its layers, and for a mixture-of-experts layer's
-    experts one regular expression matching all of them (`re:` and an anchored pattern, as compressed-tensors and
-    vLLM match targets), instead of a name per expert and projection (18,432 on Qwen3-30B-A3B)."""
+    """Each format's `config_groups` targets: the exact names of its layers, and for a mixture-of-experts layer whose
+    experts share one format one regular expression matching all of them (`re:` and an anchored pattern, as
+    compressed-tensors and vLLM match targets), instead of a name per expert and projection (18,432 on
+    Qwen3-30B-A3B). A layer whose experts mix formats (a map exported with `force`) keeps their exact names."""
     targets: dict[str, list[str]] = {}
     in_experts = set()
     for group in expert_groups(format_map):
-        pattern = rf"re:^{re.escape(experts_module(group[0]))}\.\d+\.({'|'.join(PROJECTIONS)})$"
-        targets.setdefault(format_map[group[0]], []).append(pattern)
-        in_experts.update(group)
+        formats = {format_map[name] for name in group}
+        if len(formats) == 1:
+            pattern = rf"re:^{re.escape(experts_module(group[0]))}\.\d+\.({'|'.join(PROJECTIONS)})$"
+            targets.setdefault(formats.pop(), []).append(pattern)
+            in_experts.update(group)
     for name, fmt in format_map.items():
         if name not in in_experts:
             targets.setdefault(fmt, []).append(name)
@@ -221,7 +224,7 @@ def _ct_experts_caveat(format_map: Mapping[str, str]) -> str | None:
     quantized experts: it decompresses every layer's experts with one scheme (the first config group targeting
     experts), so all of them must share one packed format. Tested: MXFP8 experts, or formats that differ between
     layers, stop its loading with a conversion error."""
-    formats = sorted({format_map[group[0]] for group in expert_groups(format_map)})
+    formats = sorted({format_map[name] for group in expert_groups(format_map) for name in group})
     if len(formats) <= 1 and set(formats) <= set(_CT_TRANSFORMERS_EXPERT_FORMATS):
         return None
     return (
