@@ -23,6 +23,7 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from ..formats.packing import negate_rows
+from ..integration.checkpoint_names import checkpoint_key_renaming, expert_projection_names
 from ..integration.configuration import QUANT_METHOD
 from ..integration.folders import check_output, staged_folder
 from ..nn.experts import linearize_experts
@@ -87,13 +88,21 @@ def export_checkpoint(
     _check_whole_blocks(skeleton, format_map, spec)
     transforms = _online_transforms(spec, quantization, skeleton)
 
+    files = sorted(source.glob("*.safetensors"))
+    if not files:
+        raise ExportError(f"{str(source)!r} has no safetensors files")
+    stored = _stored_layers(files, skeleton, format_map)
+
     with staged_folder(output_dir, overwrite=overwrite) as staging:
-        weight_map = _convert_tensors(source, staging, spec, format_map, transforms)
+        weight_map = _convert_tensors(files, staging, spec, format_map, stored, transforms)
         if len(set(weight_map.values())) > 1:
             index = json.loads((source / SAFETENSORS_INDEX).read_text())
             index["weight_map"] = dict(sorted(weight_map.items()))
             (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
-        config["quantization_config"] = spec.quantization_config(format_map, quantization.get("modules_to_not_convert"))
+        exported_names = {module: exported for module, exported in stored.values()}
+        config["quantization_config"] = spec.quantization_config(
+            format_map, quantization.get("modules_to_not_convert"), exported_names
+        )
         if transforms is not None:
             config["quantization_config"].update(transforms.quantization_config)
         _serve_in_bfloat16(config)
@@ -247,25 +256,54 @@ def _check_whole_blocks(skeleton: torch.nn.Module, format_map: Mapping[str, str]
         )
 
 
+def _stored_layers(files: list[Path], skeleton: torch.nn.Module, format_map: Mapping[str, str]) -> dict[str, tuple]:
+    """Each quantized layer's tensor prefix in the checkpoint -> `(module name, prefix in the export)`, from the
+    safetensors headers. `save_pretrained` writes some families' modules under their original checkpoints' names
+    (Mixtral's `block_sparse_moe` for `mlp`: `integration.checkpoint_names`), which the export keeps; an expert's
+    projection takes the family's own checkpoint name (Mixtral's `w1`, `w3`, `w2`), which its loaders expect."""
+    module_name = checkpoint_key_renaming(skeleton)
+    projections = expert_projection_names(skeleton)
+    experts = {name for group in expert_groups(format_map) for name in group}
+    stored = {}
+    for file in files:
+        with safe_open(file, framework="pt") as reader:
+            keys = list(reader.keys())
+        for key in keys:
+            prefix, _, leaf = key.rpartition(".")
+            if leaf != "weight_packed":
+                continue
+            module = module_name(prefix)
+            if module not in format_map:
+                raise ExportError(
+                    f"layer {module!r} is stored packed ({key!r}) but the checkpoint's format_map has no format for "
+                    "it: the checkpoint is damaged or its config.json was edited"
+                )
+            parent, _, projection = prefix.rpartition(".")
+            stored[prefix] = (module, f"{parent}.{projections[projection]}" if module in experts else prefix)
+    missing = set(format_map) - {module for module, _ in stored.values()}
+    if missing:
+        raise ExportError(
+            f"the safetensors files lack the packed weights of {len(missing)} layers of the format "
+            f"map, e.g. {sorted(missing)[:3]}"
+        )
+    return stored
+
+
 def _convert_tensors(
-    source: Path,
+    files: list[Path],
     staging: Path,
     spec: ExportTarget,
     format_map: Mapping[str, str],
+    stored: Mapping[str, tuple[str, str]],
     transforms: TransformExport | None,
 ) -> dict[str, str]:
-    """Rewrite every safetensors file of `source` into `staging`, the rows of the layers that take `transforms`'
-    signs negated where they say and the transforms' matrices beside the weights of the layers they apply to;
-    return the new tensor name -> file map."""
+    """Rewrite every safetensors file into `staging`, each quantized layer's tensors (`stored`: `_stored_layers`) in
+    the target's layout, the rows of the layers that take `transforms`' signs negated where they say and the
+    transforms' matrices beside the weights of the layers they apply to; return the new tensor name -> file map."""
     row_signs = transforms.row_signs if transforms else {}
     matrices = transforms.tensors if transforms else {}
     signs_to_apply = set(row_signs)
-    files = sorted(source.glob("*.safetensors"))
-    if not files:
-        raise ExportError(f"{str(source)!r} has no safetensors files")
-    _check_expert_keys(files, format_map)
     weight_map = {}
-    remaining = set(format_map)
     for file in files:
         with safe_open(file, framework="pt") as reader:
             tensors = {name: reader.get_tensor(name) for name in reader.keys()}
@@ -273,50 +311,19 @@ def _convert_tensors(
         signs_to_apply -= _apply_row_signs(tensors, row_signs, format_map)
         out = {}
         for name, tensor in tensors.items():
-            module, _, leaf = name.rpartition(".")
-            if leaf == "weight_packed" and module not in format_map:
-                raise ExportError(
-                    f"layer {module!r} is stored packed ({name!r}) but the checkpoint's format_map has no format for "
-                    "it: the checkpoint is damaged or its config.json was edited"
-                )
-            if module in format_map and leaf in ("weight_packed", "weight_scale"):
-                if leaf == "weight_packed":
-                    out.update(
-                        spec.layer_tensors(module, format_map[module], tensor, tensors[f"{module}.weight_scale"])
-                    )
-                    remaining.discard(module)
-            else:
+            prefix, _, leaf = name.rpartition(".")
+            if prefix not in stored or leaf not in ("weight_packed", "weight_scale"):
                 out[name] = tensor
+            elif leaf == "weight_packed":
+                module, exported = stored[prefix]
+                out.update(spec.layer_tensors(exported, format_map[module], tensor, tensors[f"{prefix}.weight_scale"]))
         for module in {name.rpartition(".")[0] for name in tensors} & set(matrices):
             out.update(matrices[module])
         save_file(out, staging / file.name, metadata=metadata)
         weight_map.update(dict.fromkeys(out, file.name))
     if signs_to_apply:
         raise ExportError(f"the safetensors files lack the weights of {sorted(signs_to_apply)}, whose rows take signs")
-    if remaining:
-        raise ExportError(
-            f"the safetensors files lack the packed weights of {len(remaining)} layers of the format "
-            f"map, e.g. {sorted(remaining)[:3]}"
-        )
     return weight_map
-
-
-def _check_expert_keys(files: list[Path], format_map: Mapping[str, str]) -> None:
-    """Raise when the checkpoint stores quantized experts under other names than their modules': transformers saves
-    some families' experts under their original checkpoints' names (Mixtral's `block_sparse_moe` for `mlp`), whose
-    loaders then expect that family's own projection names (`w1`, `w2`, `w3`), which the export does not write."""
-    keys = set()
-    for file in files:
-        with safe_open(file, framework="pt") as reader:
-            keys.update(reader.keys())
-    renamed = [name for group in expert_groups(format_map) for name in group if f"{name}.weight_packed" not in keys]
-    if renamed:
-        raise ExportError(
-            f"the checkpoint stores the quantized experts of {experts_module(renamed[0])} under other names than "
-            "their modules' (as transformers saves Mixtral's, under block_sparse_moe): exporting experts in that "
-            "family's layout is not supported; keep the experts in float (modules_to_not_convert=['mlp.experts']) "
-            "to export the rest"
-        )
 
 
 def _apply_row_signs(

@@ -114,7 +114,8 @@ class ExportTarget:
         alternative: the other target to suggest when a map cannot be served through this one.
         package: what a user installs to load the result with transformers.
         layer_tensors: `(module, fmt, weight_packed, weight_scale) -> {tensor name: tensor}` in the target layout.
-        quantization_config: `(format_map, modules_to_not_convert) -> quantization_config` of config.json.
+        quantization_config: `(format_map, modules_to_not_convert, exported names) -> quantization_config` of
+            config.json; the exported names map each layer to its tensors' prefix in the export.
         input_transforms: `(input_transforms, model skeleton) -> TransformExport`, what the target writes for a
             rotated checkpoint's online transforms.
         transforms_card: the model card's section on loading a checkpoint with online transforms (a template of
@@ -133,7 +134,7 @@ class ExportTarget:
     alternative: str | None
     package: str
     layer_tensors: Callable[[str, str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
-    quantization_config: Callable[[Mapping[str, str], Sequence[str] | None], dict[str, Any]]
+    quantization_config: Callable[[Mapping[str, str], Sequence[str] | None, Mapping[str, str]], dict[str, Any]]
     input_transforms: Callable[[Mapping[str, dict], nn.Module], TransformExport]
     transforms_card: str
     experts_card: str = ""
@@ -195,18 +196,21 @@ def _ct_mx_args(bits: int, dynamic: bool) -> dict[str, Any]:
     }
 
 
-def _ct_targets(format_map: Mapping[str, str]) -> dict[str, list[str]]:
+def _ct_targets(format_map: Mapping[str, str], exported_names: Mapping[str, str]) -> dict[str, list[str]]:
     """Each format's `config_groups` targets: the exact names of its layers, and for a mixture-of-experts layer whose
     experts share one format one regular expression matching all of them (`re:` and an anchored pattern, as
     compressed-tensors and vLLM match targets), instead of a name per expert and projection (18,432 on
-    Qwen3-30B-A3B). A layer whose experts mix formats (a map exported with `force`) keeps their exact names."""
+    Qwen3-30B-A3B): the experts module as the export names it, and either projection name, the family's checkpoint
+    one (Mixtral's `w1`) or transformers' (`gate_proj`). A layer whose experts mix formats (a map exported with
+    `force`) keeps their exact names."""
     targets: dict[str, list[str]] = {}
     in_experts = set()
     for group in expert_groups(format_map):
         formats = {format_map[name] for name in group}
         if len(formats) == 1:
-            pattern = rf"re:^{re.escape(experts_module(group[0]))}\.\d+\.({'|'.join(PROJECTIONS)})$"
-            targets.setdefault(formats.pop(), []).append(pattern)
+            projections = sorted(set(PROJECTIONS) | {exported_names[name].rpartition(".")[2] for name in group})
+            module = re.escape(experts_module(exported_names[group[0]]))
+            targets.setdefault(formats.pop(), []).append(rf"re:^{module}\.\d+\.({'|'.join(projections)})$")
             in_experts.update(group)
     for name, fmt in format_map.items():
         if name not in in_experts:
@@ -235,9 +239,11 @@ def _ct_experts_caveat(format_map: Mapping[str, str]) -> str | None:
     )
 
 
-def _ct_quantization_config(format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None) -> dict:
+def _ct_quantization_config(
+    format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None, exported_names: Mapping[str, str]
+) -> dict:
     groups = {}
-    targets = _ct_targets(format_map)
+    targets = _ct_targets(format_map, exported_names)
     for fmt in sorted(targets, key=lambda f: _CT_FORMATS[f][0]):
         bits, packing = _CT_FORMATS[fmt]
         groups[f"group_{len(groups)}"] = {
@@ -306,7 +312,9 @@ def _quark_mx_spec(dtype: str, dynamic: bool) -> dict[str, Any]:
     }
 
 
-def _quark_quantization_config(format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None) -> dict:
+def _quark_quantization_config(
+    format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None, exported_names: Mapping[str, str]
+) -> dict:
     unquantized = {"weight": None, "bias": None, "input_tensors": None, "output_tensors": None, "target_device": None}
     layers = {
         name: {

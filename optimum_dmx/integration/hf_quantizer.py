@@ -13,7 +13,6 @@ quant_method `"dmx"` with transformers (idempotently).
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from pathlib import Path
@@ -21,8 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
-from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightRenaming, apply_renamings
 from transformers.quantizers.auto import (
     AUTO_QUANTIZATION_CONFIG_MAPPING,
     AUTO_QUANTIZER_MAPPING,
@@ -44,6 +41,7 @@ from ..nn import (
 )
 from ..nn.rotation import online_transform_targets, resolve_rotation, rotate_model
 from ..nn.surgery import is_skipped, per_layer_pattern
+from .checkpoint_names import checkpoint_key_renaming
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
 from .model_card import attach_model_card, detach_model_card
@@ -81,7 +79,7 @@ class DMXHfQuantizer(HfQuantizer):
             replace_with_mx_linear(
                 model, config.format_map, input_transforms=config.input_transforms, **_mx_options(config)
             )
-            module_name = _checkpoint_key_renaming(model)
+            module_name = checkpoint_key_renaming(model)
             _check_packed_tensors(model, checkpoint_files or [], module_name)
             verify_integrity(
                 _integrity_record_path(model, checkpoint_files or []),
@@ -267,16 +265,6 @@ def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) 
     except (OSError, ValueError):
         return None
     return Path(found) if found else None
-
-
-def _checkpoint_key_renaming(model: PreTrainedModel) -> Callable[[str], str]:
-    """The name in `model` that transformers loads a checkpoint key into, by its renamings for this model (the
-    reverse of what `save_pretrained` applied: Mixtral's checkpoints say `block_sparse_moe` for `mlp`). A packed
-    tensor never matches one of its converters (they merge float experts' `weight`s)."""
-    renamings = [
-        transform for transform in get_model_conversion_mapping(model) if isinstance(transform, WeightRenaming)
-    ]
-    return functools.partial(apply_renamings, weight_renamings=renamings)
 
 
 def _check_packed_tensors(
