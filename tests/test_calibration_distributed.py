@@ -59,8 +59,9 @@ if is_main_process():
                                      for m in linears],
                       "losses": [h["loss"] for h in result.history],
                       "weights": [w.tolist() for w in weights], "refusal": refusal}}))
-if {sharded!r}:
-    dist.destroy_process_group()  # the group this script made (see the launch below)
+if {sharded!r}:  # the group this script made (see the launch below), torn down by both processes together as in
+    dist.barrier()  # examples/calibrate_sharded.py (a precaution: one rank once aborted, SIGABRT, in a loaded run)
+    dist.destroy_process_group()
 """
 
 
