@@ -61,8 +61,8 @@ def export_checkpoint(
             not at all.
         target: `"compressed-tensors"` (transformers with `compressed-tensors`, vLLM, SGLang) or `"quark"`
             (AMD Quark; vLLM on AMD GPUs).
-        for_vllm: check that vLLM can serve the result: every fused projection group (q/k/v, gate/up) in one
-            format, and only formats vLLM serves through `target`.
+        for_vllm: check that vLLM can serve the result: every fused projection group (q/k/v, gate/up, a layer's
+            experts) in one format, and only formats vLLM serves through `target`.
         force: export a map that fails the vLLM checks anyway (loaders other than vLLM read it).
         overwrite: replace a non-empty `output_dir`.
 
