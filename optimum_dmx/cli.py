@@ -532,12 +532,13 @@ def run_inspect(args) -> int:
         raise UsageError(f"{str(folder)!r} is not a dMX checkpoint (config.json has no dMX format_map)")
     format_map = quant["format_map"]
     layers, projections, cells = layer_grid(format_map)
-    formats = sorted(set(format_map.values()))
+    formats = sorted(set(format_map.values()) | set(cells.values()))  # with `mixed` for experts in several formats
     print(f"{folder}: {len(format_map)} MX linears, pair {quant.get('format_pair')}, target {quant.get('target_bits')}")
     bits = quant.get("achieved_bits") or quant  # checkpoints of 0.1.0.dev0 hold the bits at the top level
     print(
-        f"average bits {bits.get('bits_simple')} (simple), {bits.get('bits_weighted')} (weighted); "
-        f"storage {bits.get('storage_bits')} bits per weight; checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB"
+        f"average bits {_bits(bits.get('bits_simple'))} (simple), {_bits(bits.get('bits_weighted'))} (weighted); "
+        f"storage {_bits(bits.get('storage_bits'))} bits per weight; "
+        f"checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB"
     )
     print("\nby layer type:")
     _print_counts({p: [cells[(layer, p)] for layer in layers if (layer, p) in cells] for p in projections}, formats)
@@ -553,6 +554,11 @@ def run_inspect(args) -> int:
     if heatmap:
         print(f"\nheatmap written to {heatmap}")
     return 0
+
+
+def _bits(value: float | None) -> str:
+    """A recorded bit count to three decimals ("n/a" where a checkpoint has none)."""
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _print_counts(groups: dict[str, list[str]], formats: Sequence[str]) -> None:

@@ -119,6 +119,20 @@ def test_layer_grid_orders_layers_and_projections():
     assert layers == [2, 10] and projections == ["a", "b"] and cells[(2, "b")] == "mxfp8_e4m3"
 
 
+def test_layer_grid_gives_a_layers_experts_one_column_per_projection():
+    """One column per expert projection, not per expert (384 on Qwen3-30B-A3B, in the card's table and heatmap), in
+    the experts' format, or `mixed` where a layer's experts differ; the card renders both."""
+    format_map = {f"model.layers.{i}.self_attn.q_proj": "mxfp4_e2m1" for i in range(2)}
+    for i, formats in enumerate([("mxfp8_e4m3",) * 4, ("mxfp4_e2m1",) * 3 + ("mxfp8_e4m3",)]):
+        for expert, fmt in enumerate(formats):
+            format_map.update({f"model.layers.{i}.mlp.experts.{expert}.{p}": fmt for p in ("gate_proj", "down_proj")})
+    layers, projections, cells = layer_grid(format_map)
+    assert projections == ["self_attn.q_proj", "mlp.experts.*.gate_proj", "mlp.experts.*.down_proj"]
+    assert cells[(0, "mlp.experts.*.gate_proj")] == "mxfp8_e4m3" and cells[(1, "mlp.experts.*.down_proj")] == "mixed"
+    text = render_model_card({**quantization_config(), "format_map": format_map}, INFO)
+    assert "| 1 | MXFP4 E2M1 | mixed | mixed |" in text
+
+
 def test_write_model_card_saves_readme_and_heatmap(tmp_path):
     write_model_card(tmp_path, quantization_config(n_layers=6), INFO)
     assert ModelCard.load(tmp_path / "README.md").data.tags

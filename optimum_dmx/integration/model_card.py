@@ -31,7 +31,15 @@ HEATMAP_NAME = "dmx_format_map.png"
 TEMPLATE_NAME = "dmx_model_card.md"
 # Decoder-layer linears: "<prefix>.layers.<index>.<projection path>"
 _LAYER_PATTERN = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
-_FORMAT_COLOURS = {"mxfp4_e2m1": "#d7191c", "mxfp6_e3m2": "#fdae61", "mxfp6_e2m3": "#a6d96a", "mxfp8_e4m3": "#1a9641"}
+_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")  # one column for a projection of all of a layer's experts
+MIXED = "mixed"  # a cell whose experts are in several formats
+_FORMAT_COLOURS = {
+    "mxfp4_e2m1": "#d7191c",
+    "mxfp6_e3m2": "#fdae61",
+    "mxfp6_e2m3": "#a6d96a",
+    "mxfp8_e4m3": "#1a9641",
+    MIXED: "#7b3294",
+}
 
 
 @dataclass
@@ -60,17 +68,20 @@ class ModelCardInfo:
 
 
 def layer_grid(format_map: Mapping[str, str]) -> tuple[list[int], list[str], dict[tuple[int, str], str]]:
-    """Decoder layer indices, projection names (in first-seen order) and ``(layer, projection) -> format``."""
+    """Decoder layer indices, projection names (in first-seen order) and ``(layer, projection) -> format``.
+
+    A mixture-of-experts layer's experts make one projection each (``mlp.experts.*.gate_proj``, ...), not one per
+    expert (384 on Qwen3-30B-A3B), whose format is the experts' (``MIXED`` where they differ)."""
     cells: dict[tuple[int, str], str] = {}
     projections: list[str] = []
     for name, fmt in format_map.items():
         match = _LAYER_PATTERN.match(name)
         if match is None:
             continue
-        layer, projection = int(match.group(1)), match.group(2)
+        layer, projection = int(match.group(1)), _EXPERT_INDEX.sub(".experts.*.", match.group(2))
         if projection not in projections:
             projections.append(projection)
-        cells[(layer, projection)] = fmt
+        cells[(layer, projection)] = fmt if cells.get((layer, projection), fmt) == fmt else MIXED
     return sorted({layer for layer, _ in cells}), projections, cells
 
 
@@ -86,12 +97,13 @@ def save_format_heatmap(format_map: Mapping[str, str], path: str | Path) -> Path
     from matplotlib.colors import ListedColormap
     from matplotlib.patches import Patch
 
-    names = list(MX_FORMATS)
+    names = [*MX_FORMATS, MIXED]
     grid = [[names.index(cells[(layer, p)]) if (layer, p) in cells else -1 for p in projections] for layer in layers]
     cmap = ListedColormap(["#eeeeee"] + [_FORMAT_COLOURS[n] for n in names])
     fig, ax = plt.subplots(figsize=(1.1 + 0.9 * len(projections), 1.2 + 0.22 * len(layers)))
     ax.imshow([[v + 1 for v in row] for row in grid], cmap=cmap, vmin=0, vmax=len(names), aspect="auto")
-    ax.set_xticks(range(len(projections)), [p.split(".")[-1] for p in projections], rotation=45, ha="right")
+    labels = [("experts " if ".experts.*." in p else "") + p.split(".")[-1] for p in projections]
+    ax.set_xticks(range(len(projections)), labels, rotation=45, ha="right")
     ax.set_yticks(range(len(layers)), [str(layer) for layer in layers])
     ax.set_ylabel("decoder layer")
     used = sorted({fmt for fmt in cells.values()}, key=names.index)
@@ -115,7 +127,7 @@ def _fmt_bits(value: Any) -> str:
 
 def _format_table(format_map: Mapping[str, str]) -> str:
     layers, projections, cells = layer_grid(format_map)
-    short = {name: f"{name[:5].upper()} {name[6:].upper()}" for name in MX_FORMATS}
+    short = {**{name: f"{name[:5].upper()} {name[6:].upper()}" for name in MX_FORMATS}, MIXED: MIXED}
     lines = []
     if cells:
         lines += ["| layer | " + " | ".join(projections) + " |", "|---" * (len(projections) + 1) + "|"]
