@@ -103,7 +103,7 @@ def online_transform_obstacle(model: nn.Module, quantized: Collection[str], bloc
     """Why `rotation="online_block_hadamard"` does not suit `model` for serving, or None if it does: each quantized
     linear must be a plain, unsharded `nn.Linear` whose inputs are whole MX blocks."""
     if not quantized:
-        return "no quantized linear outside mixture-of-experts experts would take an online transform"
+        return "no quantized linear (mixture-of-experts experts aside) would take an online transform"
     for name in quantized:
         linear = model.get_submodule(name)
         refusal = _online_transform_refusal(name, linear, block_size)
