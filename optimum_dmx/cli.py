@@ -523,7 +523,7 @@ def run_eval(args) -> int:
 
 
 def run_inspect(args) -> int:
-    from .integration.model_card import HEATMAP_NAME, checkpoint_bytes, layer_grid, save_format_heatmap
+    from .integration.model_card import HEATMAP_NAME, checkpoint_bytes, format_bits, layer_grid, save_format_heatmap
 
     folder = _require_model_folder(args.model)
     config = json.loads((folder / "config.json").read_text())
@@ -536,8 +536,9 @@ def run_inspect(args) -> int:
     print(f"{folder}: {len(format_map)} MX linears, pair {quant.get('format_pair')}, target {quant.get('target_bits')}")
     bits = quant.get("achieved_bits") or quant  # checkpoints of 0.1.0.dev0 hold the bits at the top level
     print(
-        f"average bits {_bits(bits.get('bits_simple'))} (simple), {_bits(bits.get('bits_weighted'))} (weighted); "
-        f"storage {_bits(bits.get('storage_bits'))} bits per weight; "
+        f"average bits {format_bits(bits.get('bits_simple'))} (simple), "
+        f"{format_bits(bits.get('bits_weighted'))} (weighted); "
+        f"storage {format_bits(bits.get('storage_bits'))} bits per weight; "
         f"checkpoint {checkpoint_bytes(folder) / 2**20:.1f} MiB"
     )
     print("\nby layer type:")
@@ -554,11 +555,6 @@ def run_inspect(args) -> int:
     if heatmap:
         print(f"\nheatmap written to {heatmap}")
     return 0
-
-
-def _bits(value: float | None) -> str:
-    """A recorded bit count to three decimals ("n/a" where a checkpoint has none)."""
-    return "n/a" if value is None else f"{value:.3f}"
 
 
 def _print_counts(groups: dict[str, list[str]], formats: Sequence[str]) -> None:

@@ -232,10 +232,9 @@ def _ct_experts_caveat(format_map: Mapping[str, str]) -> str | None:
     if len(formats) <= 1 and set(formats) <= set(_CT_TRANSFORMERS_EXPERT_FORMATS):
         return None
     return (
-        f"transformers cannot load this export, only vLLM (not tested here): its compressed-tensors loader "
-        f"decompresses every layer's "
-        f"experts with one scheme, and only packed ones ({', '.join(_CT_TRANSFORMERS_EXPERT_FORMATS)}), where these "
-        f"experts are {', '.join(formats)}"
+        "transformers cannot load this export, only vLLM (not tested here): its compressed-tensors loader "
+        "decompresses every layer's experts with one scheme, and only packed ones "
+        f"({', '.join(_CT_TRANSFORMERS_EXPERT_FORMATS)}), where these experts are {', '.join(formats)}"
     )
 
 

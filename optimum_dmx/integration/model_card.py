@@ -121,7 +121,8 @@ def save_format_heatmap(format_map: Mapping[str, str], path: str | Path) -> Path
     return path
 
 
-def _fmt_bits(value: Any) -> str:
+def format_bits(value: Any) -> str:
+    """A recorded bit count to three decimals ("n/a" where a checkpoint has none)."""
     return "n/a" if value is None else f"{value:.3f}"
 
 
@@ -246,7 +247,7 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
     base = info.base_model or "a transformers model"
     values = {
         "metadata": _metadata(config, info),
-        "title": f"{info.base_model.split('/')[-1]} dMX ({_fmt_bits(bits.get(budget_bits))} bits)"
+        "title": f"{info.base_model.split('/')[-1]} dMX ({format_bits(bits.get(budget_bits))} bits)"
         if info.base_model
         else "dMX mixed-precision MX model",
         "base_model_label": f"[{info.base_model}](https://huggingface.co/{info.base_model})"
@@ -258,9 +259,9 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         "high_format": pair.high.name,
         "target_bits": "n/a" if config.get("target_bits") is None else f"{config['target_bits']}",
         "budget": "weighted by tensor size" if bit_average == "weighted" else "simple mean over layers",
-        "bits_simple": _fmt_bits(bits.get("bits_simple")),
-        "bits_weighted": _fmt_bits(bits.get("bits_weighted")),
-        "storage_bits": _fmt_bits(bits.get("storage_bits")),
+        "bits_simple": format_bits(bits.get("bits_simple")),
+        "bits_weighted": format_bits(bits.get("bits_weighted")),
+        "storage_bits": format_bits(bits.get("storage_bits")),
         "format_counts": ", ".join(f"{name}: {counts[name]}" for name in MX_FORMATS if counts[name]),
         "size_rows": _size_row(info),
         "repo_id": info.repo_id or "path/to/this/model",
