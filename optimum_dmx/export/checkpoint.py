@@ -256,7 +256,9 @@ def _check_whole_blocks(skeleton: torch.nn.Module, format_map: Mapping[str, str]
         )
 
 
-def _stored_layers(files: list[Path], skeleton: torch.nn.Module, format_map: Mapping[str, str]) -> dict[str, tuple]:
+def _stored_layers(
+    files: list[Path], skeleton: torch.nn.Module, format_map: Mapping[str, str]
+) -> dict[str, tuple[str, str]]:
     """Each quantized layer's tensor prefix in the checkpoint -> `(module name, prefix in the export)`, from the
     safetensors headers. `save_pretrained` writes some families' modules under their original checkpoints' names
     (Mixtral's `block_sparse_moe` for `mlp`: `integration.checkpoint_names`), which the export keeps; an expert's

@@ -24,6 +24,7 @@ from huggingface_hub import HfApi
 from ..calibration.settings import MX_BLOCK_SIZE
 from ..continuous import get_format_pair
 from ..formats import MX_FORMATS
+from ..nn.groups import experts_wildcard
 from .integrity import write_integrity_record
 
 README_NAME = "README.md"
@@ -31,7 +32,6 @@ HEATMAP_NAME = "dmx_format_map.png"
 TEMPLATE_NAME = "dmx_model_card.md"
 # Decoder-layer linears: "<prefix>.layers.<index>.<projection path>"
 _LAYER_PATTERN = re.compile(r"^(?:.*\.)?layers\.(\d+)\.(.+)$")
-_EXPERT_INDEX = re.compile(r"\.experts\.\d+\.")  # one column for a projection of all of a layer's experts
 MIXED = "mixed"  # a cell whose experts are in several formats
 _FORMAT_COLOURS = {
     "mxfp4_e2m1": "#d7191c",
@@ -78,7 +78,7 @@ def layer_grid(format_map: Mapping[str, str]) -> tuple[list[int], list[str], dic
         match = _LAYER_PATTERN.match(name)
         if match is None:
             continue
-        layer, projection = int(match.group(1)), _EXPERT_INDEX.sub(".experts.*.", match.group(2))
+        layer, projection = int(match.group(1)), experts_wildcard(match.group(2))
         if projection not in projections:
             projections.append(projection)
         cells[(layer, projection)] = fmt if cells.get((layer, projection), fmt) == fmt else MIXED

@@ -18,6 +18,7 @@ __all__ = [
     "FUSED_PROJECTIONS",
     "expert_groups",
     "experts_module",
+    "experts_wildcard",
     "fused_projection_groups",
     "mixed_groups",
     "serving_groups",
@@ -67,6 +68,13 @@ def expert_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:
 def experts_module(expert_linear: str) -> str:
     """The experts module `<layer>.experts` of an expert's linear `<layer>.experts.<e>.<projection>`."""
     return expert_linear.rpartition(".")[0].rpartition(".")[0]
+
+
+def experts_wildcard(name: str) -> str:
+    """`name` with an expert's index replaced by `*` (`<layer>.experts.*.<projection>`), so that one name stands for
+    a projection of all of a layer's experts; any other name unchanged."""
+    match = _EXPERT_LINEAR.fullmatch(name)
+    return f"{match.group(1)}.*.{match.group(3)}" if match else name
 
 
 def serving_groups(module_names: Iterable[str]) -> list[tuple[str, ...]]:
