@@ -100,6 +100,20 @@ def test_empty_data_errors(tmp_path, tokenizer):
         build_calibration_batches(tmp_path / "blank.txt", tokenizer, 10, 4)
 
 
+@pytest.mark.parametrize("name", ["empty.txt", "empty.jsonl", "empty.parquet"])
+def test_a_file_of_zero_bytes_is_named_as_empty(tmp_path, tokenizer, name):
+    """`datasets` stops on a 0-byte file with a schema error (text), a bare StopIteration (json) or ArrowInvalid
+    (parquet); the error names the file and says it is empty. Beside a file with text, it is skipped."""
+    (tmp_path / name).touch()
+    with pytest.raises(ValueError, match=rf"calibration data '.*{name}' is empty: 0 bytes"):
+        build_calibration_batches(tmp_path / name, tokenizer, 10, 4)
+    if name.endswith(".txt"):
+        (tmp_path / "text.txt").write_text(" ".join(TEXTS))
+        expected = build_calibration_batches(tmp_path / "text.txt", tokenizer, 10, 4, 0)
+        both = build_calibration_batches([tmp_path / name, tmp_path / "text.txt"], tokenizer, 10, 4, 0)
+        assert torch.equal(both, expected)
+
+
 def test_text_too_short_names_both_lengths(tokenizer):
     with pytest.raises(ValueError, match="120 tokens.*seq_len=200"):
         build_calibration_batches(TEXTS, tokenizer, seq_len=200, num_samples=4)

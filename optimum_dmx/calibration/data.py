@@ -127,12 +127,17 @@ def _load_local(files: list[str]):
     if len(builders) > 1:
         raise ValueError(f"calibration files mix formats {sorted(builders)}; pass files of one format at a time.")
     (builder,) = builders
+    where = files[0] if len(files) == 1 else f"{len(files)} {builder} files ({files[0]!r}, ...)"
+    # A file of 0 bytes holds no text; `datasets` stops on one with an error about schemas (or, for json, a bare
+    # StopIteration) that names neither the file nor the cause.
+    files = [f for f in files if os.path.getsize(f) > 0]
+    if not files:
+        raise ValueError(f"calibration data {where!r} is empty: 0 bytes; pass files that hold text.")
     try:
         return load_dataset(builder, data_files=files, split="train")
     except DatasetGenerationError as error:  # its own message names neither the file nor what went wrong
         cause = error.__cause__ or error.__context__
         reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(error)
-        where = files[0] if len(files) == 1 else f"{len(files)} {builder} files ({files[0]!r}, ...)"
         raise ValueError(f"cannot read calibration data {where!r} as {builder}: {reason}") from error
 
 
