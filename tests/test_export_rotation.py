@@ -3,6 +3,7 @@ and to AMD Quark (as its online rotation), applied by the loaders' own code to t
 mocks)."""
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.continuous import get_format_pair
-from optimum_dmx.export import ExportError, export_checkpoint
+from optimum_dmx.export import ExportError, export_checkpoint, get_export_target
 
 from .helpers import held_out, linear_names, run_python, tiny_decoder, word_tokenizer, words
 
@@ -230,11 +231,24 @@ def test_rotations_a_target_cannot_express_are_refused_naming_the_layer(tmp_path
 
 
 @pytest.mark.parametrize("target, how", [("compressed-tensors", "apply_transform_config"), ("quark", "post_process")])
-def test_the_exported_model_card_says_how_to_apply_the_transforms(tmp_path, target, how):
+def test_the_exported_model_card_says_how_to_apply_the_transforms(tmp_path, caplog, target, how):
+    """transformers loads neither target's transforms finished: the card's loading snippet says the model is not
+    finished without them, its section shows the call, and the export warns, pointing at the card."""
     float_dir = float_model(tmp_path / "float", "llama", 96)
     source = dmx_checkpoint(tmp_path / "dmx", float_dir, "block_hadamard", target=target)
-    card = (export_checkpoint(source, tmp_path / "out", target) / "README.md").read_text()
+    with caplog.at_level(logging.WARNING, logger="optimum_dmx.export.checkpoint"):
+        card = (export_checkpoint(source, tmp_path / "out", target) / "README.md").read_text()
     assert how in card and "2 layers" in card
+    loading = card.split("## Load with transformers")[1].split("## Online transforms")[0]
+    assert "not finished until its online transforms are applied" in loading
+    on_load = get_export_target(target).transforms_on_load
+    assert on_load in card
+    assert any(on_load in message and "README.md" in message for message in caplog.messages)
+    plain = (
+        export_checkpoint(dmx_checkpoint(tmp_path / "plain", float_dir, "none", target=target), tmp_path / "p", target)
+        / "README.md"
+    ).read_text()
+    assert "online transforms" not in plain
 
 
 @pytest.mark.slow

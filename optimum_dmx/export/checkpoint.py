@@ -241,9 +241,16 @@ def _online_transforms(
     if not input_transforms:
         return None
     try:
-        return spec.input_transforms(input_transforms, skeleton)
+        export = spec.input_transforms(input_transforms, skeleton)
     except ValueError as error:
         raise ExportError(f"{spec.name} cannot carry this checkpoint's rotation: {error}") from None
+    logger.warning(
+        "%d layers carry online transforms. vLLM applies them; %s. The export's README.md shows the call that "
+        "applies them after loading.",
+        len(input_transforms),
+        spec.transforms_on_load,
+    )
+    return export
 
 
 def _check_whole_blocks(skeleton: torch.nn.Module, format_map: Mapping[str, str], spec: ExportTarget) -> None:

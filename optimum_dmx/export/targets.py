@@ -59,7 +59,7 @@ vllm serve path/to/{name}
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained("path/to/{name}", dtype="bfloat16")  # needs {package}
 ```
-{transforms}{experts}"""
+{load_note}{transforms}{experts}"""
 
 _CT_EXPERTS_SECTION = """
 ## Mixture-of-experts layers
@@ -75,8 +75,7 @@ _CT_TRANSFORMS_SECTION = """
 
 {count} layers ({layers}) transform their input with a Hadamard matrix before quantizing it (the rotation the
 formats were learned with), as `quantization_config["transform_config"]` in `config.json` describes. vLLM applies
-it. transformers does not yet (it loads the model without the transforms, which then computes another function):
-after loading, apply them with compressed-tensors' own code:
+them; {on_load}: after loading, apply them with compressed-tensors' own code:
 
 ```python
 import json
@@ -91,8 +90,7 @@ _QUARK_TRANSFORMS_SECTION = """
 
 {count} layers ({layers}) rotate their input with a Hadamard matrix before quantizing it (the rotation the formats
 were learned with), as the online rotation in `quantization_config["algo_config"]` of `config.json` describes.
-transformers builds those layers as Quark's `QParamsLinearWithRotation` and loads their `input_rotation`, but does
-not finish them (the model cannot run until then): after loading, let Quark's own code do it:
+{on_load}: after loading, let Quark's own code do it:
 
 ```python
 for module in model.modules():
@@ -119,7 +117,9 @@ class ExportTarget:
         input_transforms: `(input_transforms, model skeleton) -> TransformExport`, what the target writes for a
             rotated checkpoint's online transforms.
         transforms_card: the model card's section on loading a checkpoint with online transforms (a template of
-            `count`, `layers` and `name`).
+            `count`, `layers`, `name` and `on_load`).
+        transforms_on_load: what transformers does with the online transforms when it loads the export (a
+            sentence: a warning at export and the model card say it).
         experts_card: the model card's section on quantized mixture-of-experts experts (a template of `count`,
             `formats` and `caveat`).
         experts_refused: why the target takes no quantized mixture-of-experts experts (None: it takes them).
@@ -137,6 +137,7 @@ class ExportTarget:
     quantization_config: Callable[[Mapping[str, str], Sequence[str] | None, Mapping[str, str]], dict[str, Any]]
     input_transforms: Callable[[Mapping[str, dict], nn.Module], TransformExport]
     transforms_card: str
+    transforms_on_load: str
     experts_card: str = ""
     experts_refused: str | None = None
     experts_caveat: Callable[[Mapping[str, str]], str | None] = lambda format_map: None
@@ -149,12 +150,18 @@ class ExportTarget:
         summary = ", ".join(f"{count} layers {fmt}" for fmt, count in sorted(counts.items()))
         transformed = sorted(dmx_quantization.get("input_transforms") or {})
         kinds = ", ".join(sorted({layer.rpartition(".")[2] for layer in transformed}))
-        transforms = self.transforms_card.format(count=len(transformed), layers=kinds, name=name) if transformed else ""
+        transforms = load_note = ""
+        if transformed:
+            transforms = self.transforms_card.format(
+                count=len(transformed), layers=kinds, name=name, on_load=self.transforms_on_load
+            )
+            load_note = "\nThis model is not finished until its online transforms are applied (below).\n"
         return _SERVE_TEMPLATE.format(
             name=name,
             target=self.name,
             summary=summary,
             package=self.package,
+            load_note=load_note,
             transforms=transforms,
             experts=self._experts_section(dmx_quantization["format_map"]),
         )
@@ -273,6 +280,9 @@ COMPRESSED_TENSORS = ExportTarget(
     quantization_config=_ct_quantization_config,
     input_transforms=compressed_tensors_transforms,
     transforms_card=_CT_TRANSFORMS_SECTION,
+    transforms_on_load=(
+        "transformers does not apply them yet (it loads the model without them, which then computes another function)"
+    ),
     experts_card=_CT_EXPERTS_SECTION,
     experts_caveat=_ct_experts_caveat,
 )
@@ -356,6 +366,10 @@ QUARK = ExportTarget(
     quantization_config=_quark_quantization_config,
     input_transforms=quark_transforms,
     transforms_card=_QUARK_TRANSFORMS_SECTION,
+    transforms_on_load=(
+        "transformers builds those layers as Quark's `QParamsLinearWithRotation` and loads their `input_rotation` "
+        "but does not finish them (the model cannot run until then)"
+    ),
     experts_refused=(
         "transformers with amd-quark 0.13 does not load them into its packed experts modules (it stops on "
         "mismatched sizes; tested), and no other loader of Quark's format was tested with them"
