@@ -66,6 +66,7 @@ def test_target_bits_at_the_range_ends_is_accepted(pair, bits):
         ("method", "ste", "method='ste'.*'dmx', 'paper', 'kl'"),
         ("bit_average", "median", "bit_average='median'.*simple, weighted"),
         ("steps", 0, "steps=0"),
+        ("batch_size", 4000, "batch_size=4000 is larger than num_samples=3200"),
     ],
 )
 def test_invalid_settings_are_rejected_naming_the_value_and_what_is_allowed(field, value, message):

@@ -225,6 +225,11 @@ class CalibrationSettings:
             require_positive_int(name, getattr(self, name))
         require(self.seq_len >= 2, f"seq_len={self.seq_len!r} must be at least 2 to predict a next token.")
         require(
+            self.batch_size <= self.num_samples,
+            f"batch_size={self.batch_size!r} is larger than num_samples={self.num_samples!r}: a step's batch holds "
+            "distinct calibration sequences; lower batch_size or raise num_samples.",
+        )
+        require(
             isinstance(self.seed, int) and not isinstance(self.seed, bool) and self.seed >= 0,
             f"seed={self.seed!r} must be a non-negative integer.",
         )
