@@ -20,7 +20,6 @@ table is rebuilt from all of them.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import tempfile
 import time
@@ -31,7 +30,7 @@ from bench_quality import SKIPPED, Sweep
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.evaluation import evaluate_perplexity
-from optimum_dmx.export import export_checkpoint
+from optimum_dmx.export import export_checkpoint, load_exported
 
 from common import append_json_line, benchmark_model, benchmark_texts, read_json_lines, write_report
 
@@ -56,20 +55,9 @@ def quality_runs(runs: Path, cell: dict, model: str) -> dict[str, dict]:
     return found
 
 
-def load_served(folder: Path, target: str) -> torch.nn.Module:
+def load_served(folder: Path) -> torch.nn.Module:
     """The exported checkpoint loaded by transformers in bfloat16, its online transforms applied by the loader."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).eval()
-    quantization = json.loads((folder / "config.json").read_text())["quantization_config"]
-    if target == "compressed-tensors" and "transform_config" in quantization:
-        from compressed_tensors.transform import TransformConfig, apply_transform_config
-
-        apply_transform_config(model, TransformConfig.model_validate(quantization["transform_config"]))
-    for module in model.modules():  # Quark's rotating linears are built, not finished, by transformers
-        if hasattr(module, "input_rotation") and hasattr(module, "post_process_after_loading"):
-            module.post_process_after_loading()
-    return model
+    return load_exported(folder, dtype=torch.bfloat16).eval()
 
 
 def perplexities(model: torch.nn.Module, tokenizer, texts: dict[str, str], sweep: Sweep) -> dict[str, float]:
@@ -120,7 +108,7 @@ def run(cell: dict, target: str, rounding: str, runs: Path, sweep: Sweep) -> dic
         dmx = AutoModelForCausalLM.from_pretrained(Path(folder) / "dmx", dtype=torch.bfloat16).eval()
         row.update({f"dmx_ppl_{k}": v for k, v in perplexities(dmx, tokenizer, texts, sweep).items()})
         del dmx
-        served = load_served(Path(folder) / "served", target)
+        served = load_served(Path(folder) / "served")
         row.update({f"served_ppl_{k}": v for k, v in perplexities(served, tokenizer, texts, sweep).items()})
     return row
 

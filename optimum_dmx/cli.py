@@ -182,7 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
     quantize.set_defaults(handler=run_quantize)
 
     evaluate = commands.add_parser(
-        "eval", help="perplexity of a saved model on a text (--text), or its lm-eval task accuracy (--tasks)"
+        "eval",
+        help="perplexity of a saved model on a text (--text), or its lm-eval task accuracy (--tasks); an export "
+        "is evaluated with its online transforms applied, as vLLM runs it",
     )
     evaluate.add_argument("model", type=Path, help="saved model folder")
     measure = evaluate.add_mutually_exclusive_group(required=True)
@@ -503,10 +505,16 @@ def run_eval(args) -> int:
 
     import optimum_dmx  # noqa: F401  (registers "dmx" so dMX checkpoints load as MX models)
 
+    from .export.loading import EXPORTED_METHODS, load_exported
+
     folder = _require_model_folder(args.model)
     text = _read_text(args.text) if args.text else None
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    model = AutoModelForCausalLM.from_pretrained(folder)
+    quantization = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") in EXPORTED_METHODS:  # finished as vLLM serves it (online transforms)
+        model = load_exported(folder)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(folder)
     if text is None:
         return _run_tasks(args, model, tokenizer)
     from .evaluation import evaluate_perplexity

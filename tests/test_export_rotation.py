@@ -4,6 +4,9 @@ mocks)."""
 
 import json
 import logging
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +18,8 @@ from transformers import AutoModelForCausalLM
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.continuous import get_format_pair
-from optimum_dmx.export import ExportError, export_checkpoint, get_export_target
+from optimum_dmx.evaluation import evaluate_perplexity
+from optimum_dmx.export import ExportError, export_checkpoint, finish_loading, get_export_target, load_exported
 
 from .helpers import held_out, linear_names, run_python, tiny_decoder, word_tokenizer, words
 
@@ -359,3 +363,57 @@ def test_an_online_rotated_smollm2_exported_to_quark_computes_our_function_to_bf
 
     served, ours, ours_float32 = quark_and_our_logits(folder, texts, tmp_path / "dmx", exported)
     assert (served - ours).abs().mean() < 0.1 * (ours_float32 - ours).abs().mean()
+
+
+@pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
+def test_load_exported_finishes_the_transforms_as_the_loader_does(tmp_path, target):
+    """`load_exported` gives this package's logits where a plain `from_pretrained` gives another function
+    (compressed-tensors) or a model that cannot run (Quark); finishing an already finished model changes nothing;
+    a folder that is not an export is refused by name."""
+    float_dir = float_model(tmp_path / "float", "llama", 96)
+    source = dmx_checkpoint(tmp_path / "dmx", float_dir, "block_hadamard", target=target)
+    exported = export_checkpoint(source, tmp_path / "out", target)
+    ours = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    loaded = load_exported(exported, dtype=torch.bfloat16)
+    quantization = json.loads((exported / "config.json").read_text())["quantization_config"]
+    with torch.no_grad():
+        expected = ours(IDS).logits
+        assert torch.equal(loaded(IDS).logits, expected)
+        if target == "compressed-tensors":
+            assert finish_loading(loaded, quantization) == 0  # the transforms are attached already
+            assert torch.equal(loaded(IDS).logits, expected)
+            unfinished = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+            assert not torch.equal(unfinished(IDS).logits, expected)
+            assert finish_loading(unfinished, quantization) == len(transformed_layers("block_hadamard"))
+            assert torch.equal(unfinished(IDS).logits, expected)
+    with pytest.raises(ValueError, match=r"is not an exported checkpoint: its quant_method is 'dmx'"):
+        load_exported(source)
+
+
+@pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
+def test_the_command_line_evaluates_an_export_with_its_transforms(tmp_path, target):
+    """`optimum-dmx eval` on an export measures the finished model: this package's perplexity for the checkpoint
+    it was exported from (bfloat16, equal logits), not the unfinished model's."""
+    float_dir = float_model(tmp_path / "float", "llama", 96)
+    source = dmx_checkpoint(tmp_path / "dmx", float_dir, "block_hadamard", target=target)
+    tokenizer = word_tokenizer()
+    tokenizer.save_pretrained(source)
+    exported = export_checkpoint(source, tmp_path / "out", target)
+    text = tmp_path / "text.txt"
+    text.write_text(" ".join(words(7 * i, 40) for i in range(8)))
+    result = subprocess.run(
+        [sys.executable, "-m", "optimum_dmx", "eval", exported, "--text", text, "--seq-len", "16"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr
+    printed = float(re.search(r"perplexity (\S+)", result.stdout).group(1))
+    ours = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    expected = evaluate_perplexity(ours, tokenizer, text.read_text(), seq_len=16).perplexity
+    assert printed == pytest.approx(expected, abs=1e-4)
+    if target == "compressed-tensors":
+        unfinished = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+        assert evaluate_perplexity(unfinished, tokenizer, text.read_text(), seq_len=16).perplexity != pytest.approx(
+            expected, rel=1e-3
+        )

@@ -1,0 +1,63 @@
+"""Load an exported checkpoint with transformers and finish it with its loader's own code.
+
+transformers loads a compressed-tensors or Quark export of a rotated dMX checkpoint without finishing its online
+transforms: compressed-tensors' `transform_config` is not applied (the model computes another function), and Quark's
+rotating linears are built but not finished (the model cannot run). `load_exported` loads the folder and calls the
+loader's own functions that do it (what the export's model card shows), so that evaluating an export measures the
+model vLLM serves.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from torch import nn
+
+__all__ = ["EXPORTED_METHODS", "finish_loading", "load_exported"]
+
+EXPORTED_METHODS = ("compressed-tensors", "quark")  # `quant_method` of the folders `export_checkpoint` writes
+
+
+def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
+    """`AutoModelForCausalLM.from_pretrained(folder, **from_pretrained)` for a folder `export_checkpoint` wrote, with
+    its online transforms applied by its loader's code (`finish_loading`)."""
+    from transformers import AutoModelForCausalLM
+
+    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+    if quantization.get("quant_method") not in EXPORTED_METHODS:
+        raise ValueError(
+            f"{str(folder)!r} is not an exported checkpoint: its quant_method is "
+            f"{quantization.get('quant_method')!r}; allowed: {', '.join(EXPORTED_METHODS)}"
+        )
+    model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained)
+    finish_loading(model, quantization)
+    return model
+
+
+def finish_loading(model: nn.Module, quantization_config: Mapping[str, Any]) -> int:
+    """Apply the online transforms of an export that transformers loaded as `model`, with the loader's own code:
+    compressed-tensors' `apply_transform_config` for its `transform_config` (unless its transforms are already
+    attached), Quark's `post_process_after_loading` for each rotating linear. Returns how many transformed layers
+    were finished (0: none to do)."""
+    if quantization_config.get("quant_method") == "compressed-tensors":
+        return _apply_compressed_tensors_transforms(model, quantization_config.get("transform_config"))
+    rotating = [module for module in model.modules() if hasattr(module, "input_rotation")]
+    for module in rotating:
+        module.post_process_after_loading()
+    return len(rotating)
+
+
+def _apply_compressed_tensors_transforms(model: nn.Module, transform_config: Mapping[str, Any] | None) -> int:
+    if not transform_config:
+        return 0
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+
+    config = TransformConfig.model_validate(transform_config)
+    attached = {f"{scheme}_input" for scheme in config.config_groups}  # the module each transformed layer gets
+    if any(name.rpartition(".")[2] in attached for name, _ in model.named_modules()):
+        return 0  # a loader that applies the transforms itself
+    apply_transform_config(model, config)
+    return sum(name.rpartition(".")[2] in attached for name, _ in model.named_modules())
