@@ -246,7 +246,7 @@ def _online_transforms(
         raise ExportError(f"{spec.name} cannot carry this checkpoint's rotation: {error}") from None
     logger.warning(
         "%d layers carry online transforms. vLLM applies them; %s. The export's README.md shows the call that "
-        "applies them after loading.",
+        "applies them after loading, which optimum_dmx.export.load_exported makes.",
         len(input_transforms),
         spec.transforms_on_load,
     )

@@ -40,8 +40,8 @@ def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
 def finish_loading(model: nn.Module, quantization_config: Mapping[str, Any]) -> int:
     """Apply the online transforms of an export that transformers loaded as `model`, with the loader's own code:
     compressed-tensors' `apply_transform_config` for its `transform_config` (unless its transforms are already
-    attached), Quark's `post_process_after_loading` for each rotating linear. Returns how many transformed layers
-    were finished (0: none to do)."""
+    attached), Quark's `post_process_after_loading` for each rotating linear (once per load: Quark has no record of
+    a finished layer to check). Returns how many transformed layers were finished (0: none to do)."""
     if quantization_config.get("quant_method") == "compressed-tensors":
         return _apply_compressed_tensors_transforms(model, quantization_config.get("transform_config"))
     rotating = [module for module in model.modules() if hasattr(module, "input_rotation")]
