@@ -505,13 +505,12 @@ def run_eval(args) -> int:
 
     import optimum_dmx  # noqa: F401  (registers "dmx" so dMX checkpoints load as MX models)
 
-    from .export.loading import EXPORTED_METHODS, load_exported
+    from .export.loading import is_export, load_exported
 
     folder = _require_model_folder(args.model)
     text = _read_text(args.text) if args.text else None
     tokenizer = AutoTokenizer.from_pretrained(folder)
-    quantization = json.loads((folder / "config.json").read_text()).get("quantization_config") or {}
-    if quantization.get("quant_method") in EXPORTED_METHODS:  # finished as vLLM serves it (online transforms)
+    if is_export(folder):  # finished as vLLM serves it (online transforms)
         model = load_exported(folder)
     else:
         model = AutoModelForCausalLM.from_pretrained(folder)

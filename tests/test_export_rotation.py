@@ -19,7 +19,14 @@ from transformers import AutoModelForCausalLM
 from optimum_dmx import DMXConfig
 from optimum_dmx.continuous import get_format_pair
 from optimum_dmx.evaluation import evaluate_perplexity
-from optimum_dmx.export import ExportError, export_checkpoint, finish_loading, get_export_target, load_exported
+from optimum_dmx.export import (
+    ExportError,
+    export_checkpoint,
+    finish_loading,
+    get_export_target,
+    is_export,
+    load_exported,
+)
 
 from .helpers import held_out, linear_names, run_python, tiny_decoder, word_tokenizer, words
 
@@ -386,6 +393,7 @@ def test_load_exported_finishes_the_transforms_as_the_loader_does(tmp_path, targ
             assert not torch.equal(unfinished(IDS).logits, expected)
             assert finish_loading(unfinished, quantization) == len(transformed_layers("block_hadamard"))
             assert torch.equal(unfinished(IDS).logits, expected)
+    assert is_export(exported) and not is_export(source)
     with pytest.raises(ValueError, match=r"is not an exported checkpoint: its quant_method is 'dmx'"):
         load_exported(source)
 

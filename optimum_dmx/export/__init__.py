@@ -5,7 +5,7 @@ Above `integration` (it reads saved dMX folders) and below the command line.
 """
 
 from .checkpoint import ExportError, export_checkpoint
-from .loading import finish_loading, load_exported
+from .loading import finish_loading, is_export, load_exported
 from .targets import EXPORT_TARGETS, ExportTarget, get_export_target
 
 __all__ = [
@@ -15,5 +15,6 @@ __all__ = [
     "export_checkpoint",
     "finish_loading",
     "get_export_target",
+    "is_export",
     "load_exported",
 ]

@@ -16,9 +16,18 @@ from typing import Any
 
 from torch import nn
 
-__all__ = ["EXPORTED_METHODS", "finish_loading", "load_exported"]
+__all__ = ["EXPORTED_METHODS", "finish_loading", "is_export", "load_exported"]
 
 EXPORTED_METHODS = ("compressed-tensors", "quark")  # `quant_method` of the folders `export_checkpoint` writes
+
+
+def _quantization_config(folder: str | Path) -> dict[str, Any]:
+    return json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+
+
+def is_export(folder: str | Path) -> bool:
+    """Whether the saved model in `folder` is in a format `export_checkpoint` writes (its `quant_method`)."""
+    return _quantization_config(folder).get("quant_method") in EXPORTED_METHODS
 
 
 def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
@@ -26,7 +35,7 @@ def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
     its online transforms applied by its loader's code (`finish_loading`)."""
     from transformers import AutoModelForCausalLM
 
-    quantization = json.loads((Path(folder) / "config.json").read_text()).get("quantization_config") or {}
+    quantization = _quantization_config(folder)
     if quantization.get("quant_method") not in EXPORTED_METHODS:
         raise ValueError(
             f"{str(folder)!r} is not an exported checkpoint: its quant_method is "
