@@ -37,10 +37,15 @@ allocator's state, so on what the process did before), three times per model in 
 
 Times are median CPU times (one torch thread by default) over `--repeats` runs after a warm-up: the
 linear in bf16 (the checkpoint's dtype) and fp32, the whole model in fp32 and, with `--model-bf16`, in bf16 too.
+The process (and each fresh one) runs with glibc's allocator thresholds fixed (`common.fixed_malloc_thresholds`;
+`--malloc default` keeps the system's): with the defaults, how many of a forward's activations are fresh pages, faulted
+in and zeroed on every call, depends on what the process allocated before, in this benchmark on the other models timed
+beside it, so that the ratios measured the allocator's history as much as the models. The whole-model table counts
+each model's minor page faults in one forward.
 Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
 
 usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--model-bf16] [--rotation NAME[,NAME]]
-                                           [--repeats N]
+                                           [--fresh-processes] [--malloc fixed|default] [--repeats N]
                                            [--threads N] [--output FILE]
 """
 
@@ -72,7 +77,7 @@ from optimum_dmx.nn import transforms
 from optimum_dmx.nn.groups import fused_projection_groups
 from optimum_dmx.nn.rotation import ROTATIONS
 
-from common import benchmark_model, median_seconds, write_report
+from common import benchmark_model, fixed_malloc_thresholds, median_seconds, minor_page_faults, write_report
 
 SHAPES = [(1, 512), (8, 128)]
 PROMPT_TOKENS, GENERATED_TOKENS = 16, 32
@@ -298,12 +303,15 @@ FORWARD_IN_A_NEW_PROCESS = """
 import sys
 sys.path.insert(0, {benchmarks!r})
 from bench_inference import forward_seconds
+from common import fixed_malloc_thresholds
+if {fixed_malloc!r}:
+    fixed_malloc_thresholds()
 print(forward_seconds({model!r}, {shape!r}, {repeats!r}, {threads!r}, {chunked!r}))
 """
 
 
 def bench_fresh_processes(
-    model_dir: Path, repeats: int, threads: int, rotations: tuple[str, ...], rounds: int = 3
+    model_dir: Path, repeats: int, threads: int, rotations: tuple[str, ...], fixed_malloc: bool, rounds: int = 3
 ) -> list[list[str]]:
     """Rows per shape: the bf16 forward of float, dMX (casts chunked, then not) and each rotated dMX model, each timed
     in a new Python process that loads only that model, as a user's does; the models in turn, `rounds` times; the
@@ -323,6 +331,7 @@ def bench_fresh_processes(
                         repeats=repeats,
                         threads=threads,
                         chunked=chunked,
+                        fixed_malloc=fixed_malloc,
                     )
                     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
                     times.append(float(result.stdout.split()[-1]))
@@ -425,6 +434,16 @@ def bench_model(
                         *compared(others, base, 1e3, "{:.0f}"),
                     ]
                 )
+                with torch.inference_mode():
+                    faults = [page_faults_of(forward) for forward in forwards]
+                rows.append(
+                    [
+                        "SmolLM2-135M forward, minor page faults (one call)",
+                        str(dtype).removeprefix("torch."),
+                        f"{batch}x{seq}",
+                        *map(str, faults),
+                    ]
+                )
             prompt = torch.randint(
                 0, float_model.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)
             )
@@ -447,6 +466,13 @@ def bench_model(
                 ]
             )
     return rows, notes
+
+
+def page_faults_of(call: Callable[[], object]) -> int:
+    """Minor page faults of one `call`: fresh pages the kernel handed the process and zeroed for it."""
+    before = minor_page_faults()
+    call()
+    return minor_page_faults() - before
 
 
 def compared(
@@ -483,6 +509,13 @@ def main() -> None:
     )
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
+    parser.add_argument(
+        "--malloc",
+        choices=("fixed", "default"),
+        default="fixed",
+        help="glibc's allocator thresholds: fixed (common.fixed_malloc_thresholds, the default: times without the "
+        "page faults that the process's history decides) or the system's default",
+    )
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
     args = parser.parse_args()
     rotations = tuple(r for r in args.rotation.split(",") if r != "none")
@@ -490,19 +523,23 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown rotation {unknown}; allowed: {', '.join(ROTATIONS)}")
     torch.set_num_threads(args.threads)
+    allocator = fixed_malloc_thresholds() if args.malloc == "fixed" else "allocator: the system's defaults"
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()
 
     machine = (
         f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "
-        f"torch {torch.__version__}; times are median CPU times of {args.repeats} runs, in ms unless marked"
+        f"torch {torch.__version__}; {allocator}; times are median CPU times of {args.repeats} runs, in ms unless "
+        "marked"
     )
     if args.fresh_processes:
         header = ["measure", "dtype", "batch x seq", "float", "dMX cached (vs float)"]
         header += ["dMX cached, casts not chunked (vs float; vs dMX cached)"]
         header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]
-        rows = bench_fresh_processes(args.model or benchmark_model(), args.repeats, args.threads, rotations)
+        rows = bench_fresh_processes(
+            args.model or benchmark_model(), args.repeats, args.threads, rotations, args.malloc == "fixed"
+        )
         text = (
             f"{machine}; each model in a new process that loads only it, three times in turn: the median of the "
             "three\n\n" + table(header, rows)

@@ -19,6 +19,8 @@ path).
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import io
 import json
 import platform
@@ -245,6 +247,44 @@ def device_description(device: torch.device | str) -> str:
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
     return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s)"
+
+
+# glibc's `mallopt` parameters (malloc.h) and the values `fixed_malloc_thresholds` sets.
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+FIXED_MMAP_THRESHOLD = 32 * 2**20  # glibc's largest: blocks up to 32 MiB come from the heap
+FIXED_TRIM_THRESHOLD = 2**30  # freed memory stays with the process up to 1 GiB
+
+
+def fixed_malloc_thresholds() -> str:
+    """Fix glibc's allocator thresholds for this process, so that a timed forward's cost does not depend on what the
+    process ran before; returns what was done, for a report's machine line.
+
+    By default glibc adjusts its thresholds as the process frees memory and gives the top of its heap back to the
+    system once more than twice the mmap threshold lies free there: a CPU forward's activations of several MiB are
+    then fresh pages on every call, each faulted in and zeroed by the kernel. How many depends on the process's
+    history: in one process holding several models, which model allocated what before decides another model's page
+    faults (`bench_inference.py`'s page-fault row). With the thresholds fixed (as
+    `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=33554432:glibc.malloc.trim_threshold=1073741824` does) only
+    allocations over 32 MiB (SmolLM2's logits at 8 x 128 tokens) are fresh pages, on every call, for every model.
+    """
+    name = ctypes.util.find_library("c")
+    libc = ctypes.CDLL(name) if name else None
+    if libc is None or not hasattr(libc, "mallopt") or platform.libc_ver()[0] != "glibc":
+        return "allocator: the platform's defaults (not glibc)"
+    fixed = libc.mallopt(M_MMAP_THRESHOLD, FIXED_MMAP_THRESHOLD), libc.mallopt(M_TRIM_THRESHOLD, FIXED_TRIM_THRESHOLD)
+    if not all(fixed):  # mallopt returns 1 on success
+        raise RuntimeError("glibc's mallopt refused the benchmark's allocator thresholds")
+    return (
+        f"allocator: glibc with fixed thresholds (mmap {FIXED_MMAP_THRESHOLD // 2**20} MiB, "
+        f"trim {FIXED_TRIM_THRESHOLD // 2**30} GiB)"
+    )
+
+
+def minor_page_faults() -> int:
+    """Minor page faults of this process so far (pages the kernel handed it and zeroed, Linux and macOS)."""
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def median_seconds(
