@@ -70,7 +70,7 @@ from torch import nn
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, cast, get_format, quantize_mx
 from optimum_dmx.formats.blocks import round_to_bfloat16
-from optimum_dmx.formats.cast import cast_mx_blocks, fused_cast_mx
+from optimum_dmx.formats.cast import cast_mx_blocks, fused_cast_mx, map_row_chunks
 from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS, CompiledKernel
 from optimum_dmx.integration.model_card import checkpoint_bytes
 from optimum_dmx.nn import transforms
@@ -182,6 +182,26 @@ def transform_then_round(
     return cast_mx_blocks(finished, *cast, native_cast=False)
 
 
+def finish_and_cast(products: torch.Tensor, norm: float, dtype: torch.dtype, cast: tuple) -> torch.Tensor:
+    """The division, rounding and MX cast of a transform's products in one kernel: how blocks over 32 ran before
+    (the rounding, through scalar bit casts in inductor's code, then computed in each of the cast's loops)."""
+    finished = products / norm
+    finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
+    return cast_mx_blocks(finished, *cast, native_cast=False)
+
+
+def rounded_in_the_cast(
+    kernel: CompiledKernel, transform: transforms.RandomizedHadamard, x: torch.Tensor, cast: tuple
+) -> torch.Tensor:
+    """`transform.quantize(x, *cast)` for blocks over 32 as it was: the products, then `kernel` (`finish_and_cast`),
+    a chunk of rows at a time."""
+
+    def chunk(rows: torch.Tensor) -> torch.Tensor:
+        return kernel(transform._products(rows, torch.float32), float(transform._norm), x.dtype, cast)[0]
+
+    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype, True).view(x.shape)
+
+
 def signs_apart(transform: transforms.RandomizedHadamard, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`RandomizedHadamard._kernel_factor` as it is for float32 rows: the signs apart from the last factor."""
     signs, last, _ = transform._factors_as(rows.device, torch.float32)
@@ -195,13 +215,15 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     each ran before: for 32-blocks in float32 the same kernel compiled with inductor's default fusion thresholds (the
     16 x 16 product split in two passes over a buffer as large as the input), in bfloat16 the signs apart from the
     16 x 16 factor (as in float32) and, besides, the sums divided and rounded after they are put together
-    (`transform_then_round`); for 512-blocks in float32 the transform split into a 64 x 64 product and a Sylvester
-    factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
+    (`transform_then_round`); for 512-blocks the division and rounding in the cast's kernel (`finish_and_cast`) and,
+    in float32, the transform split into a 64 x 64 product and a Sylvester factor of order 8 across its runs
+    (`kronecker_split` now takes 32 and 16)."""
     fmt = get_format("mxfp4_e2m1")
     kernel = transforms._transform_kernel
     options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
     default_thresholds = CompiledKernel(kernel.fn, options=options)
     rounded_after = CompiledKernel(transform_then_round, options=kernel.options)
+    finished_in_the_cast = CompiledKernel(finish_and_cast, options=kernel.options)
     cases = [
         (dtype, width, block)
         for dtype in (torch.float32, torch.bfloat16)
@@ -234,7 +256,11 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
             candidates["transform and cast, signs apart, sums rounded after they are put together"] = with_kernel(
                 rounded_after, apart
             )
-        elif dtype == torch.float32:
+        else:
+            candidates["transform and cast, division and rounding in the cast's kernel"] = functools.partial(
+                rounded_in_the_cast, finished_in_the_cast, transform, x, (fmt, 32, "ocp")
+            )
+        if block > 32 and dtype == torch.float32:
             with mock.patch.object(transforms, "kronecker_split", split_64_by_8):
                 split_before = transforms.RandomizedHadamard(width, block, seed=0)
             candidates["transform and cast, 64 x 64 product then order 8"] = lambda: split_before.quantize(
@@ -547,8 +573,6 @@ def main() -> None:
         write_report(text + "\n", args.output, "Inference, each model in a fresh process")
         return
     parts = [
-        f"Command (from the repository root, with the package importable, e.g. `pip install -e .`): "
-        f"`python {' '.join(sys.argv)}`",
         machine,
         "",
         "### One decoder linear",

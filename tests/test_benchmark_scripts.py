@@ -799,20 +799,22 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     transform_rows = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
     calls = [[cell.strip() for cell in line.strip("|").split("|")] for line in transform_rows]
     # per dtype, input width and block: the cast alone (1.00x), the transform with it, and the references: in float32
-    # for 32-blocks the same kernel compiled with inductor's default fusion thresholds, for 512-blocks the 64 x 64
-    # split; in bfloat16 for 32-blocks the signs apart from the factor, then also the sums rounded after the stack
+    # for 32-blocks the same kernel compiled with inductor's default fusion thresholds; in bfloat16 for 32-blocks the
+    # signs apart from the factor, then also the sums rounded after the stack; for 512-blocks the division and
+    # rounding in the cast's kernel and, in float32, the 64 x 64 split
     cast, transform = "MX cast alone (quantize_mx)", "transform and cast"
     thresholds = f"{transform}, inductor's default fusion thresholds"
+    in_the_cast = f"{transform}, division and rounding in the cast's kernel"
     split = f"{transform}, 64 x 64 product then order 8"
     apart = f"{transform}, signs apart from the factor"
     rounded_after = f"{transform}, signs apart, sums rounded after they are put together"
     expected = [
         *[("1024 x 576", "float32", "32", call) for call in (cast, transform, thresholds)],
         *[("1024 x 1536", "float32", "32", call) for call in (cast, transform, thresholds)],
-        *[("1024 x 1536", "float32", "512", call) for call in (cast, transform, split)],
+        *[("1024 x 1536", "float32", "512", call) for call in (cast, transform, in_the_cast, split)],
         *[("1024 x 576", "bfloat16", "32", call) for call in (cast, transform, apart, rounded_after)],
         *[("1024 x 1536", "bfloat16", "32", call) for call in (cast, transform, apart, rounded_after)],
-        *[("1024 x 1536", "bfloat16", "512", call) for call in (cast, transform)],
+        *[("1024 x 1536", "bfloat16", "512", call) for call in (cast, transform, in_the_cast)],
     ]
     assert [tuple(c[:4]) for c in calls] == expected
     # each ratio is the row's time over its cast's (a one-repeat run on a busy machine can time the transform below

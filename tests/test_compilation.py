@@ -58,32 +58,39 @@ def test_compiled_cast_is_bit_identical_to_the_eager_cast(compiled, dtype):
 # 2 x 16 (all in the kernel), 8 x 16, 8 x 64, 2 x (16 x odd 3)
 @pytest.mark.parametrize("size, block_size", [(128, 32), (256, 128), (1024, 512), (96, 96)])
 def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, monkeypatch, dtype, size, block_size):
-    """An online transform's kernel (the products for 32-blocks, the division, rounding to the input's dtype and,
-    for `quantize`, the MX cast) gives the bits of the same steps run eagerly, which `quantize_mx(transform(x))`
-    is; for 32-blocks, with the signs apart from the last factor (float32) and in one copy of it per run (bfloat16
-    and float16 on a CPU)."""
-    given_the_input = []  # per kernel call: whether it got the input and the factor (the whole transform)
-    signs_apart = []  # per such call: whether the signs came apart from the factor
+    """An online transform's kernel (32-blocks: the signs, the products, the division, the rounding to the input's
+    dtype and, for `quantize`, the MX cast) gives the bits of the same steps run eagerly, which
+    `quantize_mx(transform(x))` is; with the signs apart from the last factor (float32) and in one copy of it per run
+    (bfloat16 and float16 on a CPU). Larger blocks: the products, division and rounding run as torch's operations and
+    the cast as its own kernel, with the same bits."""
+    signs_apart = []  # per call of the transform's kernel: whether the signs came apart from the factor
+    casts_compiled = []  # per call of the cast's kernel: its rows
 
     class Recorded:
-        active = property(lambda self: _transform_kernel.active)
+        def __init__(self, kernel, record):
+            self.kernel, self.record = kernel, record
 
-        def __call__(self, x, signs, matrices, *args):
-            given_the_input.append(matrices is not None)
-            if matrices is not None:
-                signs_apart.append(signs is not None)
-            return _transform_kernel(x, signs, matrices, *args)
+        active = property(lambda self: self.kernel.active)
 
-    monkeypatch.setattr(transforms, "_transform_kernel", Recorded())
+        def __call__(self, x, signs, *args):
+            self.record(signs)
+            return self.kernel(x, signs, *args)
+
+    monkeypatch.setattr(
+        transforms, "_transform_kernel", Recorded(_transform_kernel, lambda s: signs_apart.append(s is not None))
+    )
+    monkeypatch.setattr(cast_module, "fused_cast_mx", Recorded(fused_cast_mx, casts_compiled.append))
     transform = RandomizedHadamard(size, block_size, seed=3)
     x = awkward_tensor(24, size).to(dtype).reshape(2, 12, size)
     casts = [(get_format("mxfp4_e2m1"), 32, "ocp"), (get_format("mxfp6_e2m3"), 32, "compressed-tensors")]
     compiled_results = [transform(x), *(transform.quantize(x, *cast) for cast in casts)]
-    assert _transform_kernel.compiled_variants >= 1 + len(casts) and _transform_kernel.rejected_variants == 0
-    # 32-blocks (a 16 x 16 last factor, then order 2): the kernel computes the whole transform; larger blocks and
-    # larger last factors: the matrix products run before it
-    assert given_the_input == [block_size == 32] * (1 + len(casts))
-    assert signs_apart == [dtype == torch.float32] * len(signs_apart)
+    assert _transform_kernel.rejected_variants == 0 and fused_cast_mx.rejected_variants == 0
+    # 32-blocks (a 16 x 16 last factor, then order 2): the transform's kernel computes the whole transform and cast;
+    # larger blocks and larger last factors: the cast's kernel runs once per cast
+    if block_size == 32:
+        assert signs_apart == [dtype == torch.float32] * (1 + len(casts)) and not casts_compiled
+    else:
+        assert not signs_apart and len(casts_compiled) == len(casts)
     set_compile_enabled(False)
     eager = transform(x)
     eager_results = [eager, *(quantize_mx(eager, *cast) for cast in casts)]

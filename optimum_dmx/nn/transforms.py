@@ -24,18 +24,20 @@ themselves, so one outlier raises one block scale instead of all of them. The tr
 `(size, block_size, seed)` (and `sign_copies`, `signed`), which is all a checkpoint records (`to_dict`); it holds no
 trainable state and adds nothing to a state dict.
 
-At inference (no gradient wanted) the transform's last steps run as one compiled kernel (`formats.compilation`):
-the division, the rounding to the input's dtype and, through `quantize`, the MX cast that follows. For 32-blocks (a
-16 x 16 last factor and `S` of order 2, `KERNEL_MATRIX_ORDER`) the kernel also applies the signs and both products
-(`_signed_product_in_order`, then one sum and one difference), which ran as separate operations before it, each
-writing a new buffer as large as the activation (on a CPU, fresh buffers that large also cost page faults). On a CPU,
-for an input not in float32, the signs come inside the factor, one copy of it per run of 16 elements (a product then
-loads a vector of the matrix instead of a sign and multiplies once less); the kernel divides and rounds the sums
-before it stores them, so that the MX cast's two loops over them do not each do it again. Larger
-blocks take the two matrix products before the kernel: inductor's code for more sums and differences in the kernel
-ran several times slower than the products (SmolLM2's `down_proj` transform, on 512-blocks, made the forward pass
-about a fifth slower that way). On a CPU, an input not in float32, or one whose products run before the kernel, is
-transformed a chunk of rows at a time (`formats.cast.map_row_chunks`: float32 temporaries small enough for the
+At inference (no gradient wanted) a 32-block transform (a 16 x 16 last factor and `S` of order 2,
+`KERNEL_MATRIX_ORDER`) runs as one compiled kernel (`formats.compilation`): the signs, both products
+(`_signed_product_in_order`, then one sum and one difference), the division, the rounding to the input's dtype and,
+through `quantize`, the MX cast that follows; as separate operations each wrote a new buffer as large as the
+activation. On a CPU, for an input not in float32, the signs come inside the factor, one copy of it per run of 16
+elements (a product then loads a vector of the matrix instead of a sign and multiplies once less); the kernel divides
+and rounds the sums before it stores them, so that the MX cast's two loops over them do not each do it again. Larger
+blocks take the two matrix products, the division and the rounding as torch's own operations, then the MX cast's
+kernel: inductor's code for more sums and differences in a kernel ran several times slower than the products
+(SmolLM2's `down_proj` transform, on 512-blocks, made the forward pass about a fifth slower that way), and its
+rounding to bfloat16 inside the cast's kernel, computed again in each of the cast's loops through scalar bit casts,
+made a bfloat16 transform with its cast 1.5x slower (`benchmarks/bench_inference.py`, "Online transforms"). On a
+CPU, an input not in float32, or one whose products run before the kernel, is transformed a chunk of rows at a time
+(`formats.cast.map_row_chunks`: float32 temporaries small enough for the
 allocator to reuse). The kernel is checked bit for bit against the same steps run eagerly; that those
 give the bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
 product's inner loop adds them) is tested.
@@ -174,29 +176,25 @@ def _signed_product_in_order(
 def _transform_kernel(
     x: torch.Tensor,
     signs: torch.Tensor | None,
-    matrices: torch.Tensor | None,
+    matrices: torch.Tensor,
     pairs: bool,
     last: int,
     norm: float,
     dtype: torch.dtype,
     cast: tuple | None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """The transform of rows `x` divided by `norm`, rounded to `dtype` (returned as float32) and, with `cast`
+    """The transform of rows `x` (the signs, or none with one copy of the last factor per run in `matrices`; the
+    product by the last factor, `last` x `last`, `_signed_product_in_order`; with `pairs`, the Sylvester factor of
+    order 2, `_sum_and_difference`) divided by `norm`, rounded to `dtype` (returned as float32) and, with `cast`
     (format, block size, scale rule), MX-quantized (the values and the block output of
-    `formats.cast.cast_mx_blocks`). With `matrices` (the last factor, `last` x `last`, and the `signs`; or one such
-    matrix per run with the signs in it), `x` is the input and the kernel computes the signs and the product
-    (`_signed_product_in_order`) and, with `pairs`, the Sylvester factor of order 2 (`_sum_and_difference`);
-    without, `x` is the whole product."""
+    `formats.cast.cast_mx_blocks`)."""
 
     def finish(values: torch.Tensor) -> torch.Tensor:
         values = values / norm
         return round_to_bfloat16(values) if dtype == torch.bfloat16 else values.to(dtype).float()
 
-    if matrices is None:
-        finished = finish(x)
-    else:
-        product = _signed_product_in_order(x, signs, matrices, last)
-        finished = _sum_and_difference(product, last, finish) if pairs else finish(product)
+    product = _signed_product_in_order(x, signs, matrices, last)
+    finished = _sum_and_difference(product, last, finish) if pairs else finish(product)
     return finished if cast is None else cast_mx_blocks(finished, *cast, native_cast=False)
 
 
@@ -304,14 +302,15 @@ class RandomizedHadamard(nn.Module):
             raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
 
     def _kernel_values(self, rows: torch.Tensor, dtype: torch.dtype, cast: tuple | None) -> torch.Tensor:
-        """`_transform_kernel`'s values (float32) for `rows`: the whole transform in the kernel, or the products
-        before it."""
+        """The transform of `rows` in `dtype`, MX-quantized with `cast`: the whole of it in `_transform_kernel`, or
+        the matrix products, the division and the rounding as torch's own operations, then the MX cast's kernel
+        (`formats.quantize_mx`)."""
         if self._whole_in_kernel:
-            inputs = rows, *self._kernel_factor(rows), self._pairs
-        else:
-            inputs = self._products(rows, torch.float32), None, None, False
-        finished = _transform_kernel(*inputs, self._last_order, float(self._norm), dtype, cast)
-        return finished if cast is None else finished[0]
+            kernel_input = rows, *self._kernel_factor(rows), self._pairs, self._last_order
+            finished = _transform_kernel(*kernel_input, float(self._norm), dtype, cast)
+            return finished if cast is None else finished[0]
+        transformed = self._products(rows, torch.float32).div_(self._norm).to(dtype)
+        return transformed if cast is None else quantize_mx(transformed, *cast)
 
     def _kernel_factor(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The signs and the last factor (flattened) that the inference kernel takes to compute the whole transform
