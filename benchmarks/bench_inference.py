@@ -54,7 +54,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
-import platform
 import statistics
 import subprocess
 import sys
@@ -77,7 +76,14 @@ from optimum_dmx.nn import transforms
 from optimum_dmx.nn.groups import fused_projection_groups
 from optimum_dmx.nn.rotation import ROTATIONS
 
-from common import benchmark_model, fixed_malloc_thresholds, median_seconds, minor_page_faults, write_report
+from common import (
+    benchmark_model,
+    fixed_malloc_thresholds,
+    median_seconds,
+    minor_page_faults,
+    processor_description,
+    write_report,
+)
 
 SHAPES = [(1, 512), (8, 128)]
 PROMPT_TOKENS, GENERATED_TOKENS = 16, 32
@@ -555,7 +561,7 @@ def main() -> None:
     hf_logging.disable_progress_bar()
 
     machine = (
-        f"Machine: {platform.processor() or platform.machine()}, {args.threads} torch threads, "
+        f"Machine: {processor_description()}, {args.threads} torch threads, "
         f"torch {torch.__version__}; {allocator}; times are median CPU times of {args.repeats} runs, in ms unless "
         "marked"
     )

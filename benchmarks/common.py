@@ -241,12 +241,32 @@ def synchronize(device: torch.device | str | None) -> None:
         torch.cuda.synchronize(device)
 
 
+# CPU features that change which of a forward's parts cost most: bfloat16 matrix products in AMX tiles or AVX-512
+# instructions run several times faster than in float32, while the MX casts' element-wise kernels do not.
+BFLOAT16_MATMUL_FEATURES = ("amx_bf16", "avx512_bf16")
+
+
+def processor_description() -> str:
+    """The processor's model name and its bfloat16 matrix-product features (Linux's `/proc/cpuinfo`; elsewhere the
+    platform's processor string) with torch's vector instruction set: a CPU benchmark's ratios differ by machine as
+    much as by code (SmolLM2's bfloat16 forward took 1035 ms on an AMD EPYC and 420 ms on a Xeon with AMX)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    fields = dict(
+        line.split(":", 1) for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else []) if ":" in line
+    )
+    fields = {key.strip(): value.strip() for key, value in fields.items()}
+    name = fields.get("model name") or platform.processor() or platform.machine()
+    features = [flag for flag in BFLOAT16_MATMUL_FEATURES if flag in fields.get("flags", "").split()]
+    features_named = ", ".join(features) or "no bfloat16 matrix instructions"
+    return f"{name} ({features_named}; torch {torch.backends.cpu.get_cpu_capability()})"
+
+
 def device_description(device: torch.device | str) -> str:
     """What runs the work, for a table's header: the GPU's name, or the processor and torch's thread count."""
     device = torch.device(device)
     if device.type == "cuda":
         return f"{torch.cuda.get_device_name(device)}, CUDA {torch.version.cuda}"
-    return f"{platform.processor() or platform.machine()}, {torch.get_num_threads()} torch thread(s)"
+    return f"{processor_description()}, {torch.get_num_threads()} torch thread(s)"
 
 
 # glibc's `mallopt` parameters (malloc.h) and the values `fixed_malloc_thresholds` sets.

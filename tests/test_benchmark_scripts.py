@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -792,7 +793,10 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     for line in fault_rows:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert len(cells) == 8 + len(rotations) and all(re.fullmatch(r"\d+", cell) for cell in cells[3:]), cells
-    assert "allocator: glibc with fixed thresholds (mmap 32 MiB, trim 1 GiB)" in output.read_text()
+    machine = next(line for line in output.read_text().splitlines() if line.startswith("Machine: "))
+    assert "allocator: glibc with fixed thresholds (mmap 32 MiB, trim 1 GiB)" in machine
+    # the processor, with what its bfloat16 matrix products run on, which moves every ratio
+    assert f"torch {torch.backends.cpu.get_cpu_capability()})" in machine
     generation = next(line for line in output.read_text().splitlines() if "generation, ms per token | float32" in line)
     cells = [cell.strip() for cell in generation.strip("|").split("|")]
     assert len(cells) == 8 + len(rotations) and cells[7] == ""  # one row per step: no chunks, not timed
