@@ -164,6 +164,39 @@ def bench_per_call(repeats: int, calls: int = 1000) -> list[list[str]]:
     return table
 
 
+def multiply_add(x: torch.Tensor) -> torch.Tensor:
+    return x * 2 + 1
+
+
+def multiply_add_on_the_bits(x: torch.Tensor) -> torch.Tensor:
+    """`multiply_add` of `abs(x)` taken on the float32 bit pattern, as the MX casts read exponents and round: the
+    pattern viewed as int32 and back."""
+    return (x.view(torch.int32) & 0x7FFFFFFF).view(torch.float32) * 2 + 1
+
+
+def bench_bit_patterns(repeats: int, tokens: int = 1024, width: int = 1536) -> list[list[str]]:
+    """Nanoseconds per element of three compiled kernels on a `tokens` x `width` float32 input: a multiply-add, the
+    same on the bit pattern (float32 -> int32 -> float32, which torch 2.13's inductor writes for a CPU as scalar
+    loops through memory) and the MX cast: how much of a cast's time its bit-pattern steps take on this machine."""
+    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
+    fmt = get_format("mxfp4_e2m1")
+    plain, on_the_bits = CompiledKernel(multiply_add), CompiledKernel(multiply_add_on_the_bits)
+    candidates = {
+        "x * 2 + 1": lambda: plain(x),
+        "abs(x) * 2 + 1, abs(x) taken on the bit pattern (float32 -> int32 -> float32)": lambda: on_the_bits(x),
+        "MX cast (quantize_mx, float32)": lambda: quantize_mx(x, fmt),
+    }
+    with torch.inference_mode():
+        seconds = median_seconds(list(candidates.values()), repeats, time.process_time, calls=20)
+    table = []
+    for name, per_call in zip(candidates, seconds):
+        log(f"{name}: {per_call / x.numel() * 1e9:.2f} ns per element")
+        table.append(
+            [f"{tokens} x {width}", name, f"{per_call / x.numel() * 1e9:.2f}", f"{per_call / seconds[0]:.2f}x"]
+        )
+    return table
+
+
 def split_64_by_8(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
     """`transforms.kronecker_split` as it was for blocks of 512 and more: a last factor of order 64 (times the odd
     one), the rest as the Sylvester factor across its runs."""
@@ -593,6 +626,9 @@ def main() -> None:
         "",
         f"### Online transforms with their MX cast, per call (CPU time in ms, median of {args.repeats} x 20 calls)",
         table(["input", "dtype", "block", "call", "ms per call", "x the cast alone"], bench_transforms(args.repeats)),
+        "",
+        f"### Compiled element-wise kernels, CPU time per element (median of {args.repeats} x 20 calls)",
+        table(["input", "kernel", "ns per element", "x the multiply-add"], bench_bit_patterns(args.repeats)),
     ]
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)

@@ -800,8 +800,9 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     generation = next(line for line in output.read_text().splitlines() if "generation, ms per token | float32" in line)
     cells = [cell.strip() for cell in generation.strip("|").split("|")]
     assert len(cells) == 8 + len(rotations) and cells[7] == ""  # one row per step: no chunks, not timed
-    transform_rows = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
-    calls = [[cell.strip() for cell in line.strip("|").split("|")] for line in transform_rows]
+    rows_of_1024 = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
+    cells_of_1024 = [[cell.strip() for cell in line.strip("|").split("|")] for line in rows_of_1024]
+    calls = [c for c in cells_of_1024 if c[1] in ("float32", "bfloat16")]  # the online transforms' rows
     # per dtype, input width and block: the cast alone (1.00x), the transform with it, and the references: in float32
     # for 32-blocks the same kernel compiled with inductor's default fusion thresholds; in bfloat16 for 32-blocks the
     # signs apart from the factor, then also the sums rounded after the stack; for 512-blocks the division and
@@ -823,6 +824,10 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     assert [tuple(c[:4]) for c in calls] == expected
     # each ratio is the row's time over its cast's (a one-repeat run on a busy machine can time the transform below
     # the cast, so the ratio's size is not asserted)
+    # the element-wise kernels: a multiply-add (1.00x), the same through a bit reinterpretation, the MX cast
+    kernels = [c for c in cells_of_1024 if c[1] not in ("float32", "bfloat16")]
+    assert [k[1].split(",")[0] for k in kernels] == ["x * 2 + 1", "abs(x) * 2 + 1", "MX cast (quantize_mx"]
+    assert kernels[0][3] == "1.00x" and all(float(k[2]) > 0 for k in kernels)
     groups = [[c for c in calls if tuple(c[:3]) == key] for key in dict.fromkeys(row[:3] for row in expected)]
     for group in groups:
         assert group[0][5] == "1.00x", group
