@@ -36,7 +36,7 @@ kernel: inductor's code for more sums and differences in a kernel ran several ti
 (SmolLM2's `down_proj` transform, on 512-blocks, made the forward pass about a fifth slower that way), and its
 rounding to bfloat16 inside the cast's kernel, computed again in each of the cast's loops through scalar bit casts,
 made a bfloat16 transform with its cast 1.5x slower (`benchmarks/bench_inference.py`, "Online transforms"). On a
-CPU, an input not in float32, or one whose products run before the kernel, is transformed a chunk of rows at a time
+CPU, an input not in float32, or one whose products run outside the kernel, is transformed a chunk of rows at a time
 (`formats.cast.map_row_chunks`: float32 temporaries small enough for the
 allocator to reuse). The kernel is checked bit for bit against the same steps run eagerly; that those
 give the bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
@@ -46,6 +46,7 @@ product's inner loop adds them) is tested.
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -139,7 +140,7 @@ def _sum_and_difference(
 
 
 # The largest last Kronecker factor the inference kernel multiplies by itself (`order` products per element), when the
-# Sylvester factor across its runs is of order 2 at most; else the products run before the kernel.
+# Sylvester factor across its runs is of order 2 at most; else the products run as torch's matrix products.
 KERNEL_MATRIX_ORDER = 16
 
 
@@ -244,7 +245,9 @@ class RandomizedHadamard(nn.Module):
         # A block is indexed as a matrix of shape (2**k, len(last)): the transform multiplies its rows by the last
         # factor's matrix, then its columns by the Sylvester matrix of order 2**k.
         sylvester_power, last = kronecker_split(self.power, odd)
-        self._norm = torch.tensor(self.power, dtype=torch.float64, device="cpu").sqrt()  # H = sylvester / _norm
+        # H = sylvester / _norm. `math.sqrt` is correctly rounded; torch 2.13's float64 sqrt on a CPU with AVX-512
+        # returned sqrt(32) one unit in the last place low.
+        self._norm = torch.tensor(math.sqrt(self.power), dtype=torch.float64, device="cpu")
         sylvester = sylvester_matrix(2**sylvester_power) if sylvester_power else None
         # Plain float64 tensors, not buffers: `model.to(torch.bfloat16)` must not round them (the merged weights
         # were computed with these exact values), and a state dict has nothing to hold.
