@@ -249,7 +249,7 @@ BFLOAT16_MATMUL_FEATURES = ("amx_bf16", "avx512_bf16")
 def processor_description() -> str:
     """The processor's model name and its bfloat16 matrix-product features (Linux's `/proc/cpuinfo`; elsewhere the
     platform's processor string) with torch's vector instruction set: a CPU benchmark's ratios differ by machine as
-    much as by code (SmolLM2's bfloat16 forward took 1035 ms on an AMD EPYC and 420 ms on a Xeon with AMX)."""
+    much as by code (SmolLM2's bfloat16 forward took 1035 ms on an AMD EPYC and 402 ms on a Xeon with AMX)."""
     cpuinfo = Path("/proc/cpuinfo")
     fields = dict(
         line.split(":", 1) for line in (cpuinfo.read_text().splitlines() if cpuinfo.exists() else []) if ":" in line

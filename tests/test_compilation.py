@@ -64,7 +64,7 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, m
     (bfloat16 and float16 on a CPU). Larger blocks: the products, division and rounding run as torch's operations and
     the cast as its own kernel, with the same bits."""
     signs_apart = []  # per call of the transform's kernel: whether the signs came apart from the factor
-    casts_compiled = []  # per call of the cast's kernel: its rows
+    casts_compiled = []  # per call of the cast's kernel: its format
 
     class Recorded:
         def __init__(self, kernel, record):
