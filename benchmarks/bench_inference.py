@@ -17,9 +17,7 @@ Measures, in one run:
    time per token (32 tokens after a 16-token prompt: one row per step, where a cast's per-call cost counts more
    than its throughput), `from_pretrained`
    time and checkpoint bytes, float vs dMX, and the cached dMX model with every linear casting its own input
-   (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence, and the cached dMX
-   model casting each activation in one kernel call instead of a chunk of rows at a time (`formats.cast.map_row_chunks`:
-   in bfloat16, its float32 temporaries were fresh pages on every call). The dMX model uses
+   (`input_casts=None`: no cast shared by q/k/v or gate/up), the cost of that sharing's absence. The dMX model uses
    a fixed mixed map applied without calibration, with one format per fused group as the default
    `offset_groups="fused"` gives every calibrated map: of the units of one format (q/k/v, o_proj, gate/up,
    down_proj, layer after layer) every fifth is MXFP8, the rest MXFP4 (4.8 average bits). With
@@ -27,10 +25,10 @@ Measures, in one run:
    map, is timed beside them (the cost of the online transforms: `down_proj`'s input for `hadamard` /
    `block_hadamard`, every quantized input for `online_block_hadamard`).
 
-With `--fresh-processes`, instead of all of the above: the whole model in bfloat16 (float, the cached dMX model with
-its casts chunked and not chunked, each rotation), each model timed in a process of its own, started for it, as a
-user's process runs it (whether the casts' float32 temporaries are fresh pages on every call depends on the
-allocator's state, so on what the process did before), three times per model in turn:
+With `--fresh-processes`, instead of all of the above: the whole model in bfloat16 (float, the cached dMX model, each
+rotation), each model timed in a process of its own, started for it, as a user's process runs it (whether float32
+temporaries are fresh pages on every call depends on the allocator's state, so on what the process did before), three
+times per model in turn:
 
     python benchmarks/bench_inference.py --fresh-processes --repeats 7 \
         --rotation hadamard,block_hadamard,online_block_hadamard --output benchmarks/results/inference_processes.md
@@ -67,8 +65,7 @@ import torch
 from torch import nn
 
 from optimum_dmx import DMXConfig, MXLinear
-from optimum_dmx.formats import MX_FORMATS, cast, get_format, quantize_mx
-from optimum_dmx.formats.blocks import round_to_bfloat16
+from optimum_dmx.formats import MX_FORMATS, get_format, quantize_mx
 from optimum_dmx.formats.cast import cast_mx_blocks, fused_cast_mx, map_row_chunks
 from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS, CompiledKernel
 from optimum_dmx.integration.model_card import checkpoint_bytes
@@ -178,7 +175,8 @@ def multiply_add_on_the_bits(x: torch.Tensor) -> torch.Tensor:
 def bench_bit_patterns(repeats: int, tokens: int = 1024, width: int = 1536) -> list[list[str]]:
     """Nanoseconds per element of three compiled kernels on a `tokens` x `width` float32 input: a multiply-add, the
     same on the bit pattern (float32 -> int32 -> float32, which torch 2.13's inductor writes for a CPU as scalar
-    loops through memory) and the MX cast: how much of a cast's time its bit-pattern steps take on this machine."""
+    loops through memory) and the MX cast, whose elements' rounding steps come from comparisons instead
+    (`formats.cast.element_steps`): what one bit reinterpretation per element would cost the cast on this machine."""
     x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
     fmt = get_format("mxfp4_e2m1")
     plain, on_the_bits = CompiledKernel(multiply_add), CompiledKernel(multiply_add_on_the_bits)
@@ -196,6 +194,16 @@ def bench_bit_patterns(repeats: int, tokens: int = 1024, width: int = 1536) -> l
             [f"{tokens} x {width}", name, f"{per_call / x.numel() * 1e9:.2f}", f"{per_call / seconds[0]:.2f}x"]
         )
     return table
+
+
+def round_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
+    """`x.bfloat16().float()` computed on the float32 bit pattern (ties to even; infinities and NaNs unchanged), as
+    the transform kernel rounded before `x.to(torch.bfloat16)` inside it: the references below that run as before."""
+    bits = x.view(torch.int32)
+    magnitude = bits & 0x7FFFFFFF
+    rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & -0x10000  # no overflow: finite magnitudes only
+    signed = (rounded | (bits & torch.iinfo(torch.int32).min)).view(torch.float32)
+    return torch.where(magnitude < 0x7F800000, signed, x)
 
 
 def split_64_by_8(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
@@ -219,7 +227,32 @@ def transform_then_round(
     summed = transforms._sum_and_difference(transforms._signed_product_in_order(x, signs, matrices, last), last)
     finished = summed / norm
     finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
-    return cast_mx_blocks(finished, *cast, native_cast=False)
+    values, block_output = cast_mx_blocks(finished, *cast, native_cast=False)
+    return values.to(dtype), block_output
+
+
+def rounded_on_the_bits(
+    x: torch.Tensor,
+    signs: torch.Tensor | None,
+    matrices: torch.Tensor | None,
+    pairs: bool,
+    last: int,
+    norm: float,
+    dtype: torch.dtype,
+    cast: tuple,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`transforms._transform_kernel` for 32-blocks in bfloat16 as it was before the rounding became `.to(dtype)`:
+    the division and the rounding to bfloat16 on the float32 bit pattern (`round_to_bfloat16`), before the sums and
+    differences are put together."""
+
+    def finish(values: torch.Tensor) -> torch.Tensor:
+        return round_to_bfloat16(values / norm)
+
+    product = transforms._signed_product_in_order(x, signs, matrices, last)
+    values, block_output = cast_mx_blocks(
+        transforms._sum_and_difference(product, last, finish), *cast, native_cast=False
+    )
+    return values.to(dtype), block_output
 
 
 def finish_and_cast(products: torch.Tensor, norm: float, dtype: torch.dtype, cast: tuple) -> torch.Tensor:
@@ -239,7 +272,7 @@ def rounded_in_the_cast(
     def chunk(rows: torch.Tensor) -> torch.Tensor:
         return kernel(transform._products(rows, torch.float32), float(transform._norm), x.dtype, cast)[0]
 
-    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype, True).view(x.shape)
+    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
 
 
 def signs_apart(transform: transforms.RandomizedHadamard, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -253,16 +286,17 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     against the plain cast of the same input, in float32 and bfloat16: 32-blocks on SmolLM2's two input widths (576:
     q/k/v, o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input. As references, how
     each ran before: for 32-blocks in float32 the same kernel compiled with inductor's default fusion thresholds (the
-    16 x 16 product split in two passes over a buffer as large as the input), in bfloat16 the signs apart from the
-    16 x 16 factor (as in float32) and, besides, the sums divided and rounded after they are put together
-    (`transform_then_round`); for 512-blocks the division and rounding in the cast's kernel (`finish_and_cast`) and,
-    in float32, the transform split into a 64 x 64 product and a Sylvester factor of order 8 across its runs
-    (`kronecker_split` now takes 32 and 16)."""
+    16 x 16 product split in two passes over a buffer as large as the input), in bfloat16 the rounding to bfloat16 on
+    the bit pattern (`rounded_on_the_bits`), the signs apart from the 16 x 16 factor (as in float32) and, besides, the
+    sums divided and rounded after they are put together (`transform_then_round`); for 512-blocks the division and
+    rounding in the cast's kernel (`finish_and_cast`) and, in float32, the transform split into a 64 x 64 product and a
+    Sylvester factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
     fmt = get_format("mxfp4_e2m1")
     kernel = transforms._transform_kernel
     options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
     default_thresholds = CompiledKernel(kernel.fn, options=options)
     rounded_after = CompiledKernel(transform_then_round, options=kernel.options)
+    on_the_bits = CompiledKernel(rounded_on_the_bits, options=kernel.options)
     finished_in_the_cast = CompiledKernel(finish_and_cast, options=kernel.options)
     cases = [
         (dtype, width, block)
@@ -292,6 +326,7 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
         if block == 32 and dtype == torch.float32:
             candidates["transform and cast, inductor's default fusion thresholds"] = with_kernel(default_thresholds)
         elif block == 32:
+            candidates["transform and cast, rounded to bfloat16 on the bit pattern"] = with_kernel(on_the_bits)
             candidates["transform and cast, signs apart from the factor"] = with_kernel(kernel, apart)
             candidates["transform and cast, signs apart, sums rounded after they are put together"] = with_kernel(
                 rounded_after, apart
@@ -351,16 +386,14 @@ def save_dmx_models(model_dir: Path, into: Path, rotations: tuple[str, ...]) -> 
     return folders
 
 
-def forward_seconds(model_dir: str, shape: tuple[int, int], repeats: int, threads: int, chunked: bool) -> float:
-    """Median CPU time of the bf16 forward of the model in `model_dir` on `shape` tokens, in this process (casts not
-    chunked unless `chunked`)."""
+def forward_seconds(model_dir: str, shape: tuple[int, int], repeats: int, threads: int) -> float:
+    """Median CPU time of the bf16 forward of the model in `model_dir` on `shape` tokens, in this process."""
     from transformers import AutoModelForCausalLM
 
     torch.set_num_threads(threads)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16)
     ids = torch.randint(0, model.config.vocab_size, shape, generator=torch.Generator().manual_seed(0))
-    limit = cast.ROW_CHUNK_ELEMENTS if chunked else sys.maxsize
-    with mock.patch.object(cast, "ROW_CHUNK_ELEMENTS", limit), torch.inference_mode():
+    with torch.inference_mode():
         return median_seconds([lambda: model(ids)], repeats, time.process_time)[0]
 
 
@@ -372,31 +405,30 @@ from bench_inference import forward_seconds
 from common import fixed_malloc_thresholds
 if {fixed_malloc!r}:
     fixed_malloc_thresholds()
-print(forward_seconds({model!r}, {shape!r}, {repeats!r}, {threads!r}, {chunked!r}))
+print(forward_seconds({model!r}, {shape!r}, {repeats!r}, {threads!r}))
 """
 
 
 def bench_fresh_processes(
     model_dir: Path, repeats: int, threads: int, rotations: tuple[str, ...], fixed_malloc: bool, rounds: int = 3
 ) -> list[list[str]]:
-    """Rows per shape: the bf16 forward of float, dMX (casts chunked, then not) and each rotated dMX model, each timed
+    """Rows per shape: the bf16 forward of float, dMX and each rotated dMX model, each timed
     in a new Python process that loads only that model, as a user's does; the models in turn, `rounds` times; the
     median of the rounds (processes of the same model differ by several percent, as their allocators' states do)."""
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         dmx_dir, *rotated_dirs = save_dmx_models(model_dir, Path(tmp), rotations)
-        models = [(model_dir, True), (dmx_dir, True), (dmx_dir, False), *((path, True) for path in rotated_dirs)]
+        models = [model_dir, dmx_dir, *rotated_dirs]
         for shape in SHAPES:
             samples: list[list[float]] = [[] for _ in models]
             for _ in range(rounds):
-                for (path, chunked), times in zip(models, samples):
+                for path, times in zip(models, samples):
                     code = FORWARD_IN_A_NEW_PROCESS.format(
                         benchmarks=str(Path(__file__).parent),
                         model=str(path),
                         shape=shape,
                         repeats=repeats,
                         threads=threads,
-                        chunked=chunked,
                         fixed_malloc=fixed_malloc,
                     )
                     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -481,13 +513,7 @@ def bench_model(
             for batch, seq in SHAPES:
                 generator = torch.Generator().manual_seed(0)
                 ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
-
-                def unchunked(ids: torch.Tensor = ids) -> None:
-                    with mock.patch.object(cast, "ROW_CHUNK_ELEMENTS", sys.maxsize):
-                        dmx(ids)
-
                 forwards = [lambda m=m: m(ids) for m in models]
-                forwards.insert(4, unchunked)
                 with torch.inference_mode():
                     base, *others = median_seconds(forwards, repeats, time.process_time)
                 log(f"model {dtype} {batch}x{seq}: " + " / ".join(f"{t:.2f}" for t in (base, *others)) + " s")
@@ -521,7 +547,6 @@ def bench_model(
                     )
                 )
             log(f"generation {dtype}: " + " / ".join(f"{t * 1e3:.1f}" for t in (base, *others)) + " ms per token")
-            others.insert(3, None)  # one row per step: nothing to chunk, not timed
             rows.append(
                 [
                     "SmolLM2-135M generation, ms per token",
@@ -545,7 +570,7 @@ def compared(
     times: list[float | None], float_time: float, unit: float, number: str, against_dmx_from: int = 3
 ) -> list[str]:
     """Cells for the dMX models' `times` (the cached model first; None: not timed): each with its ratio to float, and
-    from index `against_dmx_from` on (the whole-model table's unchunked casts and rotations) also with its ratio to
+    from index `against_dmx_from` on (the whole-model table's rotations) also with its ratio to
     the cached dMX model."""
     cells = ["" if t is None else f"{number.format(t * unit)} ({t / float_time:.2f}x)" for t in times]
     start = against_dmx_from
@@ -601,7 +626,6 @@ def main() -> None:
     )
     if args.fresh_processes:
         header = ["measure", "dtype", "batch x seq", "float", "dMX cached (vs float)"]
-        header += ["dMX cached, casts not chunked (vs float; vs dMX cached)"]
         header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]
         rows = bench_fresh_processes(
             args.model or benchmark_model(), args.repeats, args.threads, rotations, args.malloc == "fixed"
@@ -642,7 +666,6 @@ def main() -> None:
             "dMX cached",
             "dMX packed-only",
             "dMX cached, input casts not shared",
-            "dMX cached, casts not chunked (vs float; vs dMX cached)",
         ]
         header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]
         parts += ["", "### Whole model (SmolLM2-135M)", table(header, rows), ""]

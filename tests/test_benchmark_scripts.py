@@ -704,8 +704,8 @@ def test_quality_report_sets_the_servable_configuration_against_the_library_defa
 
 @pytest.mark.slow  # 24 new processes, each loading torch and a model: a few minutes
 def test_inference_benchmark_times_each_bfloat16_model_in_new_processes(tiny_text_model_dir, tmp_path):
-    """`--fresh-processes`: one row per shape, the float model's time, then dMX, dMX with unchunked casts and the
-    rotated model, each with its ratio to float and (after the cached model) to the cached dMX model."""
+    """`--fresh-processes`: one row per shape, the float model's time, then dMX and the rotated model, each with its
+    ratio to float and (after the cached model) to the cached dMX model."""
     output = tmp_path / "processes.md"
     args = ("--model", tiny_text_model_dir / "model", "--repeats", "1", "--rotation", "online_block_hadamard")
     run_benchmark("bench_inference.py", "--fresh-processes", *args, "--output", output)
@@ -713,7 +713,7 @@ def test_inference_benchmark_times_each_bfloat16_model_in_new_processes(tiny_tex
     assert [row.split("|")[3].strip() for row in rows] == ["1x512", "8x128"]
     for line in rows:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert len(cells) == 7 and re.fullmatch(r"\d+", cells[3]), cells
+        assert len(cells) == 6 and re.fullmatch(r"\d+", cells[3]), cells
         assert re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cells[4]), cells
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[5:]), cells
 
@@ -769,8 +769,7 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     tiny_text_model_dir, tmp_path
 ):
     """The whole-model table's map gives each fused group (q/k/v, gate/up) one format, as calibrated maps have; the
-    model with unchunked casts and each rotated model have cells with their ratios to the float and to the cached dMX
-    model; the online transforms' table
+    rotated models have cells with their ratios to the float and to the cached dMX model; the online transforms' table
     times each transform with its cast against the cast alone."""
     script = [sys.executable, "-c", INFERENCE_MAP]
     result = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
@@ -784,7 +783,7 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     assert len(forward_rows) == 2  # 1 x 512 and 8 x 128
     for line in forward_rows:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert len(cells) == 8 + len(rotations)
+        assert len(cells) == 7 + len(rotations)
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for cell in cells[4:7]), cells
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[7:]), cells
     lines = output.read_text().splitlines()
@@ -792,20 +791,22 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     assert len(fault_rows) == 2  # every model's page faults in one forward, per shape
     for line in fault_rows:
         cells = [cell.strip() for cell in line.strip("|").split("|")]
-        assert len(cells) == 8 + len(rotations) and all(re.fullmatch(r"\d+", cell) for cell in cells[3:]), cells
+        assert len(cells) == 7 + len(rotations) and all(re.fullmatch(r"\d+", cell) for cell in cells[3:]), cells
     machine = next(line for line in output.read_text().splitlines() if line.startswith("Machine: "))
     assert "allocator: glibc with fixed thresholds (mmap 32 MiB, trim 1 GiB)" in machine
     # the processor, with what its bfloat16 matrix products run on, which moves every ratio
     assert f"torch {torch.backends.cpu.get_cpu_capability()})" in machine
     generation = next(line for line in output.read_text().splitlines() if "generation, ms per token | float32" in line)
     cells = [cell.strip() for cell in generation.strip("|").split("|")]
-    assert len(cells) == 8 + len(rotations) and cells[7] == ""  # one row per step: no chunks, not timed
+    assert len(cells) == 7 + len(rotations)
+    assert all(re.fullmatch(r"\d+\.\d \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[7:]), cells
     rows_of_1024 = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
     cells_of_1024 = [[cell.strip() for cell in line.strip("|").split("|")] for line in rows_of_1024]
     calls = [c for c in cells_of_1024 if c[1] in ("float32", "bfloat16")]  # the online transforms' rows
     # per dtype, input width and block: the cast alone (1.00x), the transform with it, and the references: in float32
     # for 32-blocks the same kernel compiled with inductor's default fusion thresholds; in bfloat16 for 32-blocks the
-    # signs apart from the factor, then also the sums rounded after the stack; for 512-blocks the division and
+    # rounding to bfloat16 on the bit pattern, the signs apart from the factor, then also the sums rounded after the
+    # stack; for 512-blocks the division and
     # rounding in the cast's kernel and, in float32, the 64 x 64 split
     cast, transform = "MX cast alone (quantize_mx)", "transform and cast"
     thresholds = f"{transform}, inductor's default fusion thresholds"
@@ -813,12 +814,13 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     split = f"{transform}, 64 x 64 product then order 8"
     apart = f"{transform}, signs apart from the factor"
     rounded_after = f"{transform}, signs apart, sums rounded after they are put together"
+    on_the_bits = f"{transform}, rounded to bfloat16 on the bit pattern"
     expected = [
         *[("1024 x 576", "float32", "32", call) for call in (cast, transform, thresholds)],
         *[("1024 x 1536", "float32", "32", call) for call in (cast, transform, thresholds)],
         *[("1024 x 1536", "float32", "512", call) for call in (cast, transform, in_the_cast, split)],
-        *[("1024 x 576", "bfloat16", "32", call) for call in (cast, transform, apart, rounded_after)],
-        *[("1024 x 1536", "bfloat16", "32", call) for call in (cast, transform, apart, rounded_after)],
+        *[("1024 x 576", "bfloat16", "32", call) for call in (cast, transform, on_the_bits, apart, rounded_after)],
+        *[("1024 x 1536", "bfloat16", "32", call) for call in (cast, transform, on_the_bits, apart, rounded_after)],
         *[("1024 x 1536", "bfloat16", "512", call) for call in (cast, transform, in_the_cast)],
     ]
     assert [tuple(c[:4]) for c in calls] == expected

@@ -99,20 +99,21 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, m
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_large_activations_are_cast_a_chunk_of_rows_at_a_time_on_a_cpu(compiled, monkeypatch, dtype):
-    """On a CPU, an activation not in float32 is cast a chunk of rows at a time (its float32 temporaries stay small
-    enough for the allocator to reuse), into one output of its dtype with the bits of the eager cast; a float32 one
-    (no temporary but the result) in one call. So is an online transform with its cast; one whose products run
-    before its kernel (blocks over 32) is chunked in float32 too."""
+def test_activations_are_cast_in_one_call_and_large_transforms_a_chunk_of_rows_at_a_time_on_a_cpu(
+    compiled, monkeypatch, dtype
+):
+    """On a CPU an activation is cast in one kernel call that reads and writes its dtype (no float32 temporary), with
+    the bits of the eager cast; so is a 32-block online transform with its cast. One whose products run before its
+    kernel (blocks over 32, float32 temporaries as large as the input) is transformed a chunk of rows at a time."""
     monkeypatch.setattr(cast_module, "ROW_CHUNK_ELEMENTS", 5 * 128)  # 5 rows of 128 per chunk
-    rows_per_call = []
+    calls = []
 
     def recorded(kernel):
         class Recorded:
             active = property(lambda self: kernel.active)
 
             def __call__(self, x, *args):
-                rows_per_call.append(len(x))
+                calls.append((len(x), x.dtype))
                 return kernel(x, *args)
 
         return Recorded()
@@ -121,16 +122,15 @@ def test_large_activations_are_cast_a_chunk_of_rows_at_a_time_on_a_cpu(compiled,
     monkeypatch.setattr(transforms, "_transform_kernel", recorded(_transform_kernel))
     x = awkward_tensor(23, 128).to(dtype).reshape(1, 23, 128)
     fmt = get_format("mxfp4_e2m1")
-    chunks = [5, 5, 5, 5, 3] if dtype != torch.float32 else [23]
     got = quantize_mx(x, fmt)
-    assert rows_per_call == chunks
+    assert calls == [(23, dtype)]
     assert got.dtype == dtype and got.shape == x.shape
     assert torch.equal(_bits(got), _bits(cast_mx(x, fmt, 32, "ocp")))
     for block_size in (32, 128):
         transform = RandomizedHadamard(128, block_size, seed=1)
-        rows_per_call.clear()
+        calls.clear()
         got = transform.quantize(x, fmt, 32, "ocp")
-        assert rows_per_call == (chunks if block_size == 32 else [5, 5, 5, 5, 3])
+        assert [rows for rows, _ in calls] == ([23] if block_size == 32 else [5, 5, 5, 5, 3])
         set_compile_enabled(False)
         expected = quantize_mx(transform(x), fmt)
         set_compile_enabled(True)
@@ -167,17 +167,16 @@ def test_the_cast_kernels_block_output_is_each_blocks_shared_exponent(compiled):
     assert fused_cast_mx.rejected_variants == 0
 
 
-def test_one_cast_kernel_serves_every_input_dtype_of_a_width(compiled):
-    """bfloat16 and float16 activations are cast by the float32 kernel (converted before and after it: inductor's
-    32-lane bfloat16 kernels reinterpret bit patterns element by element, several times slower), so a layer width
-    compiles one cast kernel per format, whatever the dtypes of the inputs; the bits are the eager cast's."""
+def test_each_input_dtype_of_a_width_gets_a_cast_kernel_that_reads_and_writes_it(compiled):
+    """bfloat16 and float16 activations are cast by kernels of their own, which read and write that dtype and compute
+    in float32 (no float32 copy of the activation, no float32 result to convert); the bits are the eager cast's."""
     fmt = get_format("mxfp6_e2m3")
     before = fused_cast_mx.compiled_variants
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         x = awkward_tensor(6, 224).to(dtype)  # a width no other test uses: a kernel of its own
         y = quantize_mx(x, fmt)
         assert y.dtype == dtype and torch.equal(_bits(y), _bits(cast_mx(x, fmt, 32, "ocp")))
-    assert fused_cast_mx.compiled_variants == before + 1
+    assert fused_cast_mx.compiled_variants == before + 3
 
 
 def test_disabled_compilation_runs_the_eager_cast():
@@ -653,7 +652,8 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
             transformed = transform.quantize(finite.to(dtype), get_format("mxfp4_e2m1"), 32, "ocp")
             assert _same_bits(transformed, quantize_mx(transform(finite.to(dtype)), "mxfp4_e2m1")), dtype
         assert _transform_kernel.compiled_variants == 4 and _transform_kernel.rejected_variants == 0
-        assert fused_cast_mx.compiled_variants == 2 * len(MX_FORMATS) and fused_cast_mx.rejected_variants == 0
+        # two per format (many rows, one row), and the bfloat16 reference cast of the transform
+        assert fused_cast_mx.compiled_variants == 2 * len(MX_FORMATS) + 1 and fused_cast_mx.rejected_variants == 0
         assert fused_dequantize.rejected_variants == 0 and fused_pack_rows.rejected_variants == 0
         assert fused_pack_rows.compiled_variants == len(MX_FORMATS)
         assert _values_kernel.compiled_variants > 0 and _gradients_kernel.compiled_variants > 0

@@ -4,7 +4,8 @@ A block of ``block_size`` consecutive elements along the last dimension shares o
 ``X = 2^k`` with ``k = floor(log2(max|block|)) - emax``, clamped to [-127, 127] and stored as the E8M0 byte
 ``k + 127``; a block holding a NaN or an Inf gets the NaN scale. A scale rule other than the OCP one
 (``spec.SCALE_RULES``) first rounds the block maximum up to the next power of two when its mantissa is at least
-``2 - 2^-(r+1)``. Exponents and mantissas are read from the float32 bit pattern, so they are exact (and fast).
+``2 - 2^-(r+1)``. The block maxima's exponents and mantissas are read from the float32 bit pattern, so they are
+exact (one per block: the elements' rounding steps come from comparisons, ``cast.element_steps``).
 """
 
 from __future__ import annotations
@@ -65,18 +66,6 @@ def floor_log2(x: torch.Tensor) -> torch.Tensor:
 def pow2(exponent: torch.Tensor) -> torch.Tensor:
     """Exact float32 ``2^exponent`` for int32 exponents in [-126, 127], built from the bit pattern."""
     return ((exponent + FP32_EXPONENT_BIAS) << FP32_MANTISSA_BITS).view(torch.float32)
-
-
-def round_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
-    """A float32 tensor rounded to the nearest bfloat16 (ties to even), kept in float32: ``x.bfloat16().float()``
-    computed on the bit pattern, which a compiled kernel vectorises in float32 lanes (a bfloat16 cast inside one
-    makes inductor's C++ kernel narrow and slow). Infinities and NaNs pass unchanged; a value past bfloat16's
-    largest becomes an infinity, as the cast makes it."""
-    bits = x.view(torch.int32)
-    magnitude = bits & 0x7FFFFFFF
-    rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & -0x10000  # no overflow: finite magnitudes only
-    signed = (rounded | (bits & torch.iinfo(torch.int32).min)).view(torch.float32)
-    return torch.where(magnitude < 0x7F800000, signed, x)
 
 
 def block_max(blocks: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,6 @@ from .blocks import (
     block_max,
     block_max_exponent,
     block_scale,
-    floor_log2,
     from_blocks,
     pow2,
     shared_exponent,
@@ -36,7 +35,6 @@ from .spec import (
     SCALE_EXPONENT_MIN,
     MXFormat,
     get_format,
-    grid_exponent,
     scale_rounding_bits,
     validate_block_size,
     validate_scale_rule,
@@ -59,9 +57,43 @@ def float8_carrier(fmt: MXFormat) -> tuple[torch.dtype, int] | None:
     return None
 
 
+# Binades above the smallest normal one up to which `element_steps` compares each element with every boundary in turn;
+# for more (E4M3's 14, E3M2's 6) a binary search over them takes fewer operations.
+CHAINED_BINADES = 4
+
+
+def element_steps(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
+    """The rounding step ``2^eta`` of block-scaled float32 elements (``spec.grid_exponent``): ``2^(e - m)`` for
+    ``|v|`` in the binade ``[2^e, 2^(e+1))`` of the format's normal range, ``2^(emin - m)`` below it.
+
+    Found by comparing ``|v|`` with powers of two, not read from the float32 exponent field as ``floor_log2`` does:
+    a compiled kernel then runs on vectors of floats, where torch 2.13's inductor writes each float32 <-> int32 bit
+    reinterpretation for a CPU as a scalar loop through memory (an MXFP4 cast of a 1024 x 1536 float32 input took
+    3.5 ms with the bit pattern's exponent, 1.0 ms with the comparisons; `benchmarks/bench_inference.py`, "Compiled
+    element-wise kernels"). Scaled elements lie below ``2^(emax+1)`` (finite blocks), so the largest binade is
+    ``emax``'s; larger values (in a NaN or Inf block, or GPTQ's unscaled ones) get a step that still saturates them.
+    """
+    magnitude = v.abs()
+    step = torch.full_like(magnitude, 2.0**fmt.step_exponent_min)
+    binades = fmt.emax - fmt.emin
+    if binades <= CHAINED_BINADES:
+        for e in range(fmt.emin + 1, fmt.emax + 1):
+            step = torch.where(magnitude >= 2.0**e, 2.0 ** (e - fmt.mbits), step)
+        return step
+    # The offset of floor(log2 |v|) above emin, one bit at a time from the highest: |v| scaled down past each bit set.
+    scaled = magnitude * 2.0**-fmt.emin
+    bit = 1 << (binades.bit_length() - 1)
+    while bit:
+        above = scaled >= 2.0**bit
+        scaled = torch.where(above, scaled * 2.0**-bit, scaled)
+        step = torch.where(above, step * 2.0**bit, step)
+        bit >>= 1
+    return step
+
+
 def round_elements(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     """Round block-scaled float32 elements to ``fmt`` in place: RNE on the element grid, then saturate."""
-    step = pow2(grid_exponent(floor_log2(v), fmt.mbits, fmt.step_exponent_min))
+    step = element_steps(v, fmt)
     return v.div_(step).round_().mul_(step).clamp_(-fmt.max_normal, fmt.max_normal)
 
 
@@ -138,14 +170,9 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
     validate_scale_rule(scale_rule)
     validate_input(x)
     if compiles(x.shape[-1], block_size) and not (x.requires_grad and torch.is_grad_enabled()):
-        # As a matrix of rows: one kernel serves every number of rows (tokens) of a width. The kernel takes and
-        # returns float32 (the cast computes in float32 anyway, so the bits are the same): inductor vectorises a
-        # bfloat16 or float16 kernel 32 lanes wide, and at that width (torch 2.13, C++) it reinterprets float32
-        # bit patterns through memory one element at a time; converting outside is faster.
-        def cast(rows: torch.Tensor) -> torch.Tensor:
-            return fused_cast_mx(rows.float(), fmt, block_size, scale_rule)[0]
-
-        return map_row_chunks(cast, x.reshape(-1, x.shape[-1]), x.dtype).view(x.shape)
+        # As a matrix of rows: one kernel serves every number of rows (tokens) of a width. It reads and writes
+        # x's dtype and computes in float32 registers, so it allocates nothing but its output.
+        return fused_cast_mx(x.reshape(-1, x.shape[-1]), fmt, block_size, scale_rule)[0].view(x.shape)
     # Traced by an outer `torch.compile`: the bit-pattern rounding, whose graph has no host synchronisation to break.
     return cast_mx(x, fmt, block_size, scale_rule, native_cast=not torch.compiler.is_compiling())
 
@@ -154,24 +181,20 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
 ROW_CHUNK_ELEMENTS = 2**18
 
 
-def map_row_chunks(
-    fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, dtype: torch.dtype, chunk_float32: bool = False
-) -> torch.Tensor:
-    """``fn(rows).to(dtype)`` for a row-wise ``fn`` that computes in float32 temporaries; on a CPU, where ``rows`` are
-    not float32 (or ``chunk_float32``: ``fn`` makes such temporaries from float32 rows too), a chunk of rows at a time
-    into one output.
+def map_row_chunks(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``fn(rows).to(dtype)`` for a row-wise ``fn`` that makes float32 temporaries as large as its input (an online
+    transform's matrix products before its MX cast); on a CPU a chunk of rows at a time, into one output.
 
-    On a CPU, glibc's allocator can hand temporaries of several MiB (a bfloat16 activation's float32 copy, the
-    kernel's float32 result) back to the system when they are freed, so that every call gets fresh pages, each
-    faulted in and zeroed by the kernel: on SmolLM2-135M in bfloat16 at 8 x 128 tokens, in a process holding only the
-    quantized model, its forward took 1.25x as long with each activation cast in one call as in chunks
-    (`benchmarks/results/inference_processes.md`; whether it happens depends on what the process allocated before).
-    Chunks of ``ROW_CHUNK_ELEMENTS`` keep the temporaries small enough to be reused (and in cache); the output is
-    written once, as any layer's. On a GPU (a caching allocator) and for float32 rows with a single temporary (the
-    result, which the caller keeps) ``fn`` runs on all rows at once.
+    On a CPU, glibc's allocator can hand temporaries of several MiB back to the system when they are freed, so that
+    every call gets fresh pages, each faulted in and zeroed by the kernel: on SmolLM2-135M in bfloat16 at 8 x 128
+    tokens, in a process holding only the quantized model, its forward took 1.25x as long with each activation's
+    float32 copy made in one call as in chunks (`benchmarks/results/inference_processes.md`, before the casts read
+    bfloat16 themselves; whether it happens depends on what the process allocated before). Chunks of
+    ``ROW_CHUNK_ELEMENTS`` keep the temporaries small enough to be reused (and in cache); the output is written once,
+    as any layer's. On a GPU (a caching allocator) ``fn`` runs on all rows at once.
     """
     chunk_rows = max(1, ROW_CHUNK_ELEMENTS // max(1, rows.shape[-1]))
-    if rows.device.type != "cpu" or (rows.dtype == torch.float32 and not chunk_float32) or len(rows) <= chunk_rows:
+    if rows.device.type != "cpu" or len(rows) <= chunk_rows:
         return fn(rows).to(dtype)
     out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
     for start in range(0, len(rows), chunk_rows):

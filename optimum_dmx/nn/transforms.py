@@ -54,7 +54,6 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..formats.blocks import round_to_bfloat16
 from ..formats.cast import cast_mx_blocks, compiles, map_row_chunks, quantize_mx
 from ..formats.compilation import CompiledKernel
 from ..formats.spec import MXFormat
@@ -186,17 +185,19 @@ def _transform_kernel(
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The transform of rows `x` (the signs, or none with one copy of the last factor per run in `matrices`; the
     product by the last factor, `last` x `last`, `_signed_product_in_order`; with `pairs`, the Sylvester factor of
-    order 2, `_sum_and_difference`) divided by `norm`, rounded to `dtype` (returned as float32) and, with `cast`
+    order 2, `_sum_and_difference`) divided by `norm`, rounded to `dtype` and, with `cast`
     (format, block size, scale rule), MX-quantized (the values and the block output of
     `formats.cast.cast_mx_blocks`)."""
 
     def finish(values: torch.Tensor) -> torch.Tensor:
-        values = values / norm
-        return round_to_bfloat16(values) if dtype == torch.bfloat16 else values.to(dtype).float()
+        return (values / norm).to(dtype).float()
 
     product = _signed_product_in_order(x, signs, matrices, last)
     finished = _sum_and_difference(product, last, finish) if pairs else finish(product)
-    return finished if cast is None else cast_mx_blocks(finished, *cast, native_cast=False)
+    if cast is None:
+        return finished.to(dtype)
+    values, block_output = cast_mx_blocks(finished, *cast, native_cast=False)
+    return values.to(dtype), block_output
 
 
 class RandomizedHadamard(nn.Module):
@@ -294,9 +295,9 @@ class RandomizedHadamard(nn.Module):
         fused = _transform_kernel.active and not (x.requires_grad and torch.is_grad_enabled())
         if fused and (cast is None or compiles(self.size, cast[1])):
             rows = x.reshape(-1, self.size)
-            return map_row_chunks(
-                lambda chunk: self._kernel_values(chunk, x.dtype, cast), rows, x.dtype, not self._whole_in_kernel
-            ).view(x.shape)
+            if self._whole_in_kernel:
+                return self._kernel_values(rows, x.dtype, cast).view(x.shape)
+            return map_row_chunks(lambda chunk: self._kernel_values(chunk, x.dtype, cast), rows, x.dtype).view(x.shape)
         transformed = self._transform_rows(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
 
