@@ -7,9 +7,10 @@ inside the last block. Every step is exact, so the result is bit-identical to a 
 the specification.
 
 Two ways of rounding give the same bits: a native float8 cast (fast eagerly, but it needs one host-side check of
-the largest scale) and rounding on the float32 bit pattern (no host synchronisation, so inductor fuses
-the whole cast into one kernel: ``compilation``). ``quantize_mx`` runs the compiled kernel when compilation is on
-and no gradient is wanted, else the eager cast.
+the largest scale) and rounding in float32 arithmetic, each element's step found by comparisons (``element_steps``;
+no host synchronisation, so inductor fuses the whole cast into one kernel: ``compilation``). ``quantize_mx`` runs
+the compiled kernel, which reads and writes the activation's dtype, when compilation is on and no gradient is
+wanted, else the eager cast.
 """
 
 from __future__ import annotations
@@ -109,8 +110,8 @@ def quantize_blocks(
     """Round blocks to ``fmt``: elements in units of ``2^shift``, shared exponents ``k``, and ``shift``.
 
     The value of an element is ``elements * 2^(k + shift)``. With ``native_cast`` and a float8 carrier
-    (``shift`` may be non-zero) the rounding is one native cast; otherwise it is done on the float32 bit pattern
-    (``shift`` 0), which never synchronises with the host.
+    (``shift`` may be non-zero) the rounding is one native cast; otherwise it is done in float32 arithmetic
+    (``round_elements``, ``shift`` 0), which never synchronises with the host.
     """
     k = block_exponents(blocks, fmt, scale_rule)
     carrier = float8_carrier(fmt) if native_cast else None
@@ -147,7 +148,7 @@ def cast_mx(x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str, na
 def fused_cast_mx(
     x: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``cast_mx_blocks`` rounding on the bit pattern, compiled into one kernel (``compilation``); same bits. The
+    """``cast_mx_blocks`` rounding in float32 arithmetic, compiled into one kernel (``compilation``); same bits. The
     shared exponents are a block output (``compilation``): callers drop them."""
     return cast_mx_blocks(x, fmt, block_size, scale_rule, native_cast=False)
 
@@ -173,7 +174,7 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
         # As a matrix of rows: one kernel serves every number of rows (tokens) of a width. It reads and writes
         # x's dtype and computes in float32 registers, so it allocates nothing but its output.
         return fused_cast_mx(x.reshape(-1, x.shape[-1]), fmt, block_size, scale_rule)[0].view(x.shape)
-    # Traced by an outer `torch.compile`: the bit-pattern rounding, whose graph has no host synchronisation to break.
+    # Traced by an outer `torch.compile`: the arithmetic rounding, whose graph has no host synchronisation to break.
     return cast_mx(x, fmt, block_size, scale_rule, native_cast=not torch.compiler.is_compiling())
 
 
