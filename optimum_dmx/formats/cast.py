@@ -189,8 +189,8 @@ def map_row_chunks(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tenso
     On a CPU, glibc's allocator can hand temporaries of several MiB back to the system when they are freed, so that
     every call gets fresh pages, each faulted in and zeroed by the kernel: on SmolLM2-135M in bfloat16 at 8 x 128
     tokens, in a process holding only the quantized model, its forward took 1.25x as long with each activation's
-    float32 copy made in one call as in chunks (`benchmarks/results/inference_processes.md`, before the casts read
-    bfloat16 themselves; whether it happens depends on what the process allocated before). Chunks of
+    float32 copy made in one call as in chunks (`benchmarks/results/inference_processes.md` at `e84736a`, when the
+    casts made such copies; whether it happens depends on what the process allocated before). Chunks of
     ``ROW_CHUNK_ELEMENTS`` keep the temporaries small enough to be reused (and in cache); the output is written once,
     as any layer's. On a GPU (a caching allocator) ``fn`` runs on all rows at once.
     """
