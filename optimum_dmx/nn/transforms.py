@@ -32,15 +32,14 @@ wrote a new buffer as large as the activation. On a CPU, for an input not in flo
 factor, one copy of it per run of 16 elements (a product then loads a vector of the matrix instead of a sign and
 multiplies once less); the kernel divides and rounds the sums before it stores them, so that the MX cast's two loops
 over them do not each do it again, and rounds with `.to(dtype)` (rounded on the float32 bit pattern, which inductor
-reads through scalar bit casts on a CPU, a bfloat16 transform with its cast took 3.1x the cast's time, against 1.9x).
-Larger blocks take the two matrix products, the division and the rounding as torch's own operations, then the MX
-cast's kernel: inductor's code for more sums and differences in a kernel ran several times slower than the products
-(SmolLM2's `down_proj` transform, on 512-blocks, made the forward pass about a fifth slower that way); on a CPU they
-run a chunk of rows at a time (`formats.cast.map_row_chunks`: float32 temporaries small enough for the allocator to
-reuse) (`benchmarks/bench_inference.py`, "Online transforms"). The kernel is checked bit for bit against the same
-steps run eagerly; that those
-give the bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
-product's inner loop adds them) is tested.
+reads through scalar bit casts on a CPU, a bfloat16 transform with its cast took 3.1x the cast's time, against 1.9x:
+`benchmarks/bench_inference.py`, "Online transforms"). Larger blocks take the two matrix products, the division and
+the rounding as torch's own operations, then the MX cast's kernel: inductor's code for more sums and differences in a
+kernel ran several times slower than the products (SmolLM2's `down_proj` transform, on 512-blocks, made the forward
+pass about a fifth slower that way); on a CPU they run a chunk of rows at a time (`formats.cast.map_row_chunks`:
+float32 temporaries small enough for the allocator to reuse). The kernel is checked bit for bit against the same
+steps run eagerly; that those give the bits of the eager path's matrix products (products by +-1 are exact, and the
+sums run in the order a matrix product's inner loop adds them) is tested.
 """
 
 from __future__ import annotations
