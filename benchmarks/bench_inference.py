@@ -196,9 +196,12 @@ def bench_bit_patterns(repeats: int, tokens: int = 1024, width: int = 1536) -> l
     return table
 
 
-def round_to_bfloat16(x: torch.Tensor) -> torch.Tensor:
-    """`x.bfloat16().float()` computed on the float32 bit pattern (ties to even; infinities and NaNs unchanged), as
-    the transform kernel rounded before `x.to(torch.bfloat16)` inside it: the references below that run as before."""
+def rounded_as_before(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Float32 `x` rounded to `dtype` and kept in float32 as the transform kernel did before it used `.to(dtype)`:
+    to bfloat16 on the float32 bit pattern (ties to even; infinities and NaNs unchanged), for the references below
+    that run as before."""
+    if dtype != torch.bfloat16:
+        return x.to(dtype).float()
     bits = x.view(torch.int32)
     magnitude = bits & 0x7FFFFFFF
     rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & -0x10000  # no overflow: finite magnitudes only
@@ -225,9 +228,7 @@ def transform_then_round(
     """`transforms._transform_kernel` for 32-blocks as it was: the sums and differences put together, then divided
     and rounded to `dtype` (which inductor then computes in each of the MX cast's two loops over the stored sums)."""
     summed = transforms._sum_and_difference(transforms._signed_product_in_order(x, signs, matrices, last), last)
-    finished = summed / norm
-    finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
-    values, block_output = cast_mx_blocks(finished, *cast, native_cast=False)
+    values, block_output = cast_mx_blocks(rounded_as_before(summed / norm, dtype), *cast, native_cast=False)
     return values.to(dtype), block_output
 
 
@@ -241,12 +242,12 @@ def rounded_on_the_bits(
     dtype: torch.dtype,
     cast: tuple,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`transforms._transform_kernel` for 32-blocks in bfloat16 as it was before the rounding became `.to(dtype)`:
-    the division and the rounding to bfloat16 on the float32 bit pattern (`round_to_bfloat16`), before the sums and
-    differences are put together."""
+    """`transforms._transform_kernel` for 32-blocks as it was before the rounding became `.to(dtype)`: the division
+    and the rounding (`rounded_as_before`: to bfloat16 on the float32 bit pattern) before the sums and differences are
+    put together."""
 
     def finish(values: torch.Tensor) -> torch.Tensor:
-        return round_to_bfloat16(values / norm)
+        return rounded_as_before(values / norm, dtype)
 
     product = transforms._signed_product_in_order(x, signs, matrices, last)
     values, block_output = cast_mx_blocks(
@@ -258,9 +259,7 @@ def rounded_on_the_bits(
 def finish_and_cast(products: torch.Tensor, norm: float, dtype: torch.dtype, cast: tuple) -> torch.Tensor:
     """The division, rounding and MX cast of a transform's products in one kernel: how blocks over 32 ran before
     (the rounding, through scalar bit casts in inductor's code, then computed in each of the cast's loops)."""
-    finished = products / norm
-    finished = round_to_bfloat16(finished) if dtype == torch.bfloat16 else finished.to(dtype).float()
-    return cast_mx_blocks(finished, *cast, native_cast=False)
+    return cast_mx_blocks(rounded_as_before(products / norm, dtype), *cast, native_cast=False)
 
 
 def rounded_in_the_cast(

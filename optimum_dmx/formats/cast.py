@@ -70,9 +70,8 @@ def element_steps(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     Found by comparing ``|v|`` with powers of two, not read from the float32 exponent field as ``floor_log2`` does:
     a compiled kernel then runs on vectors of floats, where torch 2.13's inductor writes each float32 <-> int32 bit
     reinterpretation for a CPU as a scalar loop through memory (`benchmarks/bench_inference.py`, "Compiled
-    element-wise kernels"; on a Xeon with AMX an MXFP4 cast of a 1024 x 1536 float32 input took 3.5 ms with the bit
-    pattern's exponent and 1.0 ms with the comparisons, E4M3 3.5 and 1.5 ms, measured once side by side when they
-    replaced it). Scaled elements lie below ``2^(emax+1)`` (finite blocks), so the largest binade is
+    element-wise kernels": one such round trip per element costs more than the whole cast). Scaled elements lie below
+    ``2^(emax+1)`` (finite blocks), so the largest binade is
     ``emax``'s; larger values (in a NaN or Inf block, or GPTQ's unscaled ones) get a step that still saturates them.
     """
     magnitude = v.abs()
