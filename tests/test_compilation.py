@@ -30,7 +30,7 @@ from optimum_dmx.formats import (
 from optimum_dmx.formats import cast as cast_module
 from optimum_dmx.formats.cast import cast_mx, compiles, fused_cast_mx
 from optimum_dmx.formats.compilation import CompiledKernel, _compile, compile_enabled, inductor_options
-from optimum_dmx.formats.packing import fused_dequantize, fused_pack_rows
+from optimum_dmx.formats.packing import fused_code_rows, fused_dequantize
 from optimum_dmx.nn import transforms
 from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
@@ -334,7 +334,7 @@ def test_a_later_process_loads_the_kernels_an_earlier_one_compiled(tmp_path):
         import torch
         from optimum_dmx.formats import compilation, get_format, pack_mx, quantize_mx
         from optimum_dmx.formats.cast import fused_cast_mx
-        from optimum_dmx.formats.packing import fused_pack_rows
+        from optimum_dmx.formats.packing import fused_code_rows
         from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
         warnings.simplefilter("error", RuntimeWarning)  # a failed compilation or a rejected kernel fails the test
         x = torch.randn(40, 96, generator=torch.Generator().manual_seed(0))
@@ -342,7 +342,7 @@ def test_a_later_process_loads_the_kernels_an_earlier_one_compiled(tmp_path):
             quantize_mx(x, "mxfp8_e4m3"), quantize_mx(x[:1], "mxfp4_e2m1"), pack_mx(x, "mxfp6_e2m3").codes,
             RandomizedHadamard(96, 32, seed=1).quantize(x.bfloat16(), get_format("mxfp4_e2m1"), 32, "ocp").float(),
         ]
-        kernels = [fused_cast_mx, fused_pack_rows, _transform_kernel]
+        kernels = [fused_cast_mx, fused_code_rows, _transform_kernel]
         folder = compilation.kernel_cache_dir()
         print(json.dumps({
             "compiled": [k.compiled_variants for k in kernels], "rejected": [k.rejected_variants for k in kernels],
@@ -568,7 +568,7 @@ def test_compiled_packing_is_bit_identical_and_serves_every_row_count(compiled):
     failed on the next weight's rows, and compilation was off for the rest of the process)."""
     weight = awkward_tensor(48, 160) * 1e-30  # a width no other test packs: kernels of their own
     weight[1, 7] = float("nan")
-    before = fused_pack_rows.compiled_variants
+    before = fused_code_rows.compiled_variants
     for dtype in (torch.float32, torch.bfloat16):
         for name in MX_FORMATS:
             for rows in (weight, weight[5:17], weight[:1], weight.reshape(4, 12, 160)):
@@ -578,8 +578,8 @@ def test_compiled_packing_is_bit_identical_and_serves_every_row_count(compiled):
                 set_compile_enabled(True)
                 assert torch.equal(packed.codes, eager.codes) and torch.equal(packed.scales, eager.scales), name
                 assert packed.shape == rows.shape and packed.codes.shape[:-1] == rows.shape[:-1]
-    assert fused_pack_rows.compiled_variants == before + 2 * len(MX_FORMATS)  # many rows and one, per format
-    assert fused_pack_rows.rejected_variants == 0 and fused_pack_rows.active
+    assert fused_code_rows.compiled_variants == before + 2 * len(MX_FORMATS)  # many rows and one, per format
+    assert fused_code_rows.rejected_variants == 0 and fused_code_rows.active
 
 
 def _one_more_when_compiled(x: torch.Tensor) -> torch.Tensor:
@@ -618,7 +618,7 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         from optimum_dmx.continuous.fused import _gradients_kernel, _values_kernel
         from optimum_dmx.formats.cast import cast_mx, fused_cast_mx
         from optimum_dmx.formats.compilation import _same_bits
-        from optimum_dmx.formats.packing import fused_dequantize, fused_pack_rows
+        from optimum_dmx.formats.packing import fused_dequantize, fused_code_rows
         from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
 
         assert torch.backends.cpu.get_cpu_capability() == "AVX2"
@@ -654,8 +654,8 @@ def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):
         assert _transform_kernel.compiled_variants == 4 and _transform_kernel.rejected_variants == 0
         # two per format (many rows, one row), and the bfloat16 reference cast of the transform
         assert fused_cast_mx.compiled_variants == 2 * len(MX_FORMATS) + 1 and fused_cast_mx.rejected_variants == 0
-        assert fused_dequantize.rejected_variants == 0 and fused_pack_rows.rejected_variants == 0
-        assert fused_pack_rows.compiled_variants == len(MX_FORMATS)
+        assert fused_dequantize.rejected_variants == 0 and fused_code_rows.rejected_variants == 0
+        assert fused_code_rows.compiled_variants == len(MX_FORMATS)
         assert _values_kernel.compiled_variants > 0 and _gradients_kernel.compiled_variants > 0
         assert _values_kernel.rejected_variants == 0 and _gradients_kernel.rejected_variants == 0
         print("EXACT")

@@ -74,13 +74,30 @@ def element_steps(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     ``2^(emax+1)`` (finite blocks), so the largest binade is
     ``emax``'s; larger values (in a NaN or Inf block, or GPTQ's unscaled ones) get a step that still saturates them.
     """
-    magnitude = v.abs()
+    return _binade_search(v.abs(), fmt, count_binades=False)[0]
+
+
+def element_binades(v: torch.Tensor, fmt: MXFormat) -> tuple[torch.Tensor, torch.Tensor]:
+    """``element_steps`` and each element's binade above the format's smallest normal one, as float32 integers (0
+    there and below it, in the subnormal range), found by the same comparisons: an element on the grid has the
+    magnitude code ``binade * 2^m + |v| / step`` (``packing.element_codes``)."""
+    return _binade_search(v.abs(), fmt, count_binades=True)
+
+
+def _binade_search(
+    magnitude: torch.Tensor, fmt: MXFormat, count_binades: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Each magnitude's rounding step and, if ``count_binades``, its binade above ``emin`` (else None)."""
     step = torch.full_like(magnitude, 2.0**fmt.step_exponent_min)
+    binade = torch.zeros_like(magnitude) if count_binades else None
     binades = fmt.emax - fmt.emin
     if binades <= CHAINED_BINADES:
         for e in range(fmt.emin + 1, fmt.emax + 1):
-            step = torch.where(magnitude >= 2.0**e, 2.0 ** (e - fmt.mbits), step)
-        return step
+            above = magnitude >= 2.0**e
+            step = torch.where(above, 2.0 ** (e - fmt.mbits), step)
+            if count_binades:
+                binade = torch.where(above, float(e - fmt.emin), binade)
+        return step, binade
     # The offset of floor(log2 |v|) above emin, one bit at a time from the highest: |v| scaled down past each bit set.
     scaled = magnitude * 2.0**-fmt.emin
     bit = 1 << (binades.bit_length() - 1)
@@ -88,8 +105,10 @@ def element_steps(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
         above = scaled >= 2.0**bit
         scaled = torch.where(above, scaled * 2.0**-bit, scaled)
         step = torch.where(above, step * 2.0**bit, step)
+        if count_binades:
+            binade = torch.where(above, binade + bit, binade)
         bit >>= 1
-    return step
+    return step, binade
 
 
 def round_elements(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:

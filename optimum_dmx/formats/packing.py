@@ -14,12 +14,10 @@ from dataclasses import dataclass
 import torch
 
 from .blocks import block_scale, to_blocks, validate_input
-from .cast import compiles, quantize_blocks
+from .cast import compiles, element_binades, quantize_blocks
 from .compilation import CompiledKernel
 from .spec import (
     E8M0_BIAS,
-    FP32_EXPONENT_BIAS,
-    FP32_MANTISSA_BITS,
     SCALE_EXPONENT_MAX,
     MXFormat,
     get_format,
@@ -58,16 +56,18 @@ def packed_shapes(shape: Sequence[int], fmt: str | MXFormat, block_size: int = 3
 
 
 def element_codes(elements: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
-    """Sign-magnitude codes ``S|E|M`` (int32) of element values that lie on the ``fmt`` grid."""
+    """Sign-magnitude codes ``S|E|M`` of element values that lie on the ``fmt`` grid, as float32 integers.
+
+    A magnitude in the binade ``b`` above the format's smallest normal one (0 for subnormals) with rounding step
+    ``s`` has the code ``b * 2^m + |v| / s`` (``cast.element_binades``); the sign bit is added for every negative
+    sign, -0.0's included, through ``copysign``. All of it is exact float32 arithmetic and comparisons, no float32
+    <-> int32 bit reinterpretation, so that a compiled kernel runs on vectors on a CPU: torch 2.13's inductor writes
+    each reinterpretation (and ``signbit``) as a scalar loop (``cast.element_steps``)."""
     magnitude = elements.abs()
-    bits = magnitude.view(torch.int32)
-    # A normal value's float32 pattern shifted right keeps (biased exponent, top mantissa bits);
-    # re-biasing the exponent from float32's to fmt.bias gives the element code.
-    normal = (bits >> (FP32_MANTISSA_BITS - fmt.mbits)) - ((FP32_EXPONENT_BIAS - fmt.bias) << fmt.mbits)
-    subnormal = (magnitude / fmt.min_subnormal).to(torch.int32)
-    codes = torch.where(magnitude >= fmt.min_normal, normal, subnormal)
-    sign = torch.signbit(elements).to(torch.int32) << (fmt.ebits + fmt.mbits)
-    return codes | sign
+    step, binade = element_binades(magnitude, fmt)
+    half_sign_bit = 2.0 ** (fmt.bits - 2)
+    sign = half_sign_bit - torch.copysign(torch.full_like(elements, half_sign_bit), elements)  # 0 or the sign bit
+    return binade * 2.0**fmt.mbits + magnitude / step + sign
 
 
 def code_values(fmt: MXFormat) -> torch.Tensor:
@@ -110,13 +110,13 @@ class ElementGrid:
 
 
 def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Pack int codes ``[..., n]`` (n a multiple of the group size) into uint8 bytes."""
+    """Pack integer codes ``[..., n]`` (n a multiple of the group size) into uint8 bytes."""
     if bits == 8:
         return codes.to(torch.uint8)
     if bits == 4:
-        pairs = codes.reshape(*codes.shape[:-1], -1, 2)
-        return (pairs[..., 0] | (pairs[..., 1] << 4)).to(torch.uint8)
-    quads = codes.reshape(*codes.shape[:-1], -1, 4)
+        pairs = codes.to(torch.uint8).reshape(*codes.shape[:-1], -1, 2)
+        return pairs[..., 0] | (pairs[..., 1] << 4)
+    quads = codes.to(torch.int32).reshape(*codes.shape[:-1], -1, 4)
     word = quads[..., 0] | (quads[..., 1] << 6) | (quads[..., 2] << 12) | (quads[..., 3] << 18)
     packed = torch.stack([word & 0xFF, (word >> 8) & 0xFF, (word >> 16) & 0xFF], dim=-1)
     return packed.reshape(*codes.shape[:-1], -1).to(torch.uint8)
@@ -157,20 +157,39 @@ def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scale_ru
     validate_scale_rule(scale_rule)
     validate_input(x)
     if compiles(x.shape[-1], block_size):  # as a matrix of rows: one kernel serves every row count of a width
-        codes, scales = fused_pack_rows(x.detach().reshape(-1, x.shape[-1]).float(), fmt, block_size, scale_rule)
+        codes, scales = fused_code_rows(x.detach().reshape(-1, x.shape[-1]).float(), fmt, block_size, scale_rule)
         codes_shape, scales_shape = packed_shapes(x.shape, fmt, block_size)
-        return MXPackedTensor(codes.view(codes_shape), scales.view(scales_shape), fmt, x.shape, block_size)
+        packed = pack_codes(codes, fmt.bits)
+        return MXPackedTensor(packed.view(codes_shape), scales.view(scales_shape), fmt, x.shape, block_size)
     elements, k, shift = quantize_blocks(to_blocks(x, block_size), fmt, scale_rule)
     return pack_blocks(elements * 2.0**shift, k, fmt, x.shape)
 
 
-def pack_rows(rows: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``pack_mx``'s arithmetic on float32 rows ``[n, width]``, rounding on the bit pattern (no host
-    synchronisation, so that it compiles into one kernel): the packed codes and the scales (a block output,
-    ``compilation``)."""
+def code_rows(rows: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_mx``'s arithmetic on float32 rows ``[n, width]`` but the packing of codes into bytes: each element's
+    code in a byte of its own and the scales (``block_codes``; the scales are a block output, ``compilation``).
+
+    The rounding is float32 arithmetic (no host synchronisation), so that it compiles into one kernel. The codes go
+    into bytes two or four at a time afterwards, eagerly (``pack_codes``): inside the kernel, inductor's CPU code
+    reads the pairs or fours of elements at a stride, one element at a time, several times slower than the rest of
+    the kernel together."""
     elements, k, _ = quantize_blocks(to_blocks(rows, block_size), fmt, scale_rule, native_cast=False)
-    packed = pack_blocks(elements, k, fmt, rows.shape)
-    return packed.codes, packed.scales
+    return block_codes(elements, k, fmt, rows.shape)
+
+
+def block_codes(
+    elements: torch.Tensor, k: torch.Tensor, fmt: MXFormat, shape: Sequence[int]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pack_blocks``' codes, one per element and byte (uint8, ``[*shape[:-1], n]``: zero-padded to whole blocks,
+    and for FP6 to a multiple of 4), and its scales (uint8 E8M0)."""
+    shape = torch.Size(shape)
+    codes = torch.where(k > SCALE_EXPONENT_MAX, 0.0, element_codes(elements, fmt))  # NaN blocks
+    codes = codes.reshape(*shape[:-1], -1)
+    codes_shape, _ = packed_shapes(shape, fmt, elements.shape[-1])
+    padding = codes_shape[-1] * 8 // fmt.bits - codes.shape[-1]  # FP6 packs codes by fours
+    if padding:  # (a pad of nothing would make a compiled kernel's row count static: torch 2.13 guards on it)
+        codes = torch.nn.functional.pad(codes, (0, padding))
+    return codes.to(torch.uint8), (k.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
 
 
 def pack_blocks(elements: torch.Tensor, k: torch.Tensor, fmt: MXFormat, shape: Sequence[int]) -> MXPackedTensor:
@@ -181,15 +200,8 @@ def pack_blocks(elements: torch.Tensor, k: torch.Tensor, fmt: MXFormat, shape: S
     blocks; ``shape`` is the unpadded tensor's. ``pack_mx`` packs its own rounding this way; a rounding that picks
     its scales otherwise (GPTQ) keeps them exactly.
     """
-    shape = torch.Size(shape)
-    codes = element_codes(elements, fmt).masked_fill_(k > SCALE_EXPONENT_MAX, 0)  # NaN blocks
-    codes = codes.reshape(*shape[:-1], -1)
-    codes_shape, _ = packed_shapes(shape, fmt, elements.shape[-1])
-    padding = codes_shape[-1] * 8 // fmt.bits - codes.shape[-1]  # FP6 packs codes by fours
-    if padding:  # (a pad of nothing would make a compiled kernel's row count static: torch 2.13 guards on it)
-        codes = torch.nn.functional.pad(codes, (0, padding))
-    scales = (k.squeeze(-1) + E8M0_BIAS).to(torch.uint8)
-    return MXPackedTensor(pack_codes(codes, fmt.bits), scales, fmt, shape, elements.shape[-1])
+    codes, scales = block_codes(elements, k, fmt, shape)
+    return MXPackedTensor(pack_codes(codes, fmt.bits), scales, fmt, torch.Size(shape), elements.shape[-1])
 
 
 def unpack_mx(packed: MXPackedTensor, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -225,5 +237,5 @@ def dequantize(
     return values[..., :length].to(dtype), block_scales
 
 
-fused_pack_rows = CompiledKernel(pack_rows)  # one kernel each (``compilation``), the same bits
+fused_code_rows = CompiledKernel(code_rows)  # one kernel each (``compilation``), the same bits
 fused_dequantize = CompiledKernel(dequantize)
