@@ -90,7 +90,7 @@ def test_code_table_holds_exactly_the_format_grid(name):
 @pytest.mark.parametrize("name", FORMAT_NAMES)
 def test_every_grid_value_gets_back_its_own_code_negative_zero_included(name):
     """`element_codes` inverts the code table for every code but E4M3's NaN, both signs of every value (-0.0 has the
-    sign bit), eagerly and compiled (it finds codes by comparisons and float arithmetic, not from the bit pattern)."""
+    sign bit): from the bit pattern and by comparisons, eagerly and compiled."""
     fmt = MX_FORMATS[name]
     codes = torch.arange(2**fmt.bits)
     if name == "mxfp8_e4m3":
@@ -98,9 +98,10 @@ def test_every_grid_value_gets_back_its_own_code_negative_zero_included(name):
     values = packing.code_values(fmt)[codes]
     negative_zero = values[codes == 2 ** (fmt.bits - 1)]
     assert torch.signbit(negative_zero).all() and (negative_zero == 0).all()
-    assert torch.equal(packing.element_codes(values, fmt), codes.float())
+    for from_bits in (True, False):
+        assert torch.equal(packing.element_codes(values, fmt, from_bits), codes.float()), from_bits
     compiled = torch.compile(packing.element_codes, backend="inductor", fullgraph=True, dynamic=False)
-    assert torch.equal(compiled(values.repeat(64, 1), fmt), codes.float().repeat(64, 1))
+    assert torch.equal(compiled(values.repeat(64, 1), fmt, False), codes.float().repeat(64, 1))
 
 
 # --- bit-exactness against torchao --------------------------------------------------------------------

@@ -18,6 +18,8 @@ from .cast import compiles, element_binades, quantize_blocks
 from .compilation import CompiledKernel
 from .spec import (
     E8M0_BIAS,
+    FP32_EXPONENT_BIAS,
+    FP32_MANTISSA_BITS,
     SCALE_EXPONENT_MAX,
     MXFormat,
     get_format,
@@ -55,15 +57,24 @@ def packed_shapes(shape: Sequence[int], fmt: str | MXFormat, block_size: int = 3
     return torch.Size([*leading, code_bytes]), torch.Size([*leading, n_blocks])
 
 
-def element_codes(elements: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
+def element_codes(elements: torch.Tensor, fmt: MXFormat, from_bits: bool = True) -> torch.Tensor:
     """Sign-magnitude codes ``S|E|M`` of element values that lie on the ``fmt`` grid, as float32 integers.
 
-    A magnitude in the binade ``b`` above the format's smallest normal one (0 for subnormals) with rounding step
-    ``s`` has the code ``b * 2^m + |v| / s`` (``cast.element_binades``); the sign bit is added for every negative
-    sign, -0.0's included, through ``copysign``. All of it is exact float32 arithmetic and comparisons, no float32
-    <-> int32 bit reinterpretation, so that a compiled kernel runs on vectors on a CPU: torch 2.13's inductor writes
-    each reinterpretation (and ``signbit``) as a scalar loop (``cast.element_steps``)."""
+    Two ways give the same codes, as ``cast.quantize_blocks``' two roundings do: from the float32 bit pattern
+    (``from_bits``: a normal value's pattern shifted right keeps its exponent and top mantissa bits, re-biased from
+    float32's bias to the format's; a few integer operations, the fastest eagerly), or by comparisons and float32
+    arithmetic, for compiled kernels: a magnitude in the binade ``b`` above the format's smallest normal one (0 for
+    subnormals) with rounding step ``s`` has the code ``b * 2^m + |v| / s`` (``cast.element_binades``), and
+    ``copysign`` adds the sign bit for every negative sign, -0.0's included. torch 2.13's inductor writes each float32
+    <-> int32 bit reinterpretation (and ``signbit``) for a CPU as a scalar loop (``cast.element_steps``), and the
+    comparisons run on vectors; eagerly each of them is a pass over memory."""
     magnitude = elements.abs()
+    if from_bits:
+        bits = magnitude.view(torch.int32)
+        normal = (bits >> (FP32_MANTISSA_BITS - fmt.mbits)) - ((FP32_EXPONENT_BIAS - fmt.bias) << fmt.mbits)
+        subnormal = (magnitude / fmt.min_subnormal).to(torch.int32)
+        codes = torch.where(magnitude >= fmt.min_normal, normal, subnormal)
+        return (codes | torch.signbit(elements).to(torch.int32) << (fmt.ebits + fmt.mbits)).float()
     step, binade = element_binades(magnitude, fmt)
     half_sign_bit = 2.0 ** (fmt.bits - 2)
     sign = half_sign_bit - torch.copysign(torch.full_like(elements, half_sign_bit), elements)  # 0 or the sign bit
@@ -174,16 +185,16 @@ def code_rows(rows: torch.Tensor, fmt: MXFormat, block_size: int, scale_rule: st
     reads the pairs or fours of elements at a stride, one element at a time, several times slower than the rest of
     the kernel together."""
     elements, k, _ = quantize_blocks(to_blocks(rows, block_size), fmt, scale_rule, native_cast=False)
-    return block_codes(elements, k, fmt, rows.shape)
+    return block_codes(elements, k, fmt, rows.shape, from_bits=False)
 
 
 def block_codes(
-    elements: torch.Tensor, k: torch.Tensor, fmt: MXFormat, shape: Sequence[int]
+    elements: torch.Tensor, k: torch.Tensor, fmt: MXFormat, shape: Sequence[int], from_bits: bool = True
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``pack_blocks``' codes, one per element and byte (uint8, ``[*shape[:-1], n]``: zero-padded to whole blocks,
-    and for FP6 to a multiple of 4), and its scales (uint8 E8M0)."""
+    and for FP6 to a multiple of 4), and its scales (uint8 E8M0); ``from_bits`` as in ``element_codes``."""
     shape = torch.Size(shape)
-    codes = torch.where(k > SCALE_EXPONENT_MAX, 0.0, element_codes(elements, fmt))  # NaN blocks
+    codes = torch.where(k > SCALE_EXPONENT_MAX, 0.0, element_codes(elements, fmt, from_bits))  # NaN blocks
     codes = codes.reshape(*shape[:-1], -1)
     codes_shape, _ = packed_shapes(shape, fmt, elements.shape[-1])
     padding = codes_shape[-1] * 8 // fmt.bits - codes.shape[-1]  # FP6 packs codes by fours
