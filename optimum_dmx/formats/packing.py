@@ -160,8 +160,8 @@ def pack_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scale_ru
     """Quantize ``x`` to an MX format along its last dimension and return its storage form.
 
     ``unpack_mx(pack_mx(x, fmt, scale_rule=r))`` equals ``quantize_mx(x, fmt, scale_rule=r)`` bit for bit (in
-    float32). Rows of whole blocks are packed by one compiled kernel (``compilation``; the same bits), 4-6x as fast as
-    eagerly on a CPU (``benchmarks/results/formats.md``).
+    float32). Rows of whole blocks get their codes from one compiled kernel (``compilation``; the same bits), which
+    are then packed into bytes: 3.5-7x as fast as eagerly on a CPU (``benchmarks/results/formats.md``).
     """
     fmt = get_format(fmt)
     block_size = validate_block_size(block_size)
