@@ -177,6 +177,7 @@ reports = [None] * dist.get_world_size()
 dist.all_gather_object(reports, {{"kl": kl, "passes": len(passes)}})
 if dist.get_rank() == 0:
     print(json.dumps(reports))
+dist.barrier()  # as SCRIPT's ranks do before destroying their group (a precaution: see SCRIPT)
 dist.destroy_process_group()
 """
 
