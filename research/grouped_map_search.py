@@ -55,10 +55,16 @@ RESULTS = Path(__file__).with_suffix(".jsonl")
 
 def cell_maps(pair: str, target: str, seed: int) -> dict[str, dict[str, str]]:
     """The cell's `ungrouped` and `grouped-after` maps (rounded-to-nearest rows) from `fused_groups.jsonl`."""
-    rows = [
-        r for r in read_json_lines(FUSED_GROUPS_RESULTS) if (r["pair"], r["target"], r["seed"]) == (pair, target, seed)
-    ]
-    return {r["map"]: r["format_map"] for r in rows if r["rounding"] == "rtn"}
+    rows = read_json_lines(FUSED_GROUPS_RESULTS)
+    maps = {
+        r["map"]: r["format_map"]
+        for r in rows
+        if (r["pair"], r["target"], r["seed"], r["rounding"]) == (pair, target, seed, "rtn")
+    }
+    if set(maps) != {"ungrouped", "grouped-after"}:
+        cells = sorted({f"{r['pair']}:{r['target']} seed {r['seed']}" for r in rows})
+        raise SystemExit(f"no maps of {pair}:{target} seed {seed} in {FUSED_GROUPS_RESULTS.name}; it has {cells}")
+    return maps
 
 
 def model_loss(runner: Runner, format_map: dict[str, str], sequences: torch.Tensor, bfloat16: bool) -> float:
