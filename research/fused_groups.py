@@ -173,6 +173,21 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def grouped_units_by_cost(shapes: dict[str, tuple[int, ...]], pair) -> dict[float, list[tuple[str, ...]]]:
+    """The grouped budget's units (fused groups, then layers alone; `shapes` by layer name), by their cost in the
+    weighted budget (`calibration.budget.layer_costs`): units of equal cost can trade places without changing the
+    bits."""
+    names = list(shapes)
+    low, high = layer_costs(list(shapes.values()), pair, "weighted")
+    index = {name: i for i, name in enumerate(names)}
+    grouped = [tuple(group) for group in offset_groups("fused", names)]
+    units = grouped + [(name,) for name in names if not any(name in group for group in grouped)]
+    by_cost: dict[float, list[tuple[str, ...]]] = {}
+    for unit in units:
+        by_cost.setdefault(round(sum((high[index[n]] - low[index[n]]).item() for n in unit), 9), []).append(unit)
+    return by_cost
+
+
 def exact_grouped_map(row: dict) -> dict[str, str]:
     """The grouped map of greatest summed value within the row's budget, by enumeration: units of equal cost are
     interchangeable but for their values, so the best map takes, for some count per cost, the units of that cost
@@ -183,17 +198,14 @@ def exact_grouped_map(row: dict) -> dict[str, str]:
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(benchmark_model()))
     values = row["values"]
     names = list(values)
-    shapes = [tuple(model.get_submodule(name).weight.shape) for name in names]
+    shapes = {name: tuple(model.get_submodule(name).weight.shape) for name in names}
     pair = get_format_pair(row["pair"])
-    low, high = layer_costs(shapes, pair, "weighted")
+    low, high = layer_costs(list(shapes.values()), pair, "weighted")
     room = budget_limit(low, high, pair, float(row["target"])) - low.sum().item()
-    index = {name: i for i, name in enumerate(names)}
-    grouped = offset_groups("fused", names)
-    units = grouped + [(name,) for name in names if not any(name in group for group in grouped)]
-    by_cost: dict[float, list[tuple[float, tuple[str, ...]]]] = {}
-    for unit in units:
-        cost = round(sum((high[index[n]] - low[index[n]]).item() for n in unit), 9)
-        by_cost.setdefault(cost, []).append((sum(values[n] for n in unit), unit))
+    by_cost = {
+        cost: [(sum(values[n] for n in unit), unit) for unit in units]
+        for cost, units in grouped_units_by_cost(shapes, pair).items()
+    }
     costs = sorted(by_cost)
     for cost in costs:
         by_cost[cost].sort(key=lambda item: -item[0])

@@ -41,10 +41,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_quality import Runner  # noqa: E402
 from fused_groups import RESULTS as FUSED_GROUPS_RESULTS  # noqa: E402
-from fused_groups import evaluate_map, sweep_for  # noqa: E402
+from fused_groups import evaluate_map, grouped_units_by_cost, sweep_for  # noqa: E402
 
-from optimum_dmx.calibration.budget import layer_costs  # noqa: E402
-from optimum_dmx.calibration.groups import offset_groups  # noqa: E402
 from optimum_dmx.continuous import get_format_pair  # noqa: E402
 from optimum_dmx.nn import emulate_format_map  # noqa: E402
 
@@ -77,20 +75,6 @@ def model_loss(runner: Runner, format_map: dict[str, str], sequences: torch.Tens
     return total / len(sequences)
 
 
-def units_by_cost(format_map: dict[str, str], runner: Runner, pair_name: str) -> dict[float, list[tuple[str, ...]]]:
-    """The grouped budget's units (fused groups, then layers alone), by their cost in weighted bits."""
-    names = list(format_map)
-    pair = get_format_pair(pair_name)
-    low, high = layer_costs([tuple(runner.targets[n].weight.shape) for n in names], pair, "weighted")
-    index = {name: i for i, name in enumerate(names)}
-    grouped = offset_groups("fused", names)
-    units = [tuple(g) for g in grouped] + [(n,) for n in names if not any(n in g for g in grouped)]
-    by_cost: dict[float, list[tuple[str, ...]]] = {}
-    for unit in units:
-        by_cost.setdefault(round(sum((high[index[n]] - low[index[n]]).item() for n in unit), 9), []).append(unit)
-    return by_cost
-
-
 def with_unit(format_map: dict[str, str], unit: tuple[str, ...], fmt: str) -> dict[str, str]:
     return {**format_map, **dict.fromkeys(unit, fmt)}
 
@@ -99,7 +83,7 @@ def search(runner: Runner, start: dict[str, str], pair_name: str, sequences: tor
     """Toggle each unit, then keep the equal-cost swaps that lower the loss (module docstring)."""
     pair = get_format_pair(pair_name)
     high, low = pair.high.name, pair.low.name
-    by_cost = units_by_cost(start, runner, pair_name)
+    by_cost = grouped_units_by_cost({name: tuple(runner.targets[name].weight.shape) for name in start}, pair)
     current, count = dict(start), 0
 
     def loss(format_map: dict[str, str]) -> float:
