@@ -23,7 +23,9 @@ Everything is measured in one run on the same model and batch, so the ratios com
   go back to the system, so the resident set follows the live tensors), after an untimed warm-up. Besides the
   model in memory, with activation checkpointing: "offloaded", the second half of the decoder layers offloaded by
   accelerate's `device_map` (to disk on a CPU, to CPU memory beside a GPU); "sharded", every decoder layer and the
-  model sharded by FSDP2 across 2 processes (`torch.distributed.run`; the peak of either; not on one GPU).
+  model sharded by FSDP2 across 2 processes (`torch.distributed.run`; the peak of either; not on one GPU). Each dMX
+  row also gives the bytes of the frozen weight quantizations its run kept (one per layer and endpoint drawn), the
+  part of the memory model in `results/sizing.md` that depends on the steps' draws.
 """
 
 from __future__ import annotations
@@ -36,11 +38,14 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
 from optimum_dmx.calibration import (
     CalibrationSettings,
+    DMXLinear,
     Preset,
     calibrate,
     get_preset,
@@ -273,6 +278,27 @@ def sharded(model: torch.nn.Module, a: argparse.Namespace) -> torch.nn.Module:
     return fully_shard(model, mesh=mesh)
 
 
+@contextmanager
+def frozen_quantization_bytes() -> Iterator[dict[tuple[int, float], int]]:
+    """Within the block, the bytes of each frozen weight quantization a calibration keeps (`DMXLinear.frozen_weight`:
+    one per layer and endpoint drawn, held for the rest of its run), by layer and endpoint: the largest item of
+    the memory model in `results/sizing.md`, which depends on how many layers the steps drew at both endpoints."""
+    kept: dict[tuple[int, float], int] = {}
+    frozen_weight = DMXLinear.frozen_weight
+
+    def counted(layer: DMXLinear, offset: float | None):
+        frozen = frozen_weight(layer, offset)
+        if frozen is not None:
+            kept[(id(layer), offset)] = frozen.values.nbytes
+        return frozen
+
+    DMXLinear.frozen_weight = counted
+    try:
+        yield kept
+    finally:
+        DMXLinear.frozen_weight = frozen_weight
+
+
 def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
     """Peak and peak-over-baseline memory (MiB) of `workload`, measured in this process."""
     import tempfile
@@ -306,23 +332,28 @@ def measure_memory(workload: str, a: argparse.Namespace) -> dict[str, float]:
             calibrate(model, ids, settings, progress=False)
 
     work()  # warm-up: compilation, allocator pools
-    if torch.device(a.device).type == "cuda":
-        torch.cuda.synchronize(a.device)
-        baseline = torch.cuda.memory_allocated(a.device) / 1024
-        torch.cuda.reset_peak_memory_stats(a.device)
-        work()
-        torch.cuda.synchronize(a.device)
-        peak = torch.cuda.max_memory_allocated(a.device) / 1024
-    else:
-        baseline = resident_kib("VmRSS")
-        with open("/proc/self/clear_refs", "w") as refs:
-            refs.write("5")  # reset VmHWM to the current resident set
-        work()
-        peak = resident_kib("VmHWM")
+    with frozen_quantization_bytes() as frozen:
+        if torch.device(a.device).type == "cuda":
+            torch.cuda.synchronize(a.device)
+            baseline = torch.cuda.memory_allocated(a.device) / 1024
+            torch.cuda.reset_peak_memory_stats(a.device)
+            work()
+            torch.cuda.synchronize(a.device)
+            peak = torch.cuda.max_memory_allocated(a.device) / 1024
+        else:
+            baseline = resident_kib("VmRSS")
+            with open("/proc/self/clear_refs", "w") as refs:
+                refs.write("5")  # reset VmHWM to the current resident set
+            work()
+            peak = resident_kib("VmHWM")
     folder.cleanup()
     if workload == "dMX sharded":
         torch.distributed.destroy_process_group()  # a gloo group left to interpreter shutdown can abort the process
-    return {"peak_mib": peak / 1024, "over_baseline_mib": (peak - baseline) / 1024}
+    return {
+        "peak_mib": peak / 1024,
+        "over_baseline_mib": (peak - baseline) / 1024,
+        "frozen_mib": sum(frozen.values()) / 2**20,
+    }
 
 
 def memory_table(a: argparse.Namespace) -> list[str]:
@@ -331,10 +362,12 @@ def memory_table(a: argparse.Namespace) -> list[str]:
         "## Memory",
         "",
         f"{memory}, one process per measurement (sharded: the largest of {SHARDING_PROCESSES}, each with half of "
-        f"every batch); dMX rows: {a.steps} steps; offloaded and sharded: with activation checkpointing.",
+        f"every batch); dMX rows: {a.steps} steps; offloaded and sharded: with activation checkpointing. Frozen "
+        "quantizations: the weights' quantized values the run kept, one per layer and endpoint drawn (none where a "
+        "weight is not resident: offloaded, sharded).",
         "",
-        "| batch x seq | workload | peak MiB | over baseline MiB | / unquantized |",
-        "|---|---|---|---|---|",
+        "| batch x seq | workload | peak MiB | over baseline MiB | / unquantized | frozen quantizations MiB |",
+        "|---|---|---|---|---|---|",
     ]
     for batch_size in [int(b) for b in a.batch_sizes.split(",")]:
         results = {}
@@ -380,9 +413,10 @@ def memory_table(a: argparse.Namespace) -> list[str]:
         reference = results["unquantized"]["over_baseline_mib"]
         for workload, r in results.items():
             ratio = f"{r['over_baseline_mib'] / reference:.2f}x" if reference > 0 else "-"
+            frozen = f"{r['frozen_mib']:.2f}" if workload != "unquantized" else "-"
             lines.append(
                 f"| {batch_size} x {a.seq_len} | {workload} | {r['peak_mib']:.0f} | "
-                f"{r['over_baseline_mib']:.0f} | {ratio} |"
+                f"{r['over_baseline_mib']:.0f} | {ratio} | {frozen} |"
             )
             print(lines[-1], file=sys.stderr, flush=True)
     return lines

@@ -62,9 +62,13 @@ def test_calibration_cost_benchmark(tiny_text_model_dir, tmp_path):
     assert "| dMX servable step ms | dMX servable / unquantized |" in output.read_text()
     for _, reference, step, ratio in rows:
         assert float(reference) > 0 and ratio_matches_rounded_times(ratio, step, reference, step=0.1), (step, reference)
-    memory = re.findall(r"^\| 2 x 16 \| ([^|]+?) \| (\d+) \| (-?\d+) \|", stdout, re.MULTILINE)
+    memory = re.findall(r"^\| 2 x 16 \| ([^|]+?) \| (\d+) \| (-?\d+) \| [^|]+ \| ([\d.-]+) \|", stdout, re.MULTILINE)
     assert [m[0] for m in memory] == ["unquantized", "dMX", "dMX checkpointed", "dMX offloaded", "dMX sharded"]
-    assert all(int(peak) > 100 for _, peak, _ in memory)  # whole-process peaks: torch alone is hundreds of MiB
+    assert all(int(peak) > 100 for _, peak, _, _ in memory)  # whole-process peaks: torch alone is hundreds of MiB
+    frozen = {workload: kept for workload, _, _, kept in memory}
+    # every layer of a plain load keeps its drawn endpoints; offloaded layers keep none, sharded ones none at all
+    assert frozen["unquantized"] == "-" and float(frozen["dMX"]) > 0 and float(frozen["dMX checkpointed"]) > 0
+    assert 0 < float(frozen["dMX offloaded"]) < float(frozen["dMX checkpointed"]) and float(frozen["dMX sharded"]) == 0
     assert output.read_text().startswith("# Calibration cost\n\nCommand: `python benchmarks/bench_calibration_cost.py")
 
 
