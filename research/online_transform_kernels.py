@@ -1,0 +1,418 @@
+#!/usr/bin/env python
+"""Study: what would a hand-written kernel make of the 32-block online transform's cost at inference?
+
+Issue 39 asks every rotation to cost at most 5% over the unrotated dMX forward on the CPU inference benchmark. In
+bfloat16 on an AMX Xeon, `online_block_hadamard` costs +12-13% (`benchmarks/results/inference.md`): its transform runs
+in the MX cast's compiled kernel (`nn.transforms`), a 16 x 16 product whose products are added in the order of the
+factor's rows, then one sum and one difference, the division by sqrt(32) and the rounding to bfloat16. Is that
+inductor's code, which a hand-written kernel could beat, or the arithmetic itself?
+
+Three kernels in C with AVX-512 intrinsics (compiled here with the system's C compiler, run through ctypes, one
+thread), on rows of bfloat16, each 32-block transformed as the library transforms it:
+
+* `copy`: load and store, nothing else (the memory traffic a transform fused into the cast would not add);
+* `sequential`: the signs, the 16 x 16 +-1 product with its products added in the factor's row order (one
+  multiply-add per product, exact with +-1 entries), the sum and difference, the division, the rounding: the
+  library's order, so the library's bits (checked);
+* `butterfly`: the same transform as a fast Walsh-Hadamard transform (four in-register stages of sums and
+  differences, then the sum and difference across the halves): a few operations per element instead of 16, its
+  sums in another order (so not always the library's bits: counted, on random inputs and on SmolLM2's own).
+
+Timed against the library's compiled transform alone and with its MX cast, and the cast alone (MXFP8 E4M3, the OCP
+scale rule), first per element on 1024 random rows of SmolLM2-135M's two transformed widths, then on the model's own
+inputs: `benchmarks/bench_inference.py`'s dMX model of SmolLM2-135M and the same map rotated `online_block_hadamard`,
+in bfloat16, their forward passes on 1 x 512 tokens timed in turn, then every call above on each input the rotated
+model's online transforms read in one such pass, summed. What a design adds to the forward pass: for the library,
+its transform-and-cast kernel less the cast alone; for a hand-written transform fused into the cast, at least its
+kernel less the copy (the fused kernel keeps the cast's loads and stores and adds the rest), a bound, not a kernel.
+The butterfly's bits are compared with the library's on random rows of wider and wider ranges and on the rotated
+model's inputs over held-out text.
+
+    python research/online_transform_kernels.py --threads 1
+
+Needs an x86-64 CPU with AVX-512 F/BW and a C compiler (`cc`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+
+from bench_inference import save_dmx_models  # noqa: E402
+from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
+
+from optimum_dmx.formats.cast import quantize_mx  # noqa: E402
+from optimum_dmx.formats.spec import get_format  # noqa: E402
+from optimum_dmx.nn.mx_linear import MXLinear  # noqa: E402
+from optimum_dmx.nn.transforms import RandomizedHadamard  # noqa: E402
+from optimum_dmx.text import start_tokens, text_tokens, token_windows  # noqa: E402
+
+from common import benchmark_model, benchmark_texts, median_seconds, processor_description  # noqa: E402
+
+KERNELS_C = r"""
+#include <immintrin.h>
+#include <stdint.h>
+
+static inline __m512 load_bf16(const uint16_t *p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
+
+/* Round to nearest even on the bit pattern, as torch's conversion to bfloat16 (NaN stays NaN). */
+static inline void store_bf16(uint16_t *p, __m512 v) {
+  __m512i u = _mm512_castps_si512(v);
+  __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7fff)), odd), 16);
+  __mmask16 nan = _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
+  r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
+  _mm256_storeu_si256((__m256i *)p, _mm512_cvtepi32_epi16(r));
+}
+
+static inline __m512 signed_run(const uint16_t *x, const uint32_t *sign_bits) {
+  return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(load_bf16(x)), _mm512_loadu_si512(sign_bits)));
+}
+
+static inline void store_halves(uint16_t *o, __m512 first, __m512 second, __m512 norm) {
+  store_bf16(o, _mm512_div_ps(_mm512_add_ps(first, second), norm));
+  store_bf16(o + 16, _mm512_div_ps(_mm512_sub_ps(first, second), norm));
+}
+
+void copy_bf16(const uint16_t *x, uint16_t *out, int64_t count) {
+  for (int64_t i = 0; i < count; i += 32)
+    _mm512_storeu_si512(out + i, _mm512_loadu_si512(x + i));
+}
+
+/* factor: the 16 x 16 +-1 matrix, row-major; products added in its row order, as the library adds them. */
+void sequential_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width, const uint32_t *sign_bits,
+                     const float *factor, float norm) {
+  __m512 rows_of_factor[16];
+  for (int k = 0; k < 16; ++k) rows_of_factor[k] = _mm512_loadu_ps(factor + 16 * k);
+  __m512 vnorm = _mm512_set1_ps(norm);
+  float run[32] __attribute__((aligned(64)));
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t *xr = x + r * width;
+    for (int64_t b = 0; b < width; b += 32) {
+      _mm512_store_ps(run, signed_run(xr + b, sign_bits + b));
+      _mm512_store_ps(run + 16, signed_run(xr + b + 16, sign_bits + b + 16));
+      __m512 first = _mm512_mul_ps(_mm512_set1_ps(run[0]), rows_of_factor[0]);
+      __m512 second = _mm512_mul_ps(_mm512_set1_ps(run[16]), rows_of_factor[0]);
+      for (int k = 1; k < 16; ++k) {
+        first = _mm512_fmadd_ps(_mm512_set1_ps(run[k]), rows_of_factor[k], first);
+        second = _mm512_fmadd_ps(_mm512_set1_ps(run[16 + k]), rows_of_factor[k], second);
+      }
+      store_halves(out + r * width + b, first, second, vnorm);
+    }
+  }
+}
+
+/* One butterfly stage at distance d: lane i becomes x[i] + x[i ^ d] without bit d, x[i ^ d] - x[i] with it. */
+static inline __m512 butterfly_stage(__m512 x, __m512i partner, __mmask16 upper) {
+  __m512 p = _mm512_permutexvar_ps(partner, x);
+  return _mm512_mask_sub_ps(_mm512_add_ps(x, p), upper, p, x);
+}
+
+void butterfly_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t width, const uint32_t *sign_bits,
+                    float norm) {
+  __m512i partner[4];
+  __mmask16 upper[4];
+  for (int s = 0; s < 4; ++s) {
+    int32_t lanes[16];
+    upper[s] = 0;
+    for (int i = 0; i < 16; ++i) {
+      lanes[i] = i ^ (1 << s);
+      if (i & (1 << s)) upper[s] |= (__mmask16)(1 << i);
+    }
+    partner[s] = _mm512_loadu_si512(lanes);
+  }
+  __m512 vnorm = _mm512_set1_ps(norm);
+  for (int64_t r = 0; r < rows; ++r) {
+    const uint16_t *xr = x + r * width;
+    for (int64_t b = 0; b < width; b += 32) {
+      __m512 first = signed_run(xr + b, sign_bits + b), second = signed_run(xr + b + 16, sign_bits + b + 16);
+      for (int s = 0; s < 4; ++s) {
+        first = butterfly_stage(first, partner[s], upper[s]);
+        second = butterfly_stage(second, partner[s], upper[s]);
+      }
+      store_halves(out + r * width + b, first, second, vnorm);
+    }
+  }
+}
+"""
+
+SMOLLM2_WIDTHS = (576, 1536)  # hidden size (q/k/v, o_proj, gate/up inputs) and intermediate size (down_proj input)
+ROWS = 1024
+FORMAT = "mxfp8_e4m3"
+
+
+class HandWrittenKernels:
+    """The C kernels above, compiled once into `folder`, called on contiguous bfloat16 rows."""
+
+    def __init__(self, folder: Path):
+        flags = (Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else "").split()
+        if not {"avx512f", "avx512bw"} <= set(flags):
+            raise SystemExit("this study needs an x86-64 CPU with AVX-512 F and BW (the kernels use its intrinsics)")
+        source, library = folder / "kernels.c", folder / "kernels.so"
+        source.write_text(KERNELS_C)
+        subprocess.run(["cc", "-O3", "-march=native", "-shared", "-fPIC", str(source), "-o", str(library)], check=True)
+        self.library = ctypes.CDLL(str(library))
+        pointer, integer = ctypes.c_void_p, ctypes.c_int64
+        self.library.copy_bf16.argtypes = [pointer, pointer, integer]
+        self.library.sequential_bf16.argtypes = [pointer, pointer, integer, integer, pointer, pointer, ctypes.c_float]
+        self.library.butterfly_bf16.argtypes = [pointer, pointer, integer, integer, pointer, ctypes.c_float]
+
+    @staticmethod
+    def _factors(transform: RandomizedHadamard) -> tuple[torch.Tensor, torch.Tensor]:
+        """The signs as float32 sign bits, one per element, and the last factor (16 x 16, +-1, float32)."""
+        signs, last, _ = transform._factors_as(torch.device("cpu"), torch.float32)
+        if transform.block_size != 32 or len(last) != 16:
+            raise ValueError("the kernels transform 32-blocks (a 16 x 16 factor and one sum and difference)")
+        sign_bits = torch.where(signs < 0, -(2**31), 0).to(torch.int32).contiguous()
+        return sign_bits, last.contiguous()
+
+    def transform(self, design: str, transform: RandomizedHadamard) -> Callable[[torch.Tensor], torch.Tensor]:
+        """A function of bfloat16 rows `[n, size]` computing `transform(rows)` by the named kernel (`copy`: a copy)."""
+        sign_bits, factor = self._factors(transform)
+        norm = float(transform._norm)
+
+        def run(rows: torch.Tensor) -> torch.Tensor:
+            rows = rows.contiguous()
+            out = torch.empty_like(rows)
+            n, width = rows.shape
+            if design == "copy":
+                self.library.copy_bf16(rows.data_ptr(), out.data_ptr(), rows.numel())
+            elif design == "sequential":
+                self.library.sequential_bf16(
+                    rows.data_ptr(), out.data_ptr(), n, width, sign_bits.data_ptr(), factor.data_ptr(), norm
+                )
+            else:
+                self.library.butterfly_bf16(rows.data_ptr(), out.data_ptr(), n, width, sign_bits.data_ptr(), norm)
+            return out
+
+        return run
+
+
+def cpu_ms(fn: Callable[[], object], calls: int = 20, repeats: int = 7) -> float:
+    """Median CPU time per call, in ms, of `repeats` runs of `calls` calls (one warm-up call first)."""
+    fn()
+    runs = []
+    for _ in range(repeats):
+        start = time.process_time()
+        for _ in range(calls):
+            fn()
+        runs.append((time.process_time() - start) / calls * 1e3)
+    return statistics.median(runs)
+
+
+def activations(width: int, sigma: float, rows: int = ROWS, seed: int = 0) -> torch.Tensor:
+    """Random bfloat16 rows whose magnitudes are log-normal (`sigma` of the log): wider ranges within a block as
+    `sigma` grows."""
+    generator = torch.Generator().manual_seed(seed)
+    values = torch.randn(rows, width, generator=generator) * torch.exp(
+        sigma * torch.randn(rows, width, generator=generator)
+    )
+    return values.bfloat16()
+
+
+LIBRARY_CAST, LIBRARY_TRANSFORM, LIBRARY_BOTH = (
+    "MX cast alone (library, compiled)",
+    "transform alone (library, compiled)",
+    "transform and MX cast (library, compiled)",
+)
+DESIGNS = ("copy", "sequential", "butterfly")
+
+
+def width_calls(kernels: HandWrittenKernels, transform: RandomizedHadamard, x: torch.Tensor) -> dict[str, Callable]:
+    """The timed calls on rows `x`: the library's cast and transform, and the hand-written kernels."""
+    fmt = get_format(FORMAT)
+    calls = {
+        LIBRARY_CAST: lambda: quantize_mx(x, fmt),
+        LIBRARY_TRANSFORM: lambda: transform(x),
+        LIBRARY_BOTH: lambda: transform.quantize(x, fmt, 32, "ocp"),
+    }
+    for design in DESIGNS:
+        kernel = kernels.transform(design, transform)
+        calls[f"{design} (C)"] = lambda kernel=kernel: kernel(x)
+    return calls
+
+
+def per_element_costs(kernels: HandWrittenKernels) -> dict[int, dict[str, float]]:
+    """ns per element of every call, by width (checking first that the sequential kernel gives the library's bits)."""
+    costs: dict[int, dict[str, float]] = {}
+    for width in SMOLLM2_WIDTHS:
+        transform = RandomizedHadamard(width, 32, seed=0)
+        x = activations(width, sigma=1.0)
+        with torch.no_grad():
+            sequential = kernels.transform("sequential", transform)(x)
+            if not torch.equal(sequential.view(torch.int16), transform(x).view(torch.int16)):
+                raise AssertionError(f"the sequential kernel's bits differ from the library's at width {width}")
+            costs[width] = {
+                name: cpu_ms(call) * 1e6 / x.numel() for name, call in width_calls(kernels, transform, x).items()
+            }
+    return costs
+
+
+def timing_table(costs: dict[int, dict[str, float]]) -> str:
+    lines = ["| input | call | ms per call | ns per element | x the cast alone |", "|---|---|---|---|---|"]
+    for width, by_call in costs.items():
+        for name, ns in by_call.items():
+            ms = ns * ROWS * width / 1e6
+            lines.append(f"| {ROWS} x {width} | {name} | {ms:.3f} | {ns:.3f} | {ns / by_call[LIBRARY_CAST]:.2f}x |")
+    return "\n".join(lines)
+
+
+def random_bits_table(kernels: HandWrittenKernels) -> str:
+    """How many of the butterfly's bfloat16 outputs differ from the library's transform, on random rows."""
+    lines = ["| input | log-normal sigma | values | differ |", "|---|---|---|---|"]
+    for width in SMOLLM2_WIDTHS:
+        transform = RandomizedHadamard(width, 32, seed=0)
+        butterfly = kernels.transform("butterfly", transform)
+        for sigma in (0.5, 1.0, 2.0, 3.0):
+            x = activations(width, sigma, rows=4096, seed=1)
+            with torch.no_grad():
+                differ = int((butterfly(x).view(torch.int16) != transform(x).view(torch.int16)).sum())
+            lines.append(f"| 4096 x {width} | {sigma} | {x.numel():,} | {differ} |")
+    return "\n".join(lines)
+
+
+@dataclass
+class ModelInputs:
+    """The inputs that the online transforms of one forward pass of a rotated dMX model read, each with its transform
+    and its MX cast (format, block size, scale rule); an input whose transform and cast several linears share (q/k/v,
+    gate/up) once, as the model computes it once."""
+
+    inputs: list[tuple[torch.Tensor, RandomizedHadamard, tuple]] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, model: nn.Module, ids: torch.Tensor) -> ModelInputs:
+        found, keys = cls(), []
+
+        def hook(module: MXLinear, args: tuple) -> None:
+            x, key = args[0], module.matmul_input_key
+            if not any(x is seen and key == seen_key for seen, seen_key in keys):
+                keys.append((x, key))
+                found.inputs.append((x, module.input_transform, (module.fmt, module.block_size, module.scale_rule)))
+
+        modules = [m for m in model.modules() if isinstance(m, MXLinear) and m.input_transform is not None]
+        handles = [m.register_forward_pre_hook(hook) for m in modules]
+        try:
+            with torch.inference_mode():
+                model(ids)
+        finally:
+            for handle in handles:
+                handle.remove()
+        return found
+
+    @property
+    def elements(self) -> int:
+        return sum(x.numel() for x, _, _ in self.inputs)
+
+
+def model_seconds(kernels: HandWrittenKernels, found: ModelInputs) -> dict[str, float]:
+    """CPU seconds per forward pass of each call on the model's own transformed inputs, summed over them."""
+    totals = dict.fromkeys([LIBRARY_CAST, LIBRARY_BOTH, *(f"{design} (C)" for design in DESIGNS)], 0.0)
+    with torch.inference_mode():
+        for x, transform, cast in found.inputs:
+            calls = input_calls(kernels, x.reshape(-1, transform.size), transform, cast)
+            for name, seconds in zip(calls, median_seconds(list(calls.values()), 5, time.process_time, calls=10)):
+                totals[name] += seconds
+    return totals
+
+
+def input_calls(
+    kernels: HandWrittenKernels, rows: torch.Tensor, transform: RandomizedHadamard, cast: tuple
+) -> dict[str, Callable]:
+    """The timed calls on one of the model's transformed inputs."""
+    calls = {LIBRARY_CAST: lambda: quantize_mx(rows, *cast), LIBRARY_BOTH: lambda: transform.quantize(rows, *cast)}
+    for design in DESIGNS:
+        kernel = kernels.transform(design, transform)
+        calls[f"{design} (C)"] = lambda kernel=kernel: kernel(rows)
+    return calls
+
+
+def butterfly_differences(kernels: HandWrittenKernels, model: nn.Module, windows: torch.Tensor) -> tuple[int, int]:
+    """The transformed values of the rotated model's inputs over `windows` (one forward pass each), and how many of
+    them the butterfly computes differently from the library."""
+    values = differ = 0
+    for window in windows:
+        with torch.inference_mode():
+            for x, transform, _ in ModelInputs.of(model, window[None]).inputs:
+                rows = x.reshape(-1, transform.size)
+                butterfly = kernels.transform("butterfly", transform)(rows)
+                differ += int((butterfly.view(torch.int16) != transform(rows).view(torch.int16)).sum())
+                values += rows.numel()
+    return values, differ
+
+
+def added_per_forward(per_forward: dict[str, float], forward: float) -> str:
+    """What each design's transform adds to the forward pass: the library's transform-and-cast less its cast alone;
+    a hand-written transform fused into the cast at least its kernel less the copy's loads and stores."""
+    added = {
+        "library: compiled transform and cast, less the cast alone": per_forward[LIBRARY_BOTH]
+        - per_forward[LIBRARY_CAST],
+        "sequential in C, less the copy (the library's bits)": per_forward["sequential (C)"] - per_forward["copy (C)"],
+        "butterfly in C, less the copy": per_forward["butterfly (C)"] - per_forward["copy (C)"],
+    }
+    lines = ["| call | ms per forward |", "|---|---|"]
+    lines += [f"| {name} | {seconds * 1e3:.1f} |" for name, seconds in per_forward.items()]
+    lines += ["", "| transform | ms added per forward | x the unrotated forward |", "|---|---|---|"]
+    lines += [f"| {name} | {seconds * 1e3:.1f} | {1 + seconds / forward:.3f}x |" for name, seconds in added.items()]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (the C kernels run on one)")
+    parser.add_argument("--windows", type=int, default=8, help="512-token windows of each held-out text")
+    a = parser.parse_args()
+    torch.set_num_threads(a.threads)
+    model_dir = benchmark_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    with tempfile.TemporaryDirectory() as folder:
+        kernels = HandWrittenKernels(Path(folder))
+        costs = per_element_costs(kernels)
+        random_bits = random_bits_table(kernels)
+        dmx_dir, rotated_dir = save_dmx_models(model_dir, Path(folder), ("online_block_hadamard",))
+        dmx, rotated = (AutoModelForCausalLM.from_pretrained(d, dtype=torch.bfloat16) for d in (dmx_dir, rotated_dir))
+        ids = torch.randint(0, dmx.config.vocab_size, (1, 512), generator=torch.Generator().manual_seed(0))
+        with torch.inference_mode():
+            forwards = median_seconds([lambda: dmx(ids), lambda: rotated(ids)], 7, time.process_time)
+        found = ModelInputs.of(rotated, ids)
+        per_forward = model_seconds(kernels, found)
+        real = ["| text | windows | transformed values | differ |", "|---|---|---|---|"]
+        for name, path in benchmark_texts().evaluation.items():
+            text = path.read_text(encoding="utf-8")
+            windows = token_windows(text_tokens(tokenizer, text), 512, start_tokens(tokenizer))[: a.windows]
+            values, differ = butterfly_differences(kernels, rotated, windows)
+            real.append(f"| {name} | {len(windows)} | {values:,} | {differ} |")
+
+    machine = f"{processor_description()}, torch {torch.__version__}"
+    print(f"Machine: {machine}, {a.threads} torch threads (the C kernels run on one)\n")
+    print(f"Per call, bfloat16 rows, 32-blocks, {FORMAT}, log-normal sigma 1 (CPU time, median of 7 x 20 calls):\n")
+    print(timing_table(costs))
+    print("\nThe butterfly's outputs against the library's transform, random rows:\n")
+    print(random_bits)
+    print("\nThe butterfly on the rotated dMX model's own transformed inputs (held-out text, 1 x 512 per window):\n")
+    print("\n".join(real))
+    print(
+        f"\nSmolLM2-135M, dMX (`bench_inference.py`'s map), bfloat16, 1 x 512 tokens: forward {forwards[0] * 1e3:.0f} "
+        f"ms, rotated `online_block_hadamard` {forwards[1] * 1e3:.0f} ms ({forwards[1] / forwards[0]:.3f}x; CPU time, "
+        f"median of 7). Its {len(found.inputs)} transformed inputs per forward ({found.elements:,} values), each call "
+        "timed on them (median of 5 x 10 calls) and summed:\n"
+    )
+    print(added_per_forward(per_forward, forwards[0]))
+
+
+if __name__ == "__main__":
+    main()
