@@ -362,8 +362,8 @@ class HandWrittenKernels:
 
         def run(rows: torch.Tensor) -> torch.Tensor:
             rows = rows.contiguous()
-            out, (n, width), x, o = torch.empty_like(rows), rows.shape, rows.data_ptr(), None
-            o = out.data_ptr()
+            out = torch.empty_like(rows)
+            (n, width), x, o = rows.shape, rows.data_ptr(), out.data_ptr()
             if kernel == C_COPY:
                 lib.copy_bf16(x, o, rows.numel())
             elif kernel == C_SEQUENTIAL:
