@@ -579,10 +579,10 @@ def main() -> None:
     parser.add_argument("--windows", type=int, default=8, help="512-token windows of each held-out text")
     a = parser.parse_args()
     torch.set_num_threads(a.threads)
-    model_dir = benchmark_model()
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     with tempfile.TemporaryDirectory() as folder:
-        kernels = HandWrittenKernels(Path(folder))
+        kernels = HandWrittenKernels(Path(folder))  # first: a CPU without AVX-512 is refused before any download
+        model_dir = benchmark_model()
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
         checked = check_kernels(kernels)
         costs = per_element_costs(kernels)
         random_bits = random_bits_table(kernels)
