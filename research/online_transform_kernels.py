@@ -120,6 +120,19 @@ void sequential_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t wid
   }
 }
 
+/* The four in-register stages' lane permutations (lane i's partner i ^ d) and masks (the lanes with bit d set). */
+static void butterfly_lanes(__m512i partner[4], __mmask16 upper[4]) {
+  for (int s = 0; s < 4; ++s) {
+    int32_t lanes[16];
+    upper[s] = 0;
+    for (int i = 0; i < 16; ++i) {
+      lanes[i] = i ^ (1 << s);
+      if (i & (1 << s)) upper[s] |= (__mmask16)(1 << i);
+    }
+    partner[s] = _mm512_loadu_si512(lanes);
+  }
+}
+
 /* One butterfly stage at distance d: lane i becomes x[i] + x[i ^ d] without bit d, x[i ^ d] - x[i] with it. */
 static inline __m512 butterfly_stage(__m512 x, __m512i partner, __mmask16 upper) {
   __m512 p = _mm512_permutexvar_ps(partner, x);
@@ -130,15 +143,7 @@ void butterfly_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t widt
                     float norm) {
   __m512i partner[4];
   __mmask16 upper[4];
-  for (int s = 0; s < 4; ++s) {
-    int32_t lanes[16];
-    upper[s] = 0;
-    for (int i = 0; i < 16; ++i) {
-      lanes[i] = i ^ (1 << s);
-      if (i & (1 << s)) upper[s] |= (__mmask16)(1 << i);
-    }
-    partner[s] = _mm512_loadu_si512(lanes);
-  }
+  butterfly_lanes(partner, upper);
   __m512 vnorm = _mm512_set1_ps(norm);
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t *xr = x + r * width;
@@ -249,15 +254,7 @@ void butterfly_cast_bf16(const uint16_t *x, uint16_t *out, int64_t rows, int64_t
                          float norm, const mx_format *f) {
   __m512i partner[4];
   __mmask16 upper[4];
-  for (int s = 0; s < 4; ++s) {
-    int32_t lanes[16];
-    upper[s] = 0;
-    for (int i = 0; i < 16; ++i) {
-      lanes[i] = i ^ (1 << s);
-      if (i & (1 << s)) upper[s] |= (__mmask16)(1 << i);
-    }
-    partner[s] = _mm512_loadu_si512(lanes);
-  }
+  butterfly_lanes(partner, upper);
   __m512 vnorm = _mm512_set1_ps(norm);
   for (int64_t r = 0; r < rows; ++r) {
     const uint16_t *xr = x + r * width;
