@@ -730,7 +730,7 @@ from common import fixed_malloc_thresholds, minor_page_faults
 if sys.argv[1] == "fixed":
     print(fixed_malloc_thresholds())
 faults = []
-for _ in range(10):  # a decoder's activations of a few MiB, alive two or three at a time, then 192 MiB of logits
+for _ in range(20):  # a decoder's activations of a few MiB, alive two or three at a time, then 192 MiB of logits
     before = minor_page_faults()
     x = torch.ones(1024, 576)
     for _ in range(5):
@@ -740,22 +740,28 @@ for _ in range(10):  # a decoder's activations of a few MiB, alive two or three 
         x = x + hidden[:, :576]
     torch.ones(1024, 49152)
     faults.append(minor_page_faults() - before)
-print(faults[-1])
+print(*faults[-10:])
 """
 
 
 def test_fixed_malloc_thresholds_fault_in_only_what_is_over_32_mib():
     """With the benchmark's allocator thresholds, a forward's activations of a few MiB, freed and allocated again,
-    are not fresh pages again: only the 192 MiB of logits are (49,152 pages of 4 KiB), on every call. (With glibc's
-    defaults this forward faulted in 4,000-8,000 pages more on each call, measured when the test was written; how many
-    depends on the allocator's history, so that is not asserted.) The report names the thresholds."""
+    are not fresh pages again: only the 192 MiB of logits are (49,152 pages of 4 KiB), call after call. (With glibc's
+    defaults this forward faulted in 500-7,600 pages more on most calls, measured when the test was written; how
+    many depends on the allocator's history, so that is not asserted.) The report names the thresholds.
+
+    A busy machine adds a few hundred faults to a call now and then (one CI run saw 961 on the last call; 385-1,537
+    on one call in twenty were measured here), so the test asks that 8 of the last 10 calls stay within 100 pages of
+    the logits; in eight runs with the defaults, at most 5 of 10 did."""
     script = [sys.executable, "-c", FAULTS_OF_A_FORWARD, "fixed"]
     result = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
     described, faults = result.stdout.splitlines()[-2:]
     assert described == "allocator: glibc with fixed thresholds (mmap 32 MiB, trim 1 GiB)"
     logits = 1024 * 49152 * 4 // 4096
-    assert logits <= int(faults) <= logits + 100, faults
+    faults = [int(count) for count in faults.split()]
+    assert all(count >= logits for count in faults), faults
+    assert sum(count <= logits + 100 for count in faults) >= 8, faults
 
 
 INFERENCE_MAP = """
