@@ -23,21 +23,27 @@ def single_thread():
 
 
 @pytest.fixture(autouse=True, scope="session")
-def kernels_compiled_in_each_process():
-    """The tests' processes (and the subprocesses they start) trace and compile their kernels instead of loading ones
-    that an earlier run stored (`formats.compilation`): what a test of the kernels checks then does not depend on
-    what the machine ran before. The tests of stored kernels name their folders themselves."""
+def eager_kernels_unless_a_test_compiles():
+    """The tests (and the subprocesses they start) run the eager MX functions, the reference that every compiled
+    kernel is checked against, unless a test asks for compiled kernels (the `compiled` fixture, or
+    `OPTIMUM_DMX_COMPILE=1` in a subprocess's environment). Compiling is the suite's largest cost on a machine whose
+    inductor cache is empty (a few seconds of C++ compilation per kernel, and each format, dtype and layer width
+    has one): `test_compilation.py` checks the kernels bit for bit against the eager functions, from single casts to
+    a whole calibration and its model. Compiled kernels are not stored between processes either (`formats.compilation`):
+    what a test of the kernels checks does not depend on what the machine ran before, and the tests of stored kernels
+    name their folders themselves."""
     import os
 
-    from optimum_dmx.formats.compilation import KERNEL_CACHE_ENV_VAR
+    from optimum_dmx.formats.compilation import COMPILE_ENV_VAR, KERNEL_CACHE_ENV_VAR
 
-    own = os.environ.get(KERNEL_CACHE_ENV_VAR)
-    os.environ[KERNEL_CACHE_ENV_VAR] = "0"
+    own = {name: os.environ.get(name) for name in (COMPILE_ENV_VAR, KERNEL_CACHE_ENV_VAR)}
+    os.environ[COMPILE_ENV_VAR] = os.environ[KERNEL_CACHE_ENV_VAR] = "0"
     yield
-    if own is None:
-        del os.environ[KERNEL_CACHE_ENV_VAR]
-    else:
-        os.environ[KERNEL_CACHE_ENV_VAR] = own
+    for name, value in own.items():
+        if value is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = value
 
 
 @pytest.fixture(scope="session")

@@ -15,11 +15,6 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-# These tests check the scripts' runs and tables, not the kernels (`test_compilation.py` does): their subprocesses
-# run the kernels eagerly (same results), as compiling them in every process took half of these tests' time.
-EAGER = {"OPTIMUM_DMX_COMPILE": "0"}
-
-
 def run_benchmark(script: str, *args, env: dict | None = None) -> str:
     result = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
@@ -27,7 +22,7 @@ def run_benchmark(script: str, *args, env: dict | None = None) -> str:
         text=True,
         timeout=600,
         cwd=ROOT,
-        env={**os.environ, **EAGER, **(env or {})},
+        env={**os.environ, **(env or {})},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -116,7 +111,7 @@ def test_calibration_cost_run_table_times_the_default_and_the_servable_whole_run
 def run_gpu_check(device: str, output: Path, *options: str, compile: bool = False) -> subprocess.CompletedProcess:
     return subprocess.run(
         ["bash", str(ROOT / "benchmarks" / "gpu_check.sh"), "--device", device, "--output", str(output), *options],
-        env={**os.environ, "PYTHON": sys.executable, **({} if compile else EAGER)},
+        env={**os.environ, "PYTHON": sys.executable, **({"OPTIMUM_DMX_COMPILE": "1"} if compile else {})},
         capture_output=True,
         text=True,
         timeout=900,
@@ -284,7 +279,6 @@ def test_served_quality_evaluates_the_exported_map_as_the_loader_runs_it(tiny_te
         capture_output=True,
         text=True,
         cwd=ROOT,
-        env={**os.environ, **EAGER},
     )
     assert missing.returncode != 0 and "has no dmx run with a format map" in missing.stderr
 

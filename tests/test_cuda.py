@@ -1,5 +1,6 @@
 """On a CUDA device: the compiled MX kernels (Triton) equal the eager functions and the CPU bit for bit, and
-calibration runs on the GPU in bfloat16, through `from_pretrained` as a user calls it.
+calibration runs on the GPU in bfloat16, through `from_pretrained` as a user calls it (its kernels compiled, as a
+user's are: the suite's other tests run the eager functions).
 
 Skipped where torch sees no CUDA device (CI has none). On a GPU machine: `python -m pytest tests/test_cuda.py`.
 """
@@ -188,7 +189,7 @@ def test_a_later_process_loads_the_cuda_kernels_an_earlier_one_compiled(tmp_path
     assert not first["loaded"] and later["loaded"] and later["sums"] == first["sums"]
 
 
-def test_bf16_calibration_on_cuda_through_from_pretrained(tmp_path, tiny_llama_dir):
+def test_bf16_calibration_on_cuda_through_from_pretrained(compiled, tmp_path, tiny_llama_dir):
     """`from_pretrained(..., dtype=bfloat16, device_map="cuda", quantization_config=DMXConfig(...))` calibrates on
     the GPU, lands on the budget, saves, and reloads on the GPU to the same logits; `torch.compile` of the reload
     runs and agrees with it."""
@@ -252,7 +253,7 @@ def test_cuda_calibration_is_the_same_compiled_or_eager_and_with_checkpointing(m
         assert [h["loss"] for h in other.history] == [h["loss"] for h in first.history]
 
 
-def test_gptq_rounding_on_cuda_in_bfloat16_beats_round_to_nearest(tiny_llama_dir):
+def test_gptq_rounding_on_cuda_in_bfloat16_beats_round_to_nearest(compiled, tiny_llama_dir):
     """`weight_rounding="gptq"` with a given uniform MXFP4 map on a bfloat16 model on the GPU: every layer is rounded
     on the device (a singular Hessian would warn) and the logits are closer to the float model's than
     round-to-nearest's."""

@@ -1,7 +1,6 @@
 """The README's Python snippets and the examples run as written."""
 
 import json
-import os
 import re
 import subprocess
 import sys
@@ -43,9 +42,8 @@ def test_the_readme_stays_short_and_the_docs_stand_alone():
 
 
 def run_example(script: str, *args, processes: int = 1) -> str:
-    """Run an example as a user would (under `torchrun` with `processes` > 1), but with the MX kernels eager (same
-    results; `test_compilation.py` tests the compiled ones, and compiling them in the subprocess took about half of
-    its time)."""
+    """Run an example as a user would (under `torchrun` with `processes` > 1), with the suite's eager MX kernels
+    (same results; `test_compilation.py` tests the compiled ones)."""
     launch = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"] if processes > 1 else []
     result = subprocess.run(
         [sys.executable, *launch, str(ROOT / "examples" / script), *map(str, args)],
@@ -53,7 +51,6 @@ def run_example(script: str, *args, processes: int = 1) -> str:
         text=True,
         timeout=600,
         cwd=ROOT,
-        env={**os.environ, "OPTIMUM_DMX_COMPILE": "0"},
     )
     assert result.returncode == 0, result.stderr[-3000:]
     return result.stdout
@@ -220,7 +217,6 @@ def test_serve_with_vllm_example_calibrates_a_rotated_grouped_model_and_exports_
         text=True,
         timeout=600,
         cwd=tmp_path,
-        env={**os.environ, "OPTIMUM_DMX_COMPILE": "0"},
     )
     assert result.returncode != 0 and "No module named 'vllm'" in result.stderr, result.stderr[-2000:]
     dmx = json.loads((tmp_path / "model-dmx5" / "config.json").read_text())["quantization_config"]
