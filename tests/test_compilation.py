@@ -231,7 +231,7 @@ def test_compiled_continuous_quantizer_is_bit_identical_at_the_pairs_formats(com
     x[0, 0, 0] = float("nan")
     grad_y = torch.randn(x.shape, generator=torch.Generator().manual_seed(1))
     # every offset, rule and dtype, with the weights' block maxima (amax) given or not in turn, so that each of the
-    # four meets both cases of amax: half of the 24 combinations, each a values and a gradients kernel of its own
+    # three meets both cases of amax: half of the 24 combinations, each a values and a gradients kernel of its own
     for k, offset in enumerate((0.0, 1.0, 2.0)):
         for r, rule in enumerate(("ocp", "quark")):
             for d, dtype in enumerate((torch.float32, torch.bfloat16)):
