@@ -741,12 +741,12 @@ print(*faults[-10:])
 def test_fixed_malloc_thresholds_fault_in_only_what_is_over_32_mib():
     """With the benchmark's allocator thresholds, a forward's activations of a few MiB, freed and allocated again,
     are not fresh pages again: only the 192 MiB of logits are (49,152 pages of 4 KiB), call after call. (With glibc's
-    defaults this forward faulted in 500-7,600 pages more on most calls, measured when the test was written; how
+    defaults this forward faulted in 577-7,650 pages more on most calls, measured when the test was written; how
     many depends on the allocator's history, so that is not asserted.) The report names the thresholds.
 
-    A busy machine adds a few hundred faults to a call now and then (one CI run saw 961 on the last call; 385-1,537
-    on one call in twenty were measured here), so the test asks that 8 of the last 10 calls stay within 100 pages of
-    the logits; in eight runs with the defaults, at most 5 of 10 did."""
+    A busy machine adds a few hundred faults to a call now and then (one CI run saw 961 on the last call; here 385
+    and 577 on 2 of 90 calls after the first five), so the test asks that 8 of the last 10 calls stay within 100 pages
+    of the logits; in ten runs with the defaults, at most 5 of 10 did."""
     script = [sys.executable, "-c", FAULTS_OF_A_FORWARD, "fixed"]
     result = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
