@@ -18,8 +18,12 @@ from transformers import (
     AutoModelForCausalLM,
     Gemma3ForCausalLM,
     Gemma3TextConfig,
+    GPTBigCodeConfig,
+    GPTBigCodeForCausalLM,
     LlamaConfig,
     LlamaForCausalLM,
+    MambaConfig,
+    MambaForCausalLM,
     MistralConfig,
     MistralForCausalLM,
     Phi3Config,
@@ -109,6 +113,51 @@ def test_family_calibrates_to_its_budget_and_reloads(tmp_path, family, pair, tar
 import json, torch, optimum_dmx
 from transformers import AutoModelForCausalLM
 model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "dmx")!r})
+with torch.no_grad():
+    print(json.dumps(model(torch.tensor({ids.tolist()})).logits.tolist()))
+"""
+    assert torch.equal(torch.tensor(last_json_line(run_python(code))), logits)
+
+
+def _mamba():
+    config = MambaConfig(vocab_size=128, hidden_size=64, state_size=8, num_hidden_layers=2, expand=2, conv_kernel=4)
+    return MambaForCausalLM(config), 2 * 4
+
+
+def _gpt_bigcode():
+    config = GPTBigCodeConfig(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    return GPTBigCodeForCausalLM(config), 2 * 4
+
+
+@pytest.mark.parametrize("family", ["mamba", "gpt_bigcode"])
+def test_family_whose_code_reads_linears_directly_calibrates_and_reloads(tmp_path, family):
+    """Mamba's mixer multiplies by `dt_proj.weight` itself: those linears stay float (recorded in
+    `modules_to_not_convert`) and the rest are quantized. GPT-BigCode's and Mamba's weight initialization, which
+    transformers runs while loading, sets linears' weights from the modules holding them: a saved checkpoint loads
+    all the same."""
+    torch.manual_seed(0)
+    float_model, linears = {"mamba": _mamba, "gpt_bigcode": _gpt_bigcode}[family]()
+    float_model.save_pretrained(tmp_path / "float")
+    tokenizer = word_tokenizer()
+    texts = [words(7 * i, 40) for i in range(20)]
+    dmx_config = DMXConfig(target_bits=5, dataset=texts, tokenizer=tokenizer, **CALIBRATION)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=dmx_config)
+
+    mx = {n for n, m in model.named_modules() if isinstance(m, MXLinear)}
+    read_directly = {f"backbone.layers.{i}.mixer.dt_proj" for i in range(2)} if family == "mamba" else set()
+    assert len(mx) == linears - len(read_directly) and not mx & read_directly
+    recorded = model.config.quantization_config
+    assert ("mixer.dt_proj" in recorded.modules_to_not_convert) == (family == "mamba")
+    assert abs(recorded.achieved_bits["bits_weighted"] - 5) <= BUDGET_TOLERANCE + 1e-9
+    ids = tokenizer(INPUT, return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_path / "dmx")
+    code = f"""
+import json, torch, optimum_dmx
+from transformers import AutoModelForCausalLM
+model = AutoModelForCausalLM.from_pretrained({str(tmp_path / "dmx")!r})
+assert not any(hasattr(m, "weight") for m in model.modules() if isinstance(m, optimum_dmx.MXLinear))
 with torch.no_grad():
     print(json.dumps(model(torch.tensor({ids.tolist()})).logits.tolist()))
 """

@@ -124,6 +124,20 @@ def test_the_online_transform_computes_in_float32_under_autocast(size, block_siz
         assert torch.equal(transform.quantize(x, get_format("mxfp4_e2m1"), 32, "ocp"), quantized)
 
 
+@pytest.mark.parametrize("size, block_size, kernels", [(64, 32, "eager"), (512, 512, "eager"), (512, 512, "compiled")])
+def test_the_online_transform_of_a_strided_input_is_that_of_its_contiguous_copy(request, size, block_size, kernels):
+    """Mamba's `x_proj` reads a transposed view of its mixer's activations (one sequence: its rows are strided). The
+    compiled case is the inference path of blocks larger than the kernel's (torch's products, then the cast)."""
+    if kernels == "compiled":
+        request.getfixturevalue("compiled")
+    transform = RandomizedHadamard(size, block_size, seed=3)
+    x = torch.randn(1, size, 7).transpose(1, 2)
+    assert not x.is_contiguous()
+    assert torch.equal(transform(x), transform(x.contiguous()))
+    fmt = get_format("mxfp4_e2m1")
+    assert torch.equal(transform.quantize(x, fmt, 32, "ocp"), transform.quantize(x.contiguous(), fmt, 32, "ocp"))
+
+
 @pytest.mark.parametrize("size, block_size", [(96, 32), (512, 512), (576, 32)])
 def test_an_unsigned_transform_is_the_plain_block_hadamard_matrix(size, block_size):
     """`signed=False`: `D` is the identity, so the transform is the normalized Sylvester-Hadamard matrix (scipy's)

@@ -13,8 +13,9 @@ quant_method `"dmx"` with transformers (idempotently).
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from ..nn import (
     packed_weight_modules,
     replace_with_mx_linear,
 )
+from ..nn.direct_reads import linears_read_directly
 from ..nn.rotation import online_transform_targets, resolve_rotation, rotate_model
 from ..nn.surgery import is_skipped, per_layer_pattern
 from .checkpoint_names import checkpoint_key_renaming
@@ -52,6 +54,8 @@ if TYPE_CHECKING:
     from ..calibration.result import CalibrationResult
 
 MODEL_TAGS = ("dmx", "mx-formats")
+
+logger = logging.getLogger(__name__)
 
 
 class DMXHfQuantizer(HfQuantizer):
@@ -87,6 +91,7 @@ class DMXHfQuantizer(HfQuantizer):
                 config.format_map,
                 module_name,
             )
+            _add_initialization_stand_ins(model, config.format_map)
         else:
             _check_not_quantized(model)
             _check_quantizable(model, self._modules_to_skip(model))
@@ -98,6 +103,8 @@ class DMXHfQuantizer(HfQuantizer):
             # what was applied (no dataset, no tokenizer), as config.json must hold.
             self.quantization_config = self._quantize(model)
             model.config.quantization_config = self.quantization_config
+        else:
+            _remove_initialization_stand_ins(model)
         model.add_model_tags(list(MODEL_TAGS))
         attach_model_card(model)  # save_pretrained and push_to_hub write the dMX model card
         return model
@@ -109,11 +116,6 @@ class DMXHfQuantizer(HfQuantizer):
             _check_sequence_length(model, config.seq_len)
         skip = self._modules_to_skip(model)
         linearize_experts(model, linearizable_experts(model, skip, config.format_map))  # experts as linears
-        # Rotations first: calibration must see (and the saved weights hold) the rotated model.
-        quantized = linear_modules_to_quantize(model, skip)
-        rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
-        transformed = online_transform_targets(config.rotation, quantized)  # "auto": no expert
-        rotate_model(model, rotation, transformed, config.block_size, config.seed)
         # Imported when needed, not at the top: calibration pulls in the trainer, tqdm and `datasets`, which
         # loading a saved dMX checkpoint (the other use of this module) never needs.
         input_ids = None
@@ -123,6 +125,12 @@ class DMXHfQuantizer(HfQuantizer):
             input_ids = build_calibration_batches(
                 config.dataset, config.tokenizer, config.seq_len, config.num_samples, config.seed
             )
+            skip = _skip_linears_read_directly(model, input_ids[:1], skip, config.format_map)
+        # Rotations first: calibration must see (and the saved weights hold) the rotated model.
+        quantized = linear_modules_to_quantize(model, skip)
+        rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
+        transformed = online_transform_targets(config.rotation, quantized)  # "auto": no expert
+        rotate_model(model, rotation, transformed, config.block_size, config.seed)
         if config.needs_calibration:
             from ..calibration.trainer import calibrate
 
@@ -194,6 +202,28 @@ def _check_sequence_length(model: PreTrainedModel, seq_len: int) -> None:
         )
 
 
+def _add_initialization_stand_ins(model: PreTrainedModel, names: Iterable[str]) -> None:
+    """Give the `MXLinear`s `names` a stand-in `weight` while the checkpoint loads (`_remove_initialization_stand_ins`
+    takes them away after).
+
+    After loading a checkpoint, transformers runs the model's weight initialization on the modules it has not marked
+    initialized, and some models initialize a linear's weight from the module that holds it (GPT-BigCode's MLP and
+    attention scale `c_proj.weight` by depth; Mamba's mixer scales `out_proj.weight`), which fails on an `MXLinear`:
+    it has no `weight`. The stand-in is a meta tensor of the weight's shape, marked initialized: transformers'
+    initializers leave it alone, anything else done to it computes nothing, and it is in no state dict."""
+    for name in names:
+        module = model.get_submodule(name)
+        stand_in = torch.empty(module.weight_shape, device="meta")
+        stand_in._is_hf_initialized = True
+        module.__dict__["weight"] = stand_in
+
+
+def _remove_initialization_stand_ins(model: PreTrainedModel) -> None:
+    for module in model.modules():
+        if isinstance(module, MXLinear):
+            module.__dict__.pop("weight", None)
+
+
 def _check_not_quantized(model: PreTrainedModel) -> None:
     for name, module in model.named_modules():
         if isinstance(module, MXLinear):
@@ -246,6 +276,39 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
         f"{patterns} to modules_to_not_convert (command line: {flags}); the bit budget and the achieved bits then "
         "count the quantized linears only."
     )
+
+
+def _skip_linears_read_directly(
+    model: PreTrainedModel, input_ids: torch.Tensor, skip: list[str], format_map: dict[str, str] | None
+) -> list[str]:
+    """`skip` and the linears the model reads outside their forward pass (`nn.direct_reads`), with a warning: an
+    `MXLinear` there would neither quantize what the model computes nor run. They stay in their float dtype, recorded
+    in `modules_to_not_convert`, and the bit budget counts the other linears only. A given `format_map` that names
+    one is refused."""
+    names = list(linear_modules_to_quantize(model, skip))
+    read = linears_read_directly(model, input_ids, names)
+    if not read:
+        return skip
+    mapped = [name for name in read if format_map and name in format_map]
+    if mapped:
+        raise ValueError(
+            f"format_map names {mapped[0]!r}{f' and {len(mapped) - 1} more' if len(mapped) > 1 else ''}, whose weight "
+            f"{type(model).__name__} uses outside the linear's forward pass, where a quantized layer would not be used "
+            "as one: leave it out of the map (it then stays in float)"
+        )
+    patterns = sorted({per_layer_pattern(name) for name in read})
+    if [n for n in names if any(is_skipped(n, p) for p in patterns)] != read:
+        patterns = read  # a per-layer name would also match linears the model does not read directly
+    logger.warning(
+        "%s computes with the weights of %d linear(s) outside their forward pass (%s), where a quantized layer would "
+        "not be used as one: they stay in float, modules_to_not_convert gets %s, and the bit budget counts the other "
+        "linears only.",
+        type(model).__name__,
+        len(read),
+        read[0] if len(read) == 1 else f"{read[0]} and {len(read) - 1} more",
+        patterns,
+    )
+    return sorted({*skip, *patterns})
 
 
 def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) -> Path | None:

@@ -114,6 +114,19 @@ class MXLinear(nn.Module):
                 module.bias.copy_(linear.bias)
         return module
 
+    def __getattr__(self, name: str) -> object:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if name != "weight":
+                raise
+            raise AttributeError(
+                f"MXLinear has no weight: it stores it packed in {self.fmt.name} (weight_packed, weight_scale; "
+                "dequantized_weight(dtype) gives its values) and quantizes in its forward pass, so code that uses a "
+                "quantized linear's weight itself cannot run on it: keep that linear in float with "
+                "modules_to_not_convert"
+            ) from None
+
     @property
     def weight_shape(self) -> torch.Size:
         """Shape of the (unpacked) weight, `(out_features, in_features)`."""

@@ -270,10 +270,11 @@ class RandomizedHadamard(nn.Module):
     def _products(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`rows @ T` times the norm (before the division), computed in `dtype` (float32 or float64): the signs
         `D`, each block's last factor, then the Sylvester factor, as matrix products (the product of a bfloat16
-        `rows` and float32 signs is float32, one pass), in `dtype` under `torch.autocast` as well."""
+        `rows` and float32 signs is float32, one pass), in `dtype` under `torch.autocast` as well. `rows` may be
+        strided (Mamba's `x_proj` reads a transposed view of one sequence's activations)."""
         signs, last, sylvester = self._factors_as(rows.device, dtype)
         with torch.autocast(rows.device.type, enabled=False):
-            mixed = ((rows * signs).view(-1, len(last)) @ last).view(rows.shape)
+            mixed = ((rows * signs).reshape(-1, len(last)) @ last).view(rows.shape)
             return _sylvester_product(mixed, sylvester, len(last))
 
     def _transform_rows(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

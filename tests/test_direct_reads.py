@@ -1,0 +1,124 @@
+"""Linears a model computes with outside their own forward pass: found, kept in float, and named in errors.
+
+Mamba's and Jamba's mixers multiply by `dt_proj.weight` themselves (`self.dt_proj.weight @ x`); an `MXLinear` there
+would neither quantize that product nor run. The end-to-end cases (a Mamba model calibrated and reloaded) are in
+`test_families.py`."""
+
+import logging
+
+import pytest
+import torch
+from torch import nn
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from optimum_dmx import DMXConfig, MXLinear
+from optimum_dmx.nn.direct_reads import linears_read_directly
+
+from .helpers import word_tokenizer, words
+
+
+class _Block(nn.Module):
+    """`used` runs as a module; `direct` is multiplied by its weight and bias by hand; `dtype_read` runs as a module,
+    and its weight's dtype is read outside it; `unreached` never runs (an expert no token is routed to)."""
+
+    def __init__(self):
+        super().__init__()
+        self.used, self.direct, self.dtype_read, self.unreached = (nn.Linear(8, 8) for _ in range(4))
+
+    def forward(self, x):
+        x = self.used(x)
+        x = x @ self.direct.weight.T + self.direct.bias
+        return self.dtype_read(x.to(self.dtype_read.weight.dtype))
+
+
+class _Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(16, 8)
+        self.blocks = nn.ModuleList(_Block() for _ in range(2))
+
+    def forward(self, input_ids, use_cache=False):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def test_the_linears_used_outside_their_forward_pass_are_found_and_only_those():
+    model = _Model()
+    names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+    found = linears_read_directly(model, torch.tensor([[1, 2, 3]]), names)
+    assert found == [f"blocks.{i}.{name}" for i in range(2) for name in ("direct", "dtype_read")]
+    assert linears_read_directly(model, torch.tensor([[1, 2, 3]]), ["blocks.0.used", "blocks.1.unreached"]) == []
+    # the probe leaves no hook behind
+    assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
+
+
+def test_an_mx_linear_says_why_it_has_no_weight():
+    module = MXLinear.from_linear(nn.Linear(32, 8), "mxfp6_e2m3")
+    with pytest.raises(AttributeError, match=r"MXLinear has no weight: it stores it packed in mxfp6_e2m3.*"):
+        module.weight  # noqa: B018
+    assert not hasattr(module, "weight")  # hasattr answers as for any missing attribute
+    with pytest.raises(AttributeError, match="no_such_thing"):
+        module.no_such_thing  # noqa: B018
+
+
+class _DirectReadLlama(LlamaForCausalLM):
+    """A Llama whose first MLP multiplies by `down_proj`'s weight itself, as Mamba's mixer does with `dt_proj`."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        mlp = self.model.layers[0].mlp
+        mlp.forward = lambda x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)) @ mlp.down_proj.weight.T
+
+
+def _direct_read_llama():
+    config = LlamaConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    return _DirectReadLlama(config)
+
+
+CALIBRATION = dict(steps=4, seq_len=16, batch_size=2, num_samples=8)
+
+
+def test_calibration_keeps_a_directly_read_linear_in_float_and_says_so(caplog):
+    from optimum_dmx.integration.quantizer import DMXQuantizer
+
+    model = _direct_read_llama()
+    texts = [words(7 * i, 40) for i in range(20)]
+    config = DMXConfig(target_bits=5, dataset=texts, tokenizer=word_tokenizer(), **CALIBRATION)
+    with caplog.at_level(logging.WARNING, logger="optimum_dmx.integration.hf_quantizer"):
+        DMXQuantizer(config).quantize_model(model)
+    assert "computes with the weights of 1 linear(s) outside their forward pass (model.layers.0.mlp.down_proj)" in (
+        caplog.text
+    )
+    recorded = model.config.quantization_config
+    assert "model.layers.0.mlp.down_proj" in recorded.modules_to_not_convert
+    assert "model.layers.0.mlp.down_proj" not in recorded.format_map
+    assert type(model.model.layers[0].mlp.down_proj) is nn.Linear
+    assert isinstance(model.model.layers[1].mlp.down_proj, MXLinear)  # the same linear elsewhere is quantized
+    assert len(recorded.format_map) == 2 * 7 - 1
+    with torch.no_grad():
+        model(torch.tensor([[1, 2, 3, 4]]))
+
+
+def test_a_given_map_naming_a_directly_read_linear_is_refused():
+    from optimum_dmx.integration.quantizer import DMXQuantizer
+
+    model = _direct_read_llama()
+    names = [n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)]
+    format_map = {f"model.layers.{n}": "mxfp8_e4m3" for n in names}
+    texts = [words(7 * i, 40) for i in range(20)]
+    config = DMXConfig(
+        format_map=format_map, weight_rounding="gptq", dataset=texts, tokenizer=word_tokenizer(), **CALIBRATION
+    )
+    with pytest.raises(ValueError, match=r"format_map names 'model.layers.0.mlp.down_proj', whose weight"):
+        DMXQuantizer(config).quantize_model(model)
