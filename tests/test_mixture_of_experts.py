@@ -306,8 +306,12 @@ def test_the_scans_passes_over_copies_scan_a_layers_experts_in_passes_of_their_o
             assert shared[name] == pytest.approx(single[name], rel=1e-5), name
 
 
-def test_packed_weight_modules_leave_out_convolutions_and_skipped_modules():
+def test_packed_weight_modules_leave_out_convolutions_vectors_and_skipped_modules():
     assert packed_weight_modules(nn.Sequential(nn.Conv2d(3, 8, 3), nn.Linear(4, 4)), []) == {}
+    vectors = nn.Module()  # Kimi-Linear's A_log (1, 1, heads, 1), and a matrix stored in three dimensions
+    vectors.a_log, vectors.matrix = nn.Parameter(torch.zeros(1, 1, 32, 1)), nn.Parameter(torch.zeros(1, 8, 8))
+    vectors.stack = nn.Parameter(torch.zeros(2, 8, 8))
+    assert packed_weight_modules(nn.Sequential(vectors), []) == {"0": {"stack": (2, 8, 8)}}
     torch.manual_seed(0)
     model = FAMILIES["mixtral"]()
     for layer in EXPERTS:

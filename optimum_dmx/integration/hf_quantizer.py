@@ -40,7 +40,7 @@ from ..nn import (
     packed_weight_modules,
     replace_with_mx_linear,
 )
-from ..nn.direct_reads import linears_read_directly
+from ..nn.replaceable import irreplaceable_linears
 from ..nn.rotation import online_transform_targets, resolve_rotation, rotate_model
 from ..nn.surgery import is_skipped, per_layer_pattern
 from .checkpoint_names import checkpoint_key_renaming
@@ -125,7 +125,7 @@ class DMXHfQuantizer(HfQuantizer):
             input_ids = build_calibration_batches(
                 config.dataset, config.tokenizer, config.seq_len, config.num_samples, config.seed
             )
-            skip = _skip_linears_read_directly(model, input_ids[:1], skip, config.format_map)
+            skip = _skip_irreplaceable_linears(model, input_ids[:1], skip, config.format_map)
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
         quantized = linear_modules_to_quantize(model, skip)
         rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
@@ -278,34 +278,37 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
     )
 
 
-def _skip_linears_read_directly(
+def _skip_irreplaceable_linears(
     model: PreTrainedModel, input_ids: torch.Tensor, skip: list[str], format_map: dict[str, str] | None
 ) -> list[str]:
-    """`skip` and the linears the model reads outside their forward pass (`nn.direct_reads`), with a warning: an
-    `MXLinear` there would neither quantize what the model computes nor run. They stay in their float dtype, recorded
-    in `modules_to_not_convert`, and the bit budget counts the other linears only. A given `format_map` that names
-    one is refused."""
+    """`skip` and the linears an `MXLinear` cannot stand in for (`nn.replaceable`), with a warning: the model would
+    not use a quantized layer there as one. They stay in their float dtype, recorded in `modules_to_not_convert`, and
+    the bit budget counts the other linears only. A given `format_map` that names one is refused."""
     names = list(linear_modules_to_quantize(model, skip))
-    read = linears_read_directly(model, input_ids, names)
-    if not read:
+    reasons = irreplaceable_linears(model, input_ids, names)
+    if not reasons:
         return skip
-    mapped = [name for name in read if format_map and name in format_map]
+    found = list(reasons)
+    mapped = [name for name in found if format_map and name in format_map]
     if mapped:
         raise ValueError(
-            f"format_map names {mapped[0]!r}{f' and {len(mapped) - 1} more' if len(mapped) > 1 else ''}, whose weight "
-            f"{type(model).__name__} uses outside the linear's forward pass, where a quantized layer would not be used "
-            "as one: leave it out of the map (it then stays in float)"
+            f"format_map names {mapped[0]!r}{f' and {len(mapped) - 1} more' if len(mapped) > 1 else ''}, which a "
+            f"quantized layer cannot stand in for ({reasons[mapped[0]]}): leave it out of the map (it then stays in "
+            "float)"
         )
-    patterns = sorted({per_layer_pattern(name) for name in read})
-    if [n for n in names if any(is_skipped(n, p) for p in patterns)] != read:
-        patterns = read  # a per-layer name would also match linears the model does not read directly
+    patterns = sorted({per_layer_pattern(name) for name in found})
+    if [n for n in names if any(is_skipped(n, p) for p in patterns)] != found:
+        patterns = found  # a per-layer name would also match linears that a quantized layer can stand in for
+    by_reason = "; ".join(
+        f"{reason}: {', '.join(sorted({per_layer_pattern(n) for n in found if reasons[n] == reason}))}"
+        for reason in dict.fromkeys(reasons.values())
+    )
     logger.warning(
-        "%s computes with the weights of %d linear(s) outside their forward pass (%s), where a quantized layer would "
-        "not be used as one: they stay in float, modules_to_not_convert gets %s, and the bit budget counts the other "
-        "linears only.",
+        "%s has %d linear(s) that a quantized layer cannot stand in for (%s): they stay in float, "
+        "modules_to_not_convert gets %s, and the bit budget counts the other linears only.",
         type(model).__name__,
-        len(read),
-        read[0] if len(read) == 1 else f"{read[0]} and {len(read) - 1} more",
+        len(found),
+        by_reason,
         patterns,
     )
     return sorted({*skip, *patterns})

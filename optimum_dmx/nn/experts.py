@@ -106,7 +106,8 @@ def is_linearizable(module: nn.Module) -> bool:
 def packed_weight_modules(
     model: nn.Module, modules_to_not_convert: Sequence[str] | None
 ) -> dict[str, dict[str, tuple[int, ...]]]:
-    """Modules outside `modules_to_not_convert` that hold floating-point weights of three or more dimensions, are no
+    """Modules outside `modules_to_not_convert` that hold floating-point weights of three or more dimensions longer
+    than one (stacks of matrices: a tensor such as Kimi-Linear's `A_log`, `(1, 1, heads, 1)`, is a vector), are no
     convolution and cannot be linearized, by full name, with those weights' shapes by parameter name: weights dMX
     would leave in float."""
     patterns = list(modules_to_not_convert or [])
@@ -121,7 +122,7 @@ def packed_weight_modules(
         shapes = {
             parameter_name: tuple(parameter.shape)
             for parameter_name, parameter in module.named_parameters(recurse=False)
-            if parameter.dim() >= 3 and parameter.is_floating_point()
+            if sum(length > 1 for length in parameter.shape) >= 3 and parameter.is_floating_point()
         }
         if shapes:
             found[name] = shapes

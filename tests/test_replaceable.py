@@ -1,8 +1,8 @@
-"""Linears a model computes with outside their own forward pass: found, kept in float, and named in errors.
+"""Linears an MXLinear cannot stand in for: found, kept in float, and named in errors.
 
-Mamba's and Jamba's mixers multiply by `dt_proj.weight` themselves (`self.dt_proj.weight @ x`); an `MXLinear` there
-would neither quantize that product nor run. The end-to-end cases (a Mamba model calibrated and reloaded) are in
-`test_families.py`."""
+Mamba's and Jamba's mixers multiply by `dt_proj.weight` themselves (`self.dt_proj.weight @ x`); PhiMoE's router is
+an `nn.Linear` whose forward pass returns the top experts with the logits. The end-to-end cases (Mamba and PhiMoE
+models calibrated and reloaded) are in `test_families.py`."""
 
 import logging
 
@@ -12,23 +12,41 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from optimum_dmx import DMXConfig, MXLinear
-from optimum_dmx.nn.direct_reads import linears_read_directly
+from optimum_dmx.nn.replaceable import NOT_A_LINEAR_FORWARD, USED_OUTSIDE_FORWARD, irreplaceable_linears
 
 from .helpers import word_tokenizer, words
 
 
+class _Router(nn.Linear):
+    """A linear whose forward pass returns more than its output (as PhiMoE's and Llama 4's routers do)."""
+
+    def forward(self, x):
+        logits = super().forward(x)
+        return logits, logits.topk(2, dim=-1).indices
+
+
+class _SumsInOtherOrder(nn.Linear):
+    """A linear map computed otherwise (as Falcon's `FalconLinear` does): an MXLinear stands in for it."""
+
+    def forward(self, x):
+        return x @ self.weight.T + self.bias
+
+
 class _Block(nn.Module):
     """`used` runs as a module; `direct` is multiplied by its weight and bias by hand; `dtype_read` runs as a module,
-    and its weight's dtype is read outside it; `unreached` never runs (an expert no token is routed to)."""
+    and its weight's dtype is read outside it; `unreached` never runs (an expert no token is routed to); `router` is
+    not a linear map; `falcon` is one."""
 
     def __init__(self):
         super().__init__()
         self.used, self.direct, self.dtype_read, self.unreached = (nn.Linear(8, 8) for _ in range(4))
+        self.router, self.falcon = _Router(8, 8), _SumsInOtherOrder(8, 8)
 
     def forward(self, x):
-        x = self.used(x)
+        x = self.falcon(self.used(x))
         x = x @ self.direct.weight.T + self.direct.bias
-        return self.dtype_read(x.to(self.dtype_read.weight.dtype))
+        logits, _ = self.router(x)
+        return self.dtype_read(logits.to(self.dtype_read.weight.dtype))
 
 
 class _Model(nn.Module):
@@ -44,12 +62,20 @@ class _Model(nn.Module):
         return x
 
 
-def test_the_linears_used_outside_their_forward_pass_are_found_and_only_those():
+def test_the_linears_a_quantized_layer_cannot_stand_in_for_are_found_and_only_those():
     model = _Model()
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    found = linears_read_directly(model, torch.tensor([[1, 2, 3]]), names)
-    assert found == [f"blocks.{i}.{name}" for i in range(2) for name in ("direct", "dtype_read")]
-    assert linears_read_directly(model, torch.tensor([[1, 2, 3]]), ["blocks.0.used", "blocks.1.unreached"]) == []
+    found = irreplaceable_linears(model, torch.tensor([[1, 2, 3]]), names)
+    assert found == {
+        f"blocks.{i}.{name}": reason
+        for i in range(2)
+        for name, reason in [
+            ("direct", USED_OUTSIDE_FORWARD),
+            ("dtype_read", USED_OUTSIDE_FORWARD),
+            ("router", NOT_A_LINEAR_FORWARD),
+        ]
+    }
+    assert irreplaceable_linears(model, torch.tensor([[1, 2, 3]]), ["blocks.0.used", "blocks.1.unreached"]) == {}
     # the probe leaves no hook behind
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -97,8 +123,9 @@ def test_calibration_keeps_a_directly_read_linear_in_float_and_says_so(caplog):
     config = DMXConfig(target_bits=5, dataset=texts, tokenizer=word_tokenizer(), **CALIBRATION)
     with caplog.at_level(logging.WARNING, logger="optimum_dmx.integration.hf_quantizer"):
         DMXQuantizer(config).quantize_model(model)
-    assert "computes with the weights of 1 linear(s) outside their forward pass (model.layers.0.mlp.down_proj)" in (
-        caplog.text
+    assert (
+        "has 1 linear(s) that a quantized layer cannot stand in for (the model uses its weight outside its forward "
+        "pass: mlp.down_proj)" in caplog.text
     )
     recorded = model.config.quantization_config
     assert "model.layers.0.mlp.down_proj" in recorded.modules_to_not_convert
@@ -120,5 +147,9 @@ def test_a_given_map_naming_a_directly_read_linear_is_refused():
     config = DMXConfig(
         format_map=format_map, weight_rounding="gptq", dataset=texts, tokenizer=word_tokenizer(), **CALIBRATION
     )
-    with pytest.raises(ValueError, match=r"format_map names 'model.layers.0.mlp.down_proj', whose weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"format_map names 'model.layers.0.mlp.down_proj', which a quantized layer cannot stand in for "
+        r"\(the model uses its weight outside",
+    ):
         DMXQuantizer(config).quantize_model(model)
