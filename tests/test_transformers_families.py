@@ -1,0 +1,111 @@
+"""Every decoder family of transformers that dMX was tried on: it quantizes, saves and reloads, or it is refused
+with an error that names what dMX cannot quantize.
+
+Tiny randomly initialised models (2 layers, hidden size 64) built from each family's own configuration class
+(`AutoConfig.for_model`), calibrated with the defaults for a few steps, saved and loaded back: the reloaded model's
+logits must equal the quantized model's. The families of `test_families.py` (Llama, Qwen3, Gemma 3, Mistral, Phi-3,
+Mamba, PhiMoE, GPT-BigCode) and of `test_mixture_of_experts.py` are checked there more closely, in the default suite.
+A family this version of transformers does not have is skipped.
+"""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+from optimum_dmx import DMXConfig, MXLinear
+from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
+
+from .helpers import word_tokenizer, words
+
+SMALL = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=128,
+    head_dim=16,
+    max_position_embeddings=128,
+    num_experts=4,
+    num_local_experts=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=32,
+    n_shared_experts=1,
+    shared_expert_intermediate_size=32,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+MLA = dict(qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, q_lora_rank=32, kv_lora_rank=32)
+# what a family's configuration needs besides SMALL (hybrid models: a full-attention layer among the first few)
+EXTRA = {
+    "codegen": dict(rotary_dim=4),
+    "deepseek_v2": dict(**MLA, first_k_dense_replace=1, n_group=1, topk_group=1),
+    "falcon": dict(head_dim=None),
+    "gptj": dict(rotary_dim=4),
+    "jamba": dict(attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1),
+    "minicpm3": MLA,
+    "qwen3_5_text": dict(num_hidden_layers=4),
+    "qwen3_next": dict(num_hidden_layers=4),
+}
+QUANTIZED = [
+    "afmoe", "apertus", "arcee", "bitnet", "bloom", "codegen", "cohere", "cohere2", "cohere2_moe", "deepseek_v2",
+    "dots1", "ernie4_5", "ernie4_5_moe", "exaone4", "falcon", "falcon_h1", "falcon_mamba", "gemma", "gemma2",
+    "gemma4_text", "glm", "glm4", "glm4_moe", "gpt_neox", "gptj", "granite", "granitemoe", "granitemoeshared",
+    "helium", "hunyuan_v1_dense", "hunyuan_v1_moe", "internlm3", "jamba", "lfm2", "minicpm3", "minimax", "minimax_m2",
+    "ministral", "mpt", "nemotron", "olmo", "olmo2", "olmo3", "olmo_hybrid", "olmoe", "opt", "persimmon", "qwen2",
+    "qwen3_5_text", "qwen3_next", "seed_oss", "smollm3", "stablelm", "starcoder2", "vaultgemma",
+]  # fmt: skip
+# refused before calibrating, with the error naming the weights dMX cannot quantize
+REFUSED = {
+    "gpt2": r"no nn.Linear layer to quantize .* \['Conv1D'\] modules",
+    "gpt_oss": r"lie outside nn.Linear layers, in tensors of three dimensions or more .*GptOssExperts",
+    "jetmoe": r"lie outside nn.Linear layers, in tensors of three dimensions or more .*JetMoeParallelExperts",
+    "llama4_text": r"lie outside nn.Linear layers, in tensors of three dimensions or more .*Llama4TextExperts",
+    "nemotron_h": r"lie outside nn.Linear layers, in tensors of three dimensions or more .*NemotronHExperts",
+    "recurrent_gemma": r"lie outside nn.Linear layers, in tensors of three dimensions or more .*RecurrentGemmaRglru",
+}
+CALIBRATION = dict(steps=4, seq_len=16, batch_size=2, num_samples=8)
+
+
+def _float_checkpoint(family: str, folder):
+    if family not in CONFIG_MAPPING_NAMES:
+        pytest.skip(f"transformers {__import__('transformers').__version__} has no {family!r} models")
+    values = {**SMALL, **EXTRA.get(family, {})}
+    config = AutoConfig.for_model(family, **{k: v for k, v in values.items() if v is not None})
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+    tokenizer = word_tokenizer()
+    tokenizer.save_pretrained(folder)
+    return tokenizer
+
+
+def _config(tokenizer) -> DMXConfig:
+    texts = [words(7 * i, 40) for i in range(20)]
+    return DMXConfig(target_bits=5, dataset=texts, tokenizer=tokenizer, **CALIBRATION)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", QUANTIZED)
+def test_family_quantizes_saves_and_reloads(tmp_path, family):
+    tokenizer = _float_checkpoint(family, tmp_path / "float")
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=_config(tokenizer))
+    assert any(isinstance(m, MXLinear) for m in model.modules())
+    assert model.config.quantization_config.achieved_bits["bits_weighted"] <= 5 + BUDGET_TOLERANCE + 1e-9
+    ids = tokenizer("w1 w5 w9 w17 w33 w65 w99 w3 w42 w7 w11", return_tensors="pt").input_ids
+    with torch.no_grad():
+        logits = model(ids).logits
+    model.save_pretrained(tmp_path / "dmx")
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")
+    with torch.no_grad():
+        assert torch.equal(reloaded(ids).logits, logits)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", sorted(REFUSED))
+def test_family_dmx_cannot_quantize_is_refused_naming_why(tmp_path, family):
+    tokenizer = _float_checkpoint(family, tmp_path / "float")
+    with pytest.raises(ValueError, match=REFUSED[family]):
+        AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=_config(tokenizer))
