@@ -84,9 +84,10 @@ def one_thread():
 
 # How far another CPU's float arithmetic may move the 0.1.0.dev0 regression run below, per pair: (layers of 210 whose
 # format may differ, largest offset difference). Measured on an AMD EPYC (AVX-512 BF16) against the fixture: MXFP8
-# pair 8 layers and 0.035, MXFP6 pair none and 2e-7; the same run with `seed=1` on that CPU (a one-off run, not a
-# test) differs from the fixture by 14 layers and 0.12, 8 layers and 0.026, beyond both bounds.
-MOVED_BY_ANOTHER_CPU = {"mxfp8-mxfp4": (12, 0.08), "mxfp6-mxfp4": (2, 1e-3)}
+# pair 8 layers and 0.035, MXFP6 pair none and 2e-7; on an AMD EPYC with AVX2 only, MXFP6 pair at most 2 layers and
+# 0.00176 (the MXFP8 pair within its bound); the same run with `seed=1` on the first CPU (a one-off run, not a test)
+# differs from the fixture by 14 layers and 0.12, 8 layers and 0.026, beyond both bounds.
+MOVED_BY_ANOTHER_CPU = {"mxfp8-mxfp4": (12, 0.08), "mxfp6-mxfp4": (2, 3e-3)}
 
 
 @pytest.mark.parametrize("pair, target", [("mxfp8-mxfp4", 5.0), ("mxfp6-mxfp4", 4.5)])
