@@ -133,15 +133,7 @@ def _gpt_bigcode():
 
 def _phimoe():
     config = PhimoeConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        max_position_embeddings=64,
+        vocab_size=128, num_local_experts=4, num_experts_per_tok=2, **{**COMMON, "num_hidden_layers": 2}
     )
     return PhimoeForCausalLM(config), 2 * (4 + 4 * 3 + 1)
 

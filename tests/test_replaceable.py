@@ -9,12 +9,14 @@ import logging
 import pytest
 import torch
 from torch import nn
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from optimum_dmx import DMXConfig, MXLinear
+from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear
+from optimum_dmx.nn import linear_modules_to_quantize
 from optimum_dmx.nn.replaceable import NOT_A_LINEAR_FORWARD, USED_OUTSIDE_FORWARD, irreplaceable_linears
+from optimum_dmx.nn.rotation import rotate_model
+from optimum_dmx.nn.transforms import TransformedLinear
 
-from .helpers import word_tokenizer, words
+from .helpers import tiny_llama, word_tokenizer, words
 
 
 class _Router(nn.Linear):
@@ -80,6 +82,16 @@ def test_the_linears_a_quantized_layer_cannot_stand_in_for_are_found_and_only_th
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
 
+def test_the_layers_of_a_rotation_made_before_quantizing_are_replaceable():
+    """A model rotated by the caller (`rotate_model`) holds `TransformedLinear`s: their forward pass is `F.linear` of
+    the transformed input, which an MXLinear built from them computes too."""
+    model = tiny_llama(seed=0)
+    names = list(linear_modules_to_quantize(model, ["lm_head"]))
+    rotate_model(model, "online_block_hadamard", names)
+    assert all(isinstance(model.get_submodule(name), TransformedLinear) for name in names)
+    assert irreplaceable_linears(model, torch.tensor([[1, 2, 3, 4]]), names) == {}
+
+
 def test_an_mx_linear_says_why_it_has_no_weight():
     module = MXLinear.from_linear(nn.Linear(32, 8), "mxfp6_e2m3")
     with pytest.raises(AttributeError, match=r"MXLinear has no weight: it stores it packed in mxfp6_e2m3.*"):
@@ -89,35 +101,18 @@ def test_an_mx_linear_says_why_it_has_no_weight():
         module.no_such_thing  # noqa: B018
 
 
-class _DirectReadLlama(LlamaForCausalLM):
-    """A Llama whose first MLP multiplies by `down_proj`'s weight itself, as Mamba's mixer does with `dt_proj`."""
-
-    def __init__(self, config):
-        super().__init__(config)
-        mlp = self.model.layers[0].mlp
-        mlp.forward = lambda x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)) @ mlp.down_proj.weight.T
-
-
 def _direct_read_llama():
-    config = LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return _DirectReadLlama(config)
+    """A tiny Llama whose first MLP multiplies by `down_proj`'s weight itself, as Mamba's mixer does with `dt_proj`."""
+    model = tiny_llama(seed=0)
+    mlp = model.model.layers[0].mlp
+    mlp.forward = lambda x: (mlp.act_fn(mlp.gate_proj(x)) * mlp.up_proj(x)) @ mlp.down_proj.weight.T
+    return model
 
 
 CALIBRATION = dict(steps=4, seq_len=16, batch_size=2, num_samples=8)
 
 
 def test_calibration_keeps_a_directly_read_linear_in_float_and_says_so(caplog):
-    from optimum_dmx.integration.quantizer import DMXQuantizer
-
     model = _direct_read_llama()
     texts = [words(7 * i, 40) for i in range(20)]
     config = DMXConfig(target_bits=5, dataset=texts, tokenizer=word_tokenizer(), **CALIBRATION)
@@ -138,8 +133,6 @@ def test_calibration_keeps_a_directly_read_linear_in_float_and_says_so(caplog):
 
 
 def test_a_given_map_naming_a_directly_read_linear_is_refused():
-    from optimum_dmx.integration.quantizer import DMXQuantizer
-
     model = _direct_read_llama()
     names = [n for n, m in model.model.layers.named_modules() if isinstance(m, nn.Linear)]
     format_map = {f"model.layers.{n}": "mxfp8_e4m3" for n in names}

@@ -28,6 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .placement import input_device, is_resident
+from .transforms import TransformedLinear
 
 USED_OUTSIDE_FORWARD = "the model uses its weight outside its forward pass"
 NOT_A_LINEAR_FORWARD = "its forward pass is not F.linear of its input"
@@ -58,8 +59,10 @@ class _ParameterUses(TorchFunctionMode):
 def computes_a_linear_map(linear: nn.Linear, inputs: tuple, output: Any) -> bool:
     """Whether `output`, what `linear`'s forward pass returned for `inputs`, is `F.linear` of its input (within
     `LINEAR_TOLERANCE`: a subclass may add the bias or order the sums otherwise, as Falcon's `FalconLinear` does)."""
-    if type(linear).forward is nn.Linear.forward or not is_resident(linear):
-        return True  # nn.Linear's own, or a weight not held here to check against (offloaded, sharded)
+    if type(linear).forward is nn.Linear.forward or isinstance(linear, TransformedLinear) or not is_resident(linear):
+        # nn.Linear's own; an online rotation's layer, whose transform `MXLinear.from_linear` takes over; a weight
+        # not held here to check against (offloaded, sharded)
+        return True
     if not inputs or not isinstance(inputs[0], torch.Tensor) or not isinstance(output, torch.Tensor):
         return False
     expected = F.linear(inputs[0].to(linear.weight.dtype), linear.weight, linear.bias)
