@@ -330,12 +330,13 @@ def calibration_overrides(args: argparse.Namespace) -> dict[str, Any]:
 def run_quantize(args) -> int:
     import torch
     from datasets.exceptions import DatasetGenerationError
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     from .calibration.data import check_calibration_data, load_calibration_dataset
     from .calibration.distributed import is_main_process
     from .integration import DMXConfig, DMXQuantizer, ModelCardInfo, PerplexityComparison, checkpoint_bytes
     from .integration.folders import check_output
+    from .integration.model_classes import generating_model_class
 
     try:
         config = DMXConfig(
@@ -382,7 +383,7 @@ def run_quantize(args) -> int:
         placement = {"device_map": args.device_map, "max_memory": args.max_memory, "offload_folder": offload_folder}
     dtype = args.dtype or ("auto" if args.device_map else "float32")
     try:
-        model = AutoModelForCausalLM.from_pretrained(
+        model = generating_model_class(AutoConfig.from_pretrained(model_path)).from_pretrained(
             model_path, dtype=dtype if dtype == "auto" else getattr(torch, dtype), **placement
         )
     except (OSError, ValueError) as err:
@@ -503,11 +504,12 @@ def _run_tasks(args, model, tokenizer) -> int:
 
 
 def run_eval(args) -> int:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     import optimum_dmx  # noqa: F401  (registers "dmx" so dMX checkpoints load as MX models)
 
     from .export.loading import is_export, load_exported
+    from .integration.model_classes import generating_model_class
 
     folder = _require_model_folder(args.model)
     text = _read_text(args.text) if args.text else None
@@ -515,7 +517,7 @@ def run_eval(args) -> int:
     if is_export(folder):  # finished as vLLM serves it (online transforms)
         model = load_exported(folder)
     else:
-        model = AutoModelForCausalLM.from_pretrained(folder)
+        model = generating_model_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder)
     if text is None:
         return _run_tasks(args, model, tokenizer)
     from .evaluation import evaluate_perplexity

@@ -12,7 +12,7 @@ from torch import nn
 
 from optimum_dmx import DMXConfig, DMXQuantizer, MXLinear
 from optimum_dmx.nn import linear_modules_to_quantize
-from optimum_dmx.nn.replaceable import NOT_A_LINEAR_FORWARD, USED_OUTSIDE_FORWARD, irreplaceable_linears
+from optimum_dmx.nn.replaceable import NOT_A_LINEAR_FORWARD, NOT_REACHED, USED_OUTSIDE_FORWARD, linears_kept_in_float
 from optimum_dmx.nn.rotation import rotate_model
 from optimum_dmx.nn.transforms import TransformedLinear
 
@@ -36,8 +36,8 @@ class _SumsInOtherOrder(nn.Linear):
 
 class _Block(nn.Module):
     """`used` runs as a module; `direct` is multiplied by its weight and bias by hand; `dtype_read` runs as a module,
-    and its weight's dtype is read outside it; `unreached` never runs (an expert no token is routed to); `router` is
-    not a linear map; `falcon` is one."""
+    and its weight's dtype is read outside it; `unreached` never runs (as a vision encoder's linears on text);
+    `router` is not a linear map; `falcon` is one."""
 
     def __init__(self):
         super().__init__()
@@ -64,10 +64,10 @@ class _Model(nn.Module):
         return x
 
 
-def test_the_linears_a_quantized_layer_cannot_stand_in_for_are_found_and_only_those():
+def test_the_linears_calibration_must_leave_in_float_are_found_and_only_those():
     model = _Model()
     names = [n for n, m in model.named_modules() if isinstance(m, nn.Linear)]
-    found = irreplaceable_linears(model, torch.tensor([[1, 2, 3]]), names)
+    found = linears_kept_in_float(model, torch.tensor([[1, 2, 3]]), names)
     assert found == {
         f"blocks.{i}.{name}": reason
         for i in range(2)
@@ -75,9 +75,12 @@ def test_the_linears_a_quantized_layer_cannot_stand_in_for_are_found_and_only_th
             ("direct", USED_OUTSIDE_FORWARD),
             ("dtype_read", USED_OUTSIDE_FORWARD),
             ("router", NOT_A_LINEAR_FORWARD),
+            ("unreached", NOT_REACHED),
         ]
     }
-    assert irreplaceable_linears(model, torch.tensor([[1, 2, 3]]), ["blocks.0.used", "blocks.1.unreached"]) == {}
+    assert linears_kept_in_float(model, torch.tensor([[1, 2, 3]]), ["blocks.0.used", "blocks.1.unreached"]) == {
+        "blocks.1.unreached": NOT_REACHED
+    }
     # the probe leaves no hook behind
     assert all(not m._forward_hooks and not m._forward_pre_hooks for m in model.modules())
 
@@ -89,7 +92,7 @@ def test_the_layers_of_a_rotation_made_before_quantizing_are_replaceable():
     names = list(linear_modules_to_quantize(model, ["lm_head"]))
     rotate_model(model, "online_block_hadamard", names)
     assert all(isinstance(model.get_submodule(name), TransformedLinear) for name in names)
-    assert irreplaceable_linears(model, torch.tensor([[1, 2, 3, 4]]), names) == {}
+    assert linears_kept_in_float(model, torch.tensor([[1, 2, 3, 4]]), names) == {}
 
 
 def test_an_mx_linear_says_why_it_has_no_weight():

@@ -201,7 +201,7 @@ def round_weights_by_gptq(
             packed = gptq_pack(weight, inverses[key], module.fmt, module.block_size, module.scale_rule)
             module.weight_packed.copy_(packed.codes)
             module.weight_scale.copy_(packed.scales)
-        if layer is not None:
+        if layer is not None and hessians:  # a layer none of whose linears ran (a vision encoder's): not replayed
             recorded = [_output_of(model, layer, batch, done, out) for batch, out in zip(batches, recorded)]
             done.append(layer)
     if singular:

@@ -20,12 +20,13 @@ from typing import Any
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig, AutoModelForCausalLM
+from transformers import AutoConfig
 
 from ..formats.packing import negate_rows
 from ..integration.checkpoint_names import checkpoint_key_renaming, expert_projection_names
 from ..integration.configuration import QUANT_METHOD
 from ..integration.folders import check_output, staged_folder
+from ..integration.model_classes import generating_model_class
 from ..nn.experts import linearize_experts
 from ..nn.groups import expert_groups, experts_module, mixed_groups
 from .targets import ExportTarget, get_export_target
@@ -94,7 +95,7 @@ def export_checkpoint(
     stored = _stored_layers(files, skeleton, format_map)
 
     with staged_folder(output_dir, overwrite=overwrite) as staging:
-        weight_map = _convert_tensors(files, staging, spec, format_map, stored, transforms)
+        weight_map = _convert_tensors(files, staging, spec, format_map, stored, transforms, skeleton)
         if len(set(weight_map.values())) > 1:
             index = json.loads((source / SAFETENSORS_INDEX).read_text())
             index["weight_map"] = dict(sorted(weight_map.items()))
@@ -110,7 +111,10 @@ def export_checkpoint(
         for path in source.iterdir():
             if path.is_file() and path.name not in _REWRITTEN and path.suffix != ".safetensors":
                 shutil.copy2(path, staging / path.name)
-        (staging / "README.md").write_text(spec.model_card(quantization, output_dir.name), encoding="utf-8")
+        (staging / "README.md").write_text(
+            spec.model_card(quantization, output_dir.name, generating_model_class(skeleton.config).__name__),
+            encoding="utf-8",
+        )
     return output_dir
 
 
@@ -228,7 +232,7 @@ def _skeleton(config: dict[str, Any], format_map: Mapping[str, str]) -> torch.nn
     plain = {key: value for key, value in config.items() if key != "quantization_config"}
     architecture = AutoConfig.for_model(**plain)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(architecture)
+        model = generating_model_class(architecture).from_config(architecture)
     linearize_experts(model, [experts_module(group[0]) for group in expert_groups(format_map)], skeleton=True)
     return model
 
@@ -305,19 +309,24 @@ def _convert_tensors(
     format_map: Mapping[str, str],
     stored: Mapping[str, tuple[str, str]],
     transforms: TransformExport | None,
+    skeleton: torch.nn.Module,
 ) -> dict[str, str]:
     """Rewrite every safetensors file into `staging`, each quantized layer's tensors (`stored`: `_stored_layers`) in
     the target's layout, the rows of the layers that take `transforms`' signs negated where they say and the
-    transforms' matrices beside the weights of the layers they apply to; return the new tensor name -> file map."""
+    transforms' matrices beside the weights of the layers they apply to; return the new tensor name -> file map.
+    Tensors keep the checkpoint's names (`save_pretrained` writes some families' modules under other names: an
+    image-text model's `model.language_model` as `language_model.model`), and the matrices take them too."""
     row_signs = transforms.row_signs if transforms else {}
     matrices = transforms.tensors if transforms else {}
+    module_name = checkpoint_key_renaming(skeleton)
     signs_to_apply = set(row_signs)
     weight_map = {}
     for file in files:
         with safe_open(file, framework="pt") as reader:
             tensors = {name: reader.get_tensor(name) for name in reader.keys()}
             metadata = reader.metadata()
-        signs_to_apply -= _apply_row_signs(tensors, row_signs, format_map)
+        stored_as = {module_name(prefix): prefix for prefix in {name.rpartition(".")[0] for name in tensors}}
+        signs_to_apply -= _apply_row_signs(tensors, row_signs, format_map, stored_as)
         out = {}
         for name, tensor in tensors.items():
             prefix, _, leaf = name.rpartition(".")
@@ -326,8 +335,8 @@ def _convert_tensors(
             elif leaf == "weight_packed":
                 module, exported = stored[prefix]
                 out.update(spec.layer_tensors(exported, format_map[module], tensor, tensors[f"{prefix}.weight_scale"]))
-        for module in {name.rpartition(".")[0] for name in tensors} & set(matrices):
-            out.update(matrices[module])
+        for module in stored_as.keys() & matrices.keys():
+            out.update({stored_as[module] + name[len(module) :]: matrix for name, matrix in matrices[module].items()})
         save_file(out, staging / file.name, metadata=metadata)
         weight_map.update(dict.fromkeys(out, file.name))
     if signs_to_apply:
@@ -336,23 +345,28 @@ def _convert_tensors(
 
 
 def _apply_row_signs(
-    tensors: dict[str, torch.Tensor], row_signs: Mapping[str, torch.Tensor], format_map: Mapping[str, str]
+    tensors: dict[str, torch.Tensor],
+    row_signs: Mapping[str, torch.Tensor],
+    format_map: Mapping[str, str],
+    stored_as: Mapping[str, str],
 ) -> set[str]:
     """Negate, in `tensors`, the outputs of each layer of `row_signs` where its sign is -1: packed MX codes' rows by
-    their sign bits (exact), float weights' rows (a norm's scale elements) and biases by multiplication. Return the
-    layers whose weight was here."""
+    their sign bits (exact), float weights' rows (a norm's scale elements) and biases by multiplication. A layer's
+    tensors are named by its prefix in the checkpoint (`stored_as`: module name -> prefix). Return the layers whose
+    weight was here."""
     done = set()
     for module, signs in row_signs.items():
-        if f"{module}.weight_packed" in tensors:
-            packed = tensors[f"{module}.weight_packed"]
-            tensors[f"{module}.weight_packed"] = negate_rows(packed, format_map[module], signs < 0)
-        elif f"{module}.weight" in tensors:
-            weight = tensors[f"{module}.weight"]  # a linear's [out, in], or a norm's scale [features]
-            tensors[f"{module}.weight"] = weight * signs.to(weight.dtype).view(-1, *(1,) * (weight.dim() - 1))
+        prefix = stored_as.get(module, module)
+        if f"{prefix}.weight_packed" in tensors:
+            packed = tensors[f"{prefix}.weight_packed"]
+            tensors[f"{prefix}.weight_packed"] = negate_rows(packed, format_map[module], signs < 0)
+        elif f"{prefix}.weight" in tensors:
+            weight = tensors[f"{prefix}.weight"]  # a linear's [out, in], or a norm's scale [features]
+            tensors[f"{prefix}.weight"] = weight * signs.to(weight.dtype).view(-1, *(1,) * (weight.dim() - 1))
         else:
             continue
         done.add(module)
-        if f"{module}.bias" in tensors:
-            bias = tensors[f"{module}.bias"]
-            tensors[f"{module}.bias"] = bias * signs.to(bias.dtype)
+        if f"{prefix}.bias" in tensors:
+            bias = tensors[f"{prefix}.bias"]
+            tensors[f"{prefix}.bias"] = bias * signs.to(bias.dtype)
     return done

@@ -31,9 +31,11 @@ def is_export(folder: str | Path) -> bool:
 
 
 def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
-    """`AutoModelForCausalLM.from_pretrained(folder, **from_pretrained)` for a folder `export_checkpoint` wrote, with
-    its online transforms applied by its loader's code (`finish_loading`)."""
-    from transformers import AutoModelForCausalLM
+    """`from_pretrained(folder, **from_pretrained)` of the model's Auto class (`generating_model_class`) for a folder
+    `export_checkpoint` wrote, with its online transforms applied by its loader's code (`finish_loading`)."""
+    from transformers import AutoConfig
+
+    from ..integration.model_classes import generating_model_class
 
     quantization = _quantization_config(folder)
     if quantization.get("quant_method") not in EXPORTED_METHODS:
@@ -41,7 +43,7 @@ def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
             f"{str(folder)!r} is not an exported checkpoint: its quant_method is "
             f"{quantization.get('quant_method')!r}; allowed: {', '.join(EXPORTED_METHODS)}"
         )
-    model = AutoModelForCausalLM.from_pretrained(folder, **from_pretrained)
+    model = generating_model_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, **from_pretrained)
     finish_loading(model, quantization)
     return model
 

@@ -56,8 +56,8 @@ vllm serve path/to/{name}
 ## Load with transformers
 
 ```python
-from transformers import AutoModelForCausalLM
-model = AutoModelForCausalLM.from_pretrained("path/to/{name}", dtype="bfloat16")  # needs {package}
+from transformers import {auto_class}
+model = {auto_class}.from_pretrained("path/to/{name}", dtype="bfloat16")  # needs {package}
 ```
 {load_note}{transforms}{experts}"""
 
@@ -142,8 +142,8 @@ class ExportTarget:
     experts_refused: str | None = None
     experts_caveat: Callable[[Mapping[str, str]], str | None] = lambda format_map: None
 
-    def model_card(self, dmx_quantization: Mapping[str, Any], name: str) -> str:
-        """A README saying what the export holds and how to serve and load it."""
+    def model_card(self, dmx_quantization: Mapping[str, Any], name: str, auto_class: str) -> str:
+        """A README saying what the export holds and how to serve and load it (with transformers' `auto_class`)."""
         counts: dict[str, int] = {}
         for fmt in dmx_quantization["format_map"].values():
             counts[fmt] = counts.get(fmt, 0) + 1
@@ -161,6 +161,7 @@ class ExportTarget:
             target=self.name,
             summary=summary,
             package=self.package,
+            auto_class=auto_class,
             load_note=load_note,
             transforms=transforms,
             experts=self._experts_section(dmx_quantization["format_map"]),

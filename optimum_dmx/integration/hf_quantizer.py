@@ -40,9 +40,9 @@ from ..nn import (
     packed_weight_modules,
     replace_with_mx_linear,
 )
-from ..nn.replaceable import irreplaceable_linears
-from ..nn.rotation import online_transform_targets, resolve_rotation, rotate_model
-from ..nn.surgery import is_skipped, per_layer_pattern
+from ..nn.replaceable import NOT_REACHED, linears_kept_in_float
+from ..nn.rotation import LEARNABLE_ROTATIONS, online_transform_targets, resolve_rotation, rotate_model
+from ..nn.surgery import is_skipped, per_layer_pattern, subtree_prefixes
 from .checkpoint_names import checkpoint_key_renaming
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
@@ -125,7 +125,7 @@ class DMXHfQuantizer(HfQuantizer):
             input_ids = build_calibration_batches(
                 config.dataset, config.tokenizer, config.seq_len, config.num_samples, config.seed
             )
-            skip = _skip_irreplaceable_linears(model, input_ids[:1], skip, config.format_map)
+            skip = _skip_linears_kept_in_float(model, input_ids[:1], skip, config.format_map, config.rotation)
         # Rotations first: calibration must see (and the saved weights hold) the rotated model.
         quantized = linear_modules_to_quantize(model, skip)
         rotation = resolve_rotation(model, config.rotation, quantized, config.block_size)
@@ -278,30 +278,70 @@ def _check_quantizable(model: PreTrainedModel, skip: list[str]) -> None:
     )
 
 
-def _skip_irreplaceable_linears(
-    model: PreTrainedModel, input_ids: torch.Tensor, skip: list[str], format_map: dict[str, str] | None
+def _skip_linears_kept_in_float(
+    model: PreTrainedModel,
+    input_ids: torch.Tensor,
+    skip: list[str],
+    format_map: dict[str, str] | None,
+    rotation: str,
 ) -> list[str]:
-    """`skip` and the linears an `MXLinear` cannot stand in for (`nn.replaceable`), with a warning: the model would
-    not use a quantized layer there as one. They stay in their float dtype, recorded in `modules_to_not_convert`, and
-    the bit budget counts the other linears only. A given `format_map` that names one is refused."""
+    """`skip` and the linears calibration must leave in float (`nn.replaceable`), with a warning for each kind: those
+    an `MXLinear` cannot stand in for (the model would not use a quantized layer there as one) and those no
+    calibration token reaches (no signal to calibrate them from). They stay in their float dtype, recorded in
+    `modules_to_not_convert`, and the bit budget counts the other linears only. A given `format_map` that names a
+    linear of the first kind is refused; one that names an unreached linear is applied as given. A `rotation` merged
+    into the residual stream is refused beside unreached linears: they may write into it unrotated (an image-text
+    model's projector does)."""
     names = list(linear_modules_to_quantize(model, skip))
-    reasons = irreplaceable_linears(model, input_ids, names)
-    if not reasons:
+    reasons = linears_kept_in_float(model, input_ids, names)
+    unreached = [name for name, reason in reasons.items() if reason == NOT_REACHED]
+    irreplaceable = {name: reason for name, reason in reasons.items() if reason != NOT_REACHED}
+    if format_map:
+        _refuse_mapped_irreplaceable(format_map, irreplaceable)
         return skip
-    found = list(reasons)
-    mapped = [name for name in found if format_map and name in format_map]
+    patterns = _irreplaceable_patterns(model, names, irreplaceable) if irreplaceable else []
+    if unreached:
+        prefixes = subtree_prefixes(unreached, names)
+        if rotation in LEARNABLE_ROTATIONS:  # the merged ones
+            raise ValueError(
+                f"rotation={rotation!r} rotates the residual stream, which linears no calibration token reaches "
+                f"({', '.join(prefixes)}) stay float and unrotated for, and may write into (an image-text model's "
+                "projector does): use rotation='online_block_hadamard' (the default's choice), which merges nothing "
+                "into it, or 'none'"
+            )
+        logger.warning(
+            "%s has %d linear(s) that no calibration token reaches (%s): calibration has no signal for them, so "
+            "they stay in float, modules_to_not_convert gets these prefixes, and the bit budget counts the other "
+            "linears only. An image-text model calibrated on text keeps its vision encoder in float this way.",
+            type(model).__name__,
+            len(unreached),
+            ", ".join(prefixes),
+        )
+        patterns += prefixes
+    return sorted({*skip, *patterns})
+
+
+def _refuse_mapped_irreplaceable(format_map: dict[str, str], irreplaceable: dict[str, str]) -> None:
+    """Refuse a given `format_map` that names a linear an `MXLinear` cannot stand in for."""
+    mapped = [name for name in irreplaceable if name in format_map]
     if mapped:
         raise ValueError(
             f"format_map names {mapped[0]!r}{f' and {len(mapped) - 1} more' if len(mapped) > 1 else ''}, which a "
-            f"quantized layer cannot stand in for ({reasons[mapped[0]]}): leave it out of the map (it then stays in "
-            "float)"
+            f"quantized layer cannot stand in for ({irreplaceable[mapped[0]]}): leave it out of the map (it then "
+            "stays in float)"
         )
+
+
+def _irreplaceable_patterns(model: PreTrainedModel, names: list[str], irreplaceable: dict[str, str]) -> list[str]:
+    """The `modules_to_not_convert` patterns of the linears an `MXLinear` cannot stand in for (per layer, such as
+    `mixer.dt_proj`, where that names exactly them), logged in a warning that names them and why."""
+    found = list(irreplaceable)
     patterns = sorted({per_layer_pattern(name) for name in found})
     if [n for n in names if any(is_skipped(n, p) for p in patterns)] != found:
         patterns = found  # a per-layer name would also match linears that a quantized layer can stand in for
     by_reason = "; ".join(
-        f"{reason}: {', '.join(sorted({per_layer_pattern(n) for n in found if reasons[n] == reason}))}"
-        for reason in dict.fromkeys(reasons.values())
+        f"{reason}: {', '.join(sorted({per_layer_pattern(n) for n in found if irreplaceable[n] == reason}))}"
+        for reason in dict.fromkeys(irreplaceable.values())
     )
     logger.warning(
         "%s has %d linear(s) that a quantized layer cannot stand in for (%s): they stay in float, "
@@ -311,7 +351,7 @@ def _skip_irreplaceable_linears(
         by_reason,
         patterns,
     )
-    return sorted({*skip, *patterns})
+    return patterns
 
 
 def _integrity_record_path(model: PreTrainedModel, checkpoint_files: list[str]) -> Path | None:

@@ -1,4 +1,4 @@
-"""Which of a model's linears an `MXLinear` cannot stand in for.
+"""Which of a model's linears calibration must leave in float.
 
 Quantizing a linear replaces it with an `MXLinear`, which computes `F.linear` of its quantized input and weight in its
 forward pass and holds no `weight`. That stands in for the linear only where the model uses the linear by calling it
@@ -11,7 +11,11 @@ models:
 * **forward passes that are not a linear layer's**: `nn.Linear` subclasses such as PhiMoE's and Llama 4's routers
   return the top experts with the logits; an `MXLinear` there would return the logits alone.
 
-`irreplaceable_linears` finds both by running the float model once and watching every torch operation and every
+A third kind could be replaced but not calibrated: linears **no calibration token reaches**, such as the vision
+encoder and projector of an image-text model calibrated on text, or Mllama's cross-attention layers, which run only
+beside an image. Their offsets would get no gradient and the KL scan would find them harmless.
+
+`linears_kept_in_float` finds all three by running the float model once and watching every torch operation and every
 linear's output. Calibration keeps those linears in float (`integration.hf_quantizer`).
 """
 
@@ -32,6 +36,7 @@ from .transforms import TransformedLinear
 
 USED_OUTSIDE_FORWARD = "the model uses its weight outside its forward pass"
 NOT_A_LINEAR_FORWARD = "its forward pass is not F.linear of its input"
+NOT_REACHED = "no calibration token reaches it"
 LINEAR_TOLERANCE = 1e-2  # relative norm of a forward pass's difference from F.linear still taken as a linear layer's
 
 
@@ -72,14 +77,23 @@ def computes_a_linear_map(linear: nn.Linear, inputs: tuple, output: Any) -> bool
     return bool(difference <= LINEAR_TOLERANCE * torch.linalg.vector_norm(expected.float()))
 
 
-@torch.no_grad()
-def irreplaceable_linears(model: nn.Module, input_ids: torch.Tensor, names: Sequence[str]) -> dict[str, str]:
-    """The linears among `names` (full module names) that an `MXLinear` cannot stand in for, in model order, each
-    with the reason (`USED_OUTSIDE_FORWARD`, `NOT_A_LINEAR_FORWARD`), from one forward pass of `model` on `input_ids`.
+def _unindexed(name: str) -> str:
+    """`name` with its numeric components replaced (`model.layers.3.mlp.experts.7.w1` ->
+    `model.layers.#.mlp.experts.#.w1`): the same linear in every layer, or every expert."""
+    return ".".join("#" if part.isdigit() else part for part in name.split("."))
 
-    A linear the pass does not reach at all (an expert no token is routed to) is not reported. A weight offloaded by
-    accelerate or sharded by FSDP2 is computed with as a tensor loaded or gathered for the pass, not the one the
-    module holds: the uses of that tensor are not seen, nor is that linear's forward pass checked."""
+
+@torch.no_grad()
+def linears_kept_in_float(model: nn.Module, input_ids: torch.Tensor, names: Sequence[str]) -> dict[str, str]:
+    """The linears among `names` (full module names) that calibration must leave in float, in model order, each
+    with the reason (`USED_OUTSIDE_FORWARD`, `NOT_A_LINEAR_FORWARD`, `NOT_REACHED`), from one forward pass of `model`
+    on `input_ids`.
+
+    A linear is `NOT_REACHED` when the pass neither calls nor reads it, nor the same linear of any other layer or
+    expert (`_unindexed`): an expert no token of this one sequence is routed to is not reported while another expert
+    of its kind is reached. A weight offloaded by accelerate or sharded by FSDP2 is computed with as a tensor loaded or
+    gathered for the pass, not the one the module holds: the uses of that tensor are not seen, nor is that linear's
+    forward pass checked."""
     linears = {name: model.get_submodule(name) for name in names}
     owners = {
         id(tensor): (name, tensor)
@@ -89,6 +103,11 @@ def irreplaceable_linears(model: nn.Module, input_ids: torch.Tensor, names: Sequ
     }
     uses = _ParameterUses(owners)
     not_linear: set[str] = set()
+    reached: set[str] = set()
+
+    def started(name: str) -> None:
+        uses.running.update([name])
+        reached.add(name)
 
     def finished(name: str, linear: nn.Linear, inputs: tuple, output: Any) -> None:
         if output is not None and not computes_a_linear_map(linear, inputs, output):  # None: the pass raised
@@ -97,7 +116,7 @@ def irreplaceable_linears(model: nn.Module, input_ids: torch.Tensor, names: Sequ
 
     handles = []
     for name, linear in linears.items():
-        handles.append(linear.register_forward_pre_hook(lambda module, args, name=name: uses.running.update([name])))
+        handles.append(linear.register_forward_pre_hook(lambda module, args, name=name: started(name)))
         handles.append(
             linear.register_forward_hook(
                 lambda module, args, output, name=name: finished(name, module, args, output), always_call=True
@@ -109,10 +128,13 @@ def irreplaceable_linears(model: nn.Module, input_ids: torch.Tensor, names: Sequ
     finally:
         for handle in handles:
             handle.remove()
+    kinds_reached = {_unindexed(name) for name in reached | uses.used_outside}
     reasons = {}
     for name in names:
         if name in uses.used_outside:
             reasons[name] = USED_OUTSIDE_FORWARD
         elif name in not_linear:
             reasons[name] = NOT_A_LINEAR_FORWARD
+        elif _unindexed(name) not in kinds_reached:
+            reasons[name] = NOT_REACHED
     return reasons

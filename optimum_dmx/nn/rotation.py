@@ -350,7 +350,8 @@ def _decoder_layers(model: nn.Module) -> nn.ModuleList:
     if not isinstance(layers, nn.ModuleList) or not len(layers):
         raise ValueError(
             f"rotation needs a decoder-only model with `{getattr(model, 'base_model_prefix', 'model')}"
-            f".layers`; {type(model).__name__} has none"
+            f'.layers`; {type(model).__name__} has none ("online_block_hadamard" merges nothing into the model and '
+            "needs no such structure)"
         )
     for index, layer in enumerate(layers):
         missing = [

@@ -40,6 +40,24 @@ def per_layer_pattern(name: str) -> str:
     return ".".join(parts[numeric[-1] + 1 :]) if numeric and numeric[-1] + 1 < len(parts) else name
 
 
+def subtree_prefixes(found: Sequence[str], names: Sequence[str]) -> list[str]:
+    """The module names that cover every name in `found` and no other name in `names`, as `modules_to_not_convert`
+    prefixes: for each found name, its highest ancestor (or itself) under which every name of `names` is found
+    (`model.vision_tower` for every linear of a vision encoder), sorted."""
+    ancestors_of_others = {
+        ".".join(parts[:depth])
+        for name in set(names) - set(found)
+        for parts in [name.split(".")]
+        for depth in range(1, len(parts) + 1)
+    }
+    prefixes = set()
+    for name in found:
+        parts = name.split(".")
+        candidates = (".".join(parts[:depth]) for depth in range(1, len(parts) + 1))
+        prefixes.add(next(prefix for prefix in candidates if prefix not in ancestors_of_others))
+    return sorted(prefixes)
+
+
 def linear_modules_to_quantize(model: nn.Module, modules_to_not_convert: Sequence[str] | None) -> dict[str, nn.Linear]:
     """The `nn.Linear` modules of `model` that dMX quantizes, by full name, in model order.
 
