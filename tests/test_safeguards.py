@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
@@ -314,6 +315,46 @@ def test_a_sequence_longer_than_the_models_positions_is_refused_before_calibrati
     )
     with pytest.raises(ValueError, match=f"seq_len={limit + 1} is longer than .*max_position_embeddings={limit}"):
         AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config)
+
+
+_SMALL = dict(num_hidden_layers=1, hidden_size=64, intermediate_size=128, num_attention_heads=4, vocab_size=128)
+
+
+@pytest.mark.parametrize(
+    "auto, family, config, task",
+    [
+        (
+            "AutoModelForSeq2SeqLM",
+            "t5",
+            dict(num_layers=1, d_model=64, d_ff=128, num_heads=4, d_kv=16),
+            r"sequence-to-sequence generation \(an encoder-decoder model\)",
+        ),
+        ("AutoModelForSequenceClassification", "bert", _SMALL, "sequence classification"),
+        ("AutoModelForMaskedLM", "bert", _SMALL, "masked language modelling"),
+        ("AutoModel", "llama", _SMALL, r"hidden states \(no head\)"),
+    ],
+)
+def test_a_model_that_does_not_predict_the_next_token_is_refused_before_calibrating(
+    tmp_path, auto, family, config, task
+):
+    """Calibration and GPTQ learn from the next-token loss of text: a classifier, a masked or encoder-decoder model,
+    or a model without a head is refused naming what it is built for (they crashed inside transformers or torch, or
+    calibrated a masked model on copying its input). Without calibration text a given map quantizes it."""
+    import transformers
+    from transformers import AutoConfig
+
+    model_class = getattr(transformers, auto)
+    model_class.from_config(AutoConfig.for_model(family, **config)).save_pretrained(tmp_path)
+    calibrated = DMXConfig(
+        dataset=["w1 w2 w3"] * 8, tokenizer=word_tokenizer(), seq_len=4, num_samples=4, batch_size=2, steps=1
+    )
+    with pytest.raises(ValueError, match=f"built for {task}.*dMX calibrates on the next-token loss of text"):
+        model_class.from_pretrained(tmp_path, quantization_config=calibrated)
+    names = [n for n, m in model_class.from_pretrained(tmp_path).named_modules() if type(m) is torch.nn.Linear]
+    quantized = model_class.from_pretrained(
+        tmp_path, quantization_config=DMXConfig(format_map=dict.fromkeys(names[:2], "mxfp4_e2m1"))
+    )
+    assert sorted(quantized.config.quantization_config.format_map) == sorted(names[:2])
 
 
 def test_inspect_into_a_missing_folder_is_one_line(checkpoint, tmp_path, capsys):

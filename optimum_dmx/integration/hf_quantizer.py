@@ -47,6 +47,7 @@ from .checkpoint_names import checkpoint_key_renaming
 from .configuration import QUANT_METHOD, DMXConfig
 from .integrity import CHECKSUMS_NAME, verify_integrity
 from .model_card import attach_model_card, detach_model_card
+from .model_classes import other_task
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -113,6 +114,7 @@ class DMXHfQuantizer(HfQuantizer):
         """Calibrate (or take the explicit map), install the `MXLinear`s, return the config that records it."""
         config = self.quantization_config
         if config.needs_data:
+            _check_next_token_model(model)
             _check_sequence_length(model, config.seq_len)
         skip = self._modules_to_skip(model)
         linearize_experts(model, linearizable_experts(model, skip, config.format_map))  # experts as linears
@@ -190,6 +192,19 @@ def _mx_options(config: DMXConfig) -> dict[str, Any]:
         "quantize_activations": config.quantize_activations,
         "scale_rule": config.scale_rule,
     }
+
+
+def _check_next_token_model(model: PreTrainedModel) -> None:
+    """Refuse, before anything is computed, a model that transformers builds for another task than predicting the
+    next token of text (a classifier, a masked or encoder-decoder model, a model without a head): calibration and
+    GPTQ learn from that loss on calibration text."""
+    task = other_task(model)
+    if task is not None:
+        raise ValueError(
+            f"{type(model).__name__} is built for {task}, but dMX calibrates on the next-token loss of text: load "
+            "the model with AutoModelForCausalLM (AutoModelForImageTextToText for an image-text model), or quantize "
+            "it without calibration text, with a given format_map (weight_rounding='rtn', its default there)"
+        )
 
 
 def _check_sequence_length(model: PreTrainedModel, seq_len: int) -> None:

@@ -1,7 +1,8 @@
-"""Which transformers class builds a model dMX quantizes or loads: the generating model of its configuration."""
+"""Which transformers class builds a model dMX quantizes or loads, and which models it can calibrate."""
 
 from __future__ import annotations
 
+from torch import nn
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
@@ -9,6 +10,10 @@ from transformers import (
     AutoModelForImageTextToText,
     PretrainedConfig,
 )
+from transformers.models.auto import modeling_auto
+
+# The mappings of transformers' Auto classes whose models predict the next token of text (with images or not).
+_GENERATING = ("MODEL_FOR_CAUSAL_LM_MAPPING_NAMES", "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES")
 
 
 def generating_model_class(config: PretrainedConfig) -> type[AutoModelForCausalLM | AutoModelForImageTextToText]:
@@ -19,3 +24,36 @@ def generating_model_class(config: PretrainedConfig) -> type[AutoModelForCausalL
     if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
+
+
+# Tasks a refused model's class may be built for, most specific first, as error messages name them; the other
+# mappings of transformers' Auto classes come after these, named after their constant.
+_TASKS = {
+    "MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES": "sequence-to-sequence generation (an encoder-decoder model)",
+    "MODEL_FOR_SPEECH_SEQ_2_SEQ_MAPPING_NAMES": "speech-to-text generation (an encoder-decoder model)",
+    "MODEL_FOR_MASKED_LM_MAPPING_NAMES": "masked language modelling",
+    "MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES": "sequence classification",
+    "MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES": "token classification",
+    "MODEL_FOR_QUESTION_ANSWERING_MAPPING_NAMES": "question answering",
+}
+_LAST = {"MODEL_FOR_PRETRAINING_MAPPING_NAMES": "pretraining", "MODEL_MAPPING_NAMES": "hidden states (no head)"}
+
+
+def other_task(model: nn.Module) -> str | None:
+    """What transformers builds `model`'s class for when that is not predicting the next token of text (`"sequence
+    classification"`, `"hidden states (no head)"`), else `None`: a causal or image-text language model, or a class
+    transformers does not name (remote code, a model of the caller's), which calibration takes as it is. Subclasses
+    count as their transformers class (FSDP2 wraps a sharded model's class)."""
+    mappings = {name: getattr(modeling_auto, name) for name in dir(modeling_auto) if name.endswith("_MAPPING_NAMES")}
+    classes = {cls.__name__ for cls in type(model).__mro__}
+    if any(classes & set(mappings[name].values()) for name in _GENERATING):
+        return None
+    others = {
+        name: name.removeprefix("MODEL_FOR_").removesuffix("_MAPPING_NAMES").replace("_", " ").lower()
+        for name in sorted(mappings)
+        if name not in (*_TASKS, *_LAST, "CONFIG_MAPPING_NAMES")
+    }
+    for name, task in {**_TASKS, **others, **_LAST}.items():
+        if classes & set(mappings[name].values()):
+            return task
+    return None

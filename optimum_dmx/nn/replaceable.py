@@ -12,8 +12,8 @@ models:
   return the top experts with the logits; an `MXLinear` there would return the logits alone.
 
 A third kind could be replaced but not calibrated: linears **no calibration token reaches**, such as the vision
-encoder and projector of an image-text model calibrated on text, or Mllama's cross-attention layers, which run only
-beside an image. Their offsets would get no gradient and the KL scan would find them harmless.
+encoder and projector of an image-text model calibrated on text, or Mllama's cross-attention decoder layers, which
+run only beside an image. Their offsets would get no gradient and the KL scan would find them harmless.
 
 `linears_kept_in_float` finds all three by running the float model once and watching every torch operation and every
 linear's output. Calibration keeps those linears in float (`integration.hf_quantizer`).
@@ -21,6 +21,7 @@ linear's output. Calibration keeps those linears in float (`integration.hf_quant
 
 from __future__ import annotations
 
+import re
 from collections import Counter
 from collections.abc import Sequence
 from typing import Any
@@ -77,10 +78,13 @@ def computes_a_linear_map(linear: nn.Linear, inputs: tuple, output: Any) -> bool
     return bool(difference <= LINEAR_TOLERANCE * torch.linalg.vector_norm(expected.float()))
 
 
-def _unindexed(name: str) -> str:
-    """`name` with its numeric components replaced (`model.layers.3.mlp.experts.7.w1` ->
-    `model.layers.#.mlp.experts.#.w1`): the same linear in every layer, or every expert."""
-    return ".".join("#" if part.isdigit() else part for part in name.split("."))
+_EXPERT_INDEX = re.compile(r"\bexperts\.\d+(?=\.)")
+
+
+def _kind(name: str) -> str:
+    """`name` with its expert index replaced (`model.layers.3.mlp.experts.7.w1` -> `model.layers.3.mlp.experts.#.w1`):
+    the same linear of every expert of a layer. Any other name is its own kind."""
+    return _EXPERT_INDEX.sub("experts.#", name)
 
 
 @torch.no_grad()
@@ -89,11 +93,12 @@ def linears_kept_in_float(model: nn.Module, input_ids: torch.Tensor, names: Sequ
     with the reason (`USED_OUTSIDE_FORWARD`, `NOT_A_LINEAR_FORWARD`, `NOT_REACHED`), from one forward pass of `model`
     on `input_ids`.
 
-    A linear is `NOT_REACHED` when the pass neither calls nor reads it, nor the same linear of any other layer or
-    expert (`_unindexed`): an expert no token of this one sequence is routed to is not reported while another expert
-    of its kind is reached. A weight offloaded by accelerate or sharded by FSDP2 is computed with as a tensor loaded or
-    gathered for the pass, not the one the module holds: the uses of that tensor are not seen, nor is that linear's
-    forward pass checked."""
+    A linear is `NOT_REACHED` when the pass neither calls nor reads it, nor, for an expert's linear, the same linear
+    of another expert of its layer (`_kind`): an expert no token of this one sequence is routed to is not reported
+    while one of its layer's is reached. A decoder layer that runs only beside an image (Mllama's cross-attention
+    layers) is reported whole. A weight offloaded by accelerate or sharded by FSDP2 is computed with as a tensor
+    loaded or gathered for the pass, not the one the module holds: the uses of that tensor are not seen, nor is that
+    linear's forward pass checked."""
     linears = {name: model.get_submodule(name) for name in names}
     owners = {
         id(tensor): (name, tensor)
@@ -128,13 +133,13 @@ def linears_kept_in_float(model: nn.Module, input_ids: torch.Tensor, names: Sequ
     finally:
         for handle in handles:
             handle.remove()
-    kinds_reached = {_unindexed(name) for name in reached | uses.used_outside}
+    kinds_reached = {_kind(name) for name in reached | uses.used_outside}
     reasons = {}
     for name in names:
         if name in uses.used_outside:
             reasons[name] = USED_OUTSIDE_FORWARD
         elif name in not_linear:
             reasons[name] = NOT_A_LINEAR_FORWARD
-        elif _unindexed(name) not in kinds_reached:
+        elif _kind(name) not in kinds_reached:
             reasons[name] = NOT_REACHED
     return reasons
