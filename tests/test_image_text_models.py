@@ -119,6 +119,7 @@ def test_calibration_on_text_keeps_what_no_token_reaches_in_float_and_says_so(tm
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     model.save_pretrained(tmp_path / "dmx")
+    assert "model = AutoModelForImageTextToText.from_pretrained(" in (tmp_path / "dmx" / "README.md").read_text()
     reloaded = AutoModelForImageTextToText.from_pretrained(tmp_path / "dmx")
     assert all(type(module) is nn.Linear for module in _linears(reloaded, parts).values())
     with torch.no_grad():

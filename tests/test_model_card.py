@@ -78,7 +78,7 @@ def test_card_states_bits_size_calibration_evaluation_and_loading():
         "steps=80",
         "7.0 min",
         "| tempest_gut.txt | 4,096 tokens, 512-token windows | 21.50 | 23.25 |",
-        'from_pretrained("me/smollm2-dmx5")',
+        'model = AutoModelForCausalLM.from_pretrained("me/smollm2-dmx5")',
         "import optimum_dmx",
         f"]({HEATMAP_NAME})",
     ]:

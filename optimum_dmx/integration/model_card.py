@@ -26,6 +26,7 @@ from ..continuous import get_format_pair
 from ..formats import MX_FORMATS
 from ..nn.groups import experts_wildcard
 from .integrity import write_integrity_record
+from .model_classes import generating_model_class
 
 README_NAME = "README.md"
 HEATMAP_NAME = "dmx_format_map.png"
@@ -65,6 +66,7 @@ class ModelCardInfo:
     perplexities: Sequence[PerplexityComparison] = field(default_factory=list)
     license: str | None = None
     tags: Sequence[str] = ()
+    auto_class: str = "AutoModelForCausalLM"  # what the card loads the model with (set from the model when saved)
 
 
 def layer_grid(format_map: Mapping[str, str]) -> tuple[list[int], list[str], dict[tuple[int, str], str]]:
@@ -265,6 +267,7 @@ def render_model_card(quantization_config: Mapping[str, Any], info: ModelCardInf
         "format_counts": ", ".join(f"{name}: {counts[name]}" for name in MX_FORMATS if counts[name]),
         "size_rows": _size_row(info),
         "repo_id": info.repo_id or "path/to/this/model",
+        "auto_class": info.auto_class,
         "calibration": _calibration_section(config, info),
         "evaluation": _evaluation_section(info),
         "format_table": _format_table(config["format_map"]),
@@ -308,7 +311,8 @@ class _WritesDMXModelCard:
         if call.arguments["is_main_process"] and config is not None and config.format_map:
             write_integrity_record(save_directory, self, config.format_map)
         if call.arguments["is_main_process"] and not call.arguments["push_to_hub"] and config is not None:
-            write_model_card(save_directory, config.to_dict(), self.dmx_card_info)
+            info = dataclasses.replace(self.dmx_card_info, auto_class=generating_model_class(self.config).__name__)
+            write_model_card(save_directory, config.to_dict(), info)
         return result
 
     def push_to_hub(
