@@ -357,6 +357,19 @@ def test_a_model_that_does_not_predict_the_next_token_is_refused_before_calibrat
     assert sorted(quantized.config.quantization_config.format_map) == sorted(names[:2])
 
 
+@pytest.mark.parametrize(
+    "class_name",
+    ["Qwen2AudioForConditionalGeneration", "VoxtralForConditionalGeneration", "Qwen2_5OmniForConditionalGeneration"],
+)
+def test_decoder_only_audio_and_omni_models_are_taken_as_language_models(class_name):
+    """transformers lists Qwen2-Audio and Voxtral among its sequence-to-sequence models, but they predict the next
+    token of text as a decoder: only a configuration's `is_encoder_decoder` marks an encoder-decoder model."""
+    from optimum_dmx.integration.model_classes import other_task
+
+    assert other_task(type(class_name, (torch.nn.Module,), {})()) is None
+    assert other_task(type("BertForSequenceClassification", (torch.nn.Module,), {})()) == "sequence classification"
+
+
 def test_inspect_into_a_missing_folder_is_one_line(checkpoint, tmp_path, capsys):
     status, line = run_cli(capsys, "inspect", checkpoint, "--heatmap", tmp_path / "missing" / "dir" / "x.png")
     assert status == 2 and "missing" in line

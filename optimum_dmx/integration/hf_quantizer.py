@@ -327,7 +327,8 @@ def _skip_linears_kept_in_float(
         logger.warning(
             "%s has %d linear(s) that no calibration token reaches (%s): calibration has no signal for them, so "
             "they stay in float, modules_to_not_convert gets these prefixes, and the bit budget counts the other "
-            "linears only. An image-text model calibrated on text keeps its vision encoder in float this way.",
+            "linears only. An image- or audio-text model calibrated on text keeps its vision or audio encoder in float "
+            "this way.",
             type(model).__name__,
             len(unreached),
             ", ".join(prefixes),
