@@ -210,8 +210,10 @@ def test_the_generating_model_class_of_a_configuration():
     image_text = [AutoConfig.for_model(family) for family in ("llava", "qwen2_vl", "idefics3")]
     assert {generating_model_class(config).__name__ for config in image_text} == {"AutoModelForImageTextToText"}
     # Gemma 3 has a causal-LM class; a text model and an encoder get AutoModelForCausalLM (its error names the rest)
-    causal = [AutoConfig.for_model(family) for family in ("gemma3", "llama", "bert")]
+    causal = [AutoConfig.for_model(family) for family in ("gemma3", "llama", "bert", "t5")]
     assert {generating_model_class(config).__name__ for config in causal} == {"AutoModelForCausalLM"}
+    # a decoder with an audio encoder, which transformers lists among its sequence-to-sequence models
+    assert generating_model_class(AutoConfig.for_model("qwen2_audio")).__name__ == "AutoModelForSeq2SeqLM"
 
 
 class _Expert(nn.Module):

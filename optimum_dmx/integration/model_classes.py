@@ -6,8 +6,10 @@ from torch import nn
 from transformers import (
     MODEL_FOR_CAUSAL_LM_MAPPING,
     MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING,
+    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING,
     AutoModelForCausalLM,
     AutoModelForImageTextToText,
+    AutoModelForSeq2SeqLM,
     PretrainedConfig,
 )
 from transformers.models.auto import modeling_auto
@@ -28,13 +30,21 @@ _NOT_A_TASK = (
 ENCODER_DECODER = "sequence-to-sequence generation (an encoder-decoder model)"
 
 
-def generating_model_class(config: PretrainedConfig) -> type[AutoModelForCausalLM | AutoModelForImageTextToText]:
-    """The Auto class whose `from_pretrained` builds `config`'s generating model: `AutoModelForCausalLM`, or
+def generating_model_class(
+    config: PretrainedConfig,
+) -> type[AutoModelForCausalLM | AutoModelForImageTextToText | AutoModelForSeq2SeqLM]:
+    """The Auto class whose `from_pretrained` builds `config`'s generating model: `AutoModelForCausalLM`;
     `AutoModelForImageTextToText` for an image-text model transformers has no causal-LM class for (Llava, Qwen2-VL,
-    Idefics3; Gemma 3 has one). Both compute the language-modelling loss calibration needs from text alone. Any other
-    configuration gets `AutoModelForCausalLM`, whose error names the configurations it builds."""
-    if type(config) not in MODEL_FOR_CAUSAL_LM_MAPPING and type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
+    Idefics3; Gemma 3 has one); `AutoModelForSeq2SeqLM` for a decoder-only audio-text model transformers lists among
+    its sequence-to-sequence ones (Qwen2-Audio, Voxtral). Each computes the language-modelling loss calibration needs
+    from text alone. Any other configuration gets `AutoModelForCausalLM`, whose error names the configurations it
+    builds."""
+    if type(config) in MODEL_FOR_CAUSAL_LM_MAPPING:
+        return AutoModelForCausalLM
+    if type(config) in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING:
         return AutoModelForImageTextToText
+    if type(config) in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING and not getattr(config, "is_encoder_decoder", False):
+        return AutoModelForSeq2SeqLM
     return AutoModelForCausalLM
 
 
