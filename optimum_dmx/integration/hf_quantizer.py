@@ -319,8 +319,8 @@ def _skip_linears_kept_in_float(
         prefixes = subtree_prefixes(unreached, names)
         if rotation in LEARNABLE_ROTATIONS:  # the merged ones
             raise ValueError(
-                f"rotation={rotation!r} rotates the residual stream, which linears no calibration token reaches "
-                f"({', '.join(prefixes)}) stay float and unrotated for, and may write into (an image-text model's "
+                f"rotation={rotation!r} rotates the residual stream, but linears no calibration token reaches "
+                f"({', '.join(prefixes)}) stay float and unrotated, and may write into it (an image-text model's "
                 "projector does): use rotation='online_block_hadamard' (the default's choice), which merges nothing "
                 "into it, or 'none'"
             )
