@@ -292,3 +292,30 @@ def test_a_model_with_fused_projection_linears_exports_to_the_same_logits(
     for name in format_map if target == "compressed-tensors" else ():  # Quark keeps its weights packed
         dequantized = ours.get_submodule(name).dequantized_weight(torch.bfloat16)
         assert torch.equal(loaded.get_submodule(name).weight, dequantized), name
+
+
+def test_a_configuration_with_values_json_cannot_hold_exports(tmp_path):
+    """Falcon-H1's configuration has an infinite `time_step_limit`, which transformers writes to config.json as
+    `{"__float__": "Infinity"}`: the export reads the configuration through transformers, which decodes it, and the
+    exported config.json keeps transformers' encoding."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    config = FalconH1Config(
+        vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=1,
+    )  # fmt: skip
+    assert config.time_step_limit[1] == float("inf")
+    torch.manual_seed(0)
+    FalconH1ForCausalLM(config).save_pretrained(tmp_path / "float")
+    format_map = {
+        LAYER.format(i, f"feed_forward.{name}"): "mxfp4_e2m1" for i in range(2) for name in ("gate_proj", "up_proj")
+    }
+    source = save_dmx(tmp_path / "float", tmp_path / "dmx", format_map)
+    exported = export_checkpoint(source, tmp_path / "ct", force=True)
+    assert json.loads((exported / "config.json").read_text())["time_step_limit"][1] == {"__float__": "Infinity"}
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    assert loaded.config.time_step_limit[1] == float("inf")
+    with torch.no_grad():
+        assert torch.equal(loaded(INPUT_IDS).logits, ours(INPUT_IDS).logits)

@@ -52,8 +52,10 @@ def test_weights_activations_and_logits_match_under_quarks_scale_rule(exported):
         assert torch.equal(theirs.input_quantizer(x), quantize_mx(x, fmt, scale_rule="quark")), name
     with torch.no_grad():
         assert torch.equal(loaded(INPUT_IDS).logits, ours(INPUT_IDS).logits)
-    float_layer = loaded.get_submodule(LAYER.format(1, "self_attn.o_proj"))  # not in the map: left in float
-    assert float_layer.weight_quantizer is None and float_layer.input_quantizer is None
+    # not in the map: in Quark's `exclude`, a plain linear in the model's dtype (not a float32 QParamsLinear)
+    for name in (LAYER.format(1, "self_attn.o_proj"), "lm_head"):
+        float_layer = loaded.get_submodule(name)
+        assert type(float_layer) is torch.nn.Linear and float_layer.weight.dtype == torch.bfloat16, name
 
 
 def test_config_names_every_layer_and_files_are_the_packed_size(exported):

@@ -173,3 +173,59 @@ def test_family_with_linears_a_quantized_layer_cannot_replace_calibrates_and_rel
     assert not any(hasattr(m, "weight") for m in reloaded.modules() if isinstance(m, MXLinear))  # no stand-in left
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, logits)
+
+
+@pytest.mark.parametrize("family", ["gpt_bigcode", "mamba"])
+def test_exports_of_families_whose_initialization_reads_a_linears_weight_load_through_load_exported(
+    tmp_path, caplog, family
+):
+    """transformers runs the weight initialization of GPT-BigCode's attention and MLP (`c_proj.weight`) and Mamba's
+    mixer (`out_proj.weight`) after loading any checkpoint: on a compressed-tensors export, whose packed layers have
+    `weight_packed` and no `weight`, `from_pretrained` alone fails. The export predicts it from the family's own
+    initializer (a warning and a model-card note naming the classes), and `load_exported` loads the folder to the
+    dMX model's logits. The Quark export of the same model loads to them too: its float linears (Mamba's `dt_proj`,
+    kept float here, which the mixer multiplies by itself; `lm_head`) are in Quark's `exclude`, so they stay
+    `nn.Linear`s in the model's dtype instead of float32 `QParamsLinear`s."""
+    import quark  # noqa: F401  (transformers loads Quark checkpoints through it)
+
+    from optimum_dmx.export import export_checkpoint, load_exported
+
+    torch.manual_seed(0)
+    float_model, _ = {"mamba": _mamba, "gpt_bigcode": _gpt_bigcode}[family]()
+    float_model.save_pretrained(tmp_path / "float")
+    linears = [n for n, m in float_model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+    quantized = [n for n in linears if not n.endswith("dt_proj")]
+    expected_classes = {"mamba": ["MambaMixer"], "gpt_bigcode": ["GPTBigCodeAttention", "GPTBigCodeMLP"]}[family]
+    ids = torch.tensor([[1, 5, 9, 17, 33, 65, 127, 0, 3, 42, 7, 11]])
+    for target, formats, rule in [
+        ("compressed-tensors", ("mxfp4_e2m1", "mxfp8_e4m3"), "compressed-tensors"),
+        ("quark", ("mxfp4_e2m1", "mxfp6_e2m3"), "quark"),
+    ]:
+        # the layers the initializers read (`c_proj`, `out_proj`) packed: MXFP8 keeps a float8 `weight`
+        format_map = {name: formats[name.endswith(("c_attn", "in_proj"))] for name in quantized}
+        config = DMXConfig(format_map=format_map, scale_rule=rule)
+        dmx_dir = tmp_path / f"dmx-{target}"
+        AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config).save_pretrained(dmx_dir)
+        caplog.clear()
+        with caplog.at_level("WARNING", logger="optimum_dmx"):
+            exported = export_checkpoint(dmx_dir, tmp_path / target, target, force=True)
+        card = (exported / "README.md").read_text()
+        warned = "from_pretrained alone cannot load this export" in caplog.text
+        try:
+            AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+            loads_alone = True
+        except AttributeError as error:
+            assert "'weight'" in str(error)
+            loads_alone = False
+        assert warned == (not loads_alone) == (target == "compressed-tensors"), target
+        assert all((f"`{cls}`" in card) == warned for cls in expected_classes)
+        loaded = load_exported(exported, dtype=torch.bfloat16)
+        ours = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=torch.bfloat16)
+        with torch.no_grad():
+            assert torch.equal(loaded(ids).logits, ours(ids).logits), target
+        if target == "quark":
+            excluded = json.loads((exported / "config.json").read_text())["quantization_config"]["exclude"]
+            assert excluded == sorted(set(linears) - set(quantized) | {"lm_head"})
+            for name in excluded:
+                module = loaded.get_submodule(name)
+                assert type(module) is nn.Linear and module.weight.dtype == torch.bfloat16, name

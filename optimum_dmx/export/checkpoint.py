@@ -13,14 +13,14 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoConfig
+from transformers import AutoConfig, PreTrainedModel
 
 from ..formats.packing import negate_rows
 from ..integration.checkpoint_names import checkpoint_key_renaming, expert_projection_names
@@ -85,7 +85,7 @@ def export_checkpoint(
     quantization = config["quantization_config"]
     format_map: dict[str, str] = quantization["format_map"]
     _check_exportable(spec, quantization, for_vllm=for_vllm, force=force)
-    skeleton = _skeleton(config, format_map)
+    skeleton = _skeleton(source, format_map)
     _check_whole_blocks(skeleton, format_map, spec)
     transforms = _online_transforms(spec, quantization, skeleton)
 
@@ -101,9 +101,12 @@ def export_checkpoint(
             index["weight_map"] = dict(sorted(weight_map.items()))
             (staging / SAFETENSORS_INDEX).write_text(json.dumps(index, indent=2) + "\n")
         exported_names = {module: exported for module, exported in stored.values()}
-        config["quantization_config"] = spec.quantization_config(
-            format_map, quantization.get("modules_to_not_convert"), exported_names
-        )
+        float_linears = [
+            name
+            for name, module in skeleton.named_modules()
+            if isinstance(module, torch.nn.Linear) and name not in format_map
+        ]
+        config["quantization_config"] = spec.quantization_config(format_map, float_linears, exported_names)
         if transforms is not None:
             config["quantization_config"].update(transforms.quantization_config)
         _serve_in_bfloat16(config)
@@ -112,7 +115,14 @@ def export_checkpoint(
             if path.is_file() and path.name not in _REWRITTEN and path.suffix != ".safetensors":
                 shutil.copy2(path, staging / path.name)
         (staging / "README.md").write_text(
-            spec.model_card(quantization, output_dir.name, generating_model_class(skeleton.config).__name__),
+            spec.model_card(
+                quantization,
+                output_dir.name,
+                generating_model_class(skeleton.config).__name__,
+                _warn_uninitializable(
+                    skeleton, [name for name, fmt in format_map.items() if fmt in spec.weightless_formats]
+                ),
+            ),
             encoding="utf-8",
         )
     return output_dir
@@ -226,15 +236,75 @@ def _check_experts(spec: ExportTarget, quantization: Mapping[str, Any]) -> None:
         logger.warning("%s.", caveat)
 
 
-def _skeleton(config: dict[str, Any], format_map: Mapping[str, str]) -> torch.nn.Module:
-    """The checkpoint's model built on the meta device (no memory, no weights): its modules and shapes, with the
-    mixture-of-experts layers whose experts `format_map` quantizes as one linear per expert, as dMX built them."""
-    plain = {key: value for key, value in config.items() if key != "quantization_config"}
-    architecture = AutoConfig.for_model(**plain)
+def _skeleton(folder: Path, format_map: Mapping[str, str]) -> PreTrainedModel:
+    """The model of the checkpoint in `folder` built on the meta device (no memory, no weights): its modules and
+    shapes, with the mixture-of-experts layers whose experts `format_map` quantizes as one linear per expert, as dMX
+    built them. Its configuration is read by transformers, which decodes what plain JSON cannot hold (Falcon-H1's
+    infinite `time_step_limit`)."""
+    architecture = AutoConfig.from_pretrained(folder, quantization_config=None)  # the float model's architecture
     with torch.device("meta"):
         model = generating_model_class(architecture).from_config(architecture)
     linearize_experts(model, [experts_module(group[0]) for group in expert_groups(format_map)], skeleton=True)
     return model
+
+
+def _initialization_failures(skeleton: PreTrainedModel, weightless: Iterable[str]) -> dict[str, str]:
+    """The module classes whose weight initialization reads the `weight` of a linear among `weightless` (module
+    class -> one such linear), found by running the family's `_init_weights` on those linears of the meta
+    `skeleton` and the modules holding them, with their `weight` taken away as the loader's packed layers have none.
+
+    transformers runs that initialization after loading any checkpoint, on every module it has not marked
+    initialized (each with the `_init_weights` of the nearest model holding it), and some families' initializers
+    read a linear's weight from the module holding it (GPT-BigCode's attention and MLP: `c_proj.weight`; Mamba's
+    mixer: `out_proj.weight`) or from the linear itself without checking it has one (Falcon's `FalconLinear`):
+    `from_pretrained` then stops with an `AttributeError` (`export.loading.load_exported`
+    loads such exports). An initializer that fails otherwise on the meta device says nothing about this and is
+    passed over."""
+    weightless = list(weightless)
+    holders = {".".join(name.split(".")[:end]) for name in weightless for end in range(name.count(".") + 2)}
+    taken = {name: skeleton.get_submodule(name)._parameters.pop("weight") for name in weightless}
+    failures: dict[str, str] = {}
+    try:
+        with torch.no_grad():
+            for holder in sorted(holders):
+                module = skeleton.get_submodule(holder)
+                try:
+                    _owning_model(skeleton, holder)._init_weights(module)
+                except AttributeError as error:
+                    if "'weight'" in str(error):
+                        held = [n for n in weightless if not holder or n == holder or n.startswith(f"{holder}.")]
+                        failures.setdefault(type(module).__name__, held[0])
+                except Exception:  # noqa: BLE001  (an initializer the meta device cannot run: not this failure)
+                    continue
+    finally:
+        for name, weight in taken.items():
+            skeleton.get_submodule(name)._parameters["weight"] = weight
+    return failures
+
+
+def _owning_model(skeleton: PreTrainedModel, name: str) -> PreTrainedModel:
+    """The innermost model (`PreTrainedModel`) holding or being the module `name`, whose `_init_weights`
+    transformers runs on it (a composite model's language model initializes its own modules)."""
+    parts = name.split(".") if name else []
+    for end in range(len(parts), 0, -1):
+        module = skeleton.get_submodule(".".join(parts[:end]))
+        if isinstance(module, PreTrainedModel):
+            return module
+    return skeleton
+
+
+def _warn_uninitializable(skeleton: PreTrainedModel, weightless: list[str]) -> list[str]:
+    """Warn if transformers' `from_pretrained` alone cannot load the export (`_initialization_failures`); return the
+    module classes at fault, for the model card."""
+    failures = _initialization_failures(skeleton, weightless)
+    if failures:
+        logger.warning(
+            "transformers' from_pretrained alone cannot load this export: the weight initialization it runs after "
+            "loading reads the weight of packed layers, which they do not have (%s). Load it with "
+            "optimum_dmx.export.load_exported; vLLM is not affected.",
+            "; ".join(f"{cls}, e.g. at {linear}" for cls, linear in failures.items()),
+        )
+    return sorted(failures)
 
 
 def _online_transforms(

@@ -10,10 +10,12 @@ model vLLM serves.
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+import torch
 from torch import nn
 
 __all__ = ["EXPORTED_METHODS", "finish_loading", "is_export", "load_exported"]
@@ -43,9 +45,45 @@ def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
             f"{str(folder)!r} is not an exported checkpoint: its quant_method is "
             f"{quantization.get('quant_method')!r}; allowed: {', '.join(EXPORTED_METHODS)}"
         )
-    model = generating_model_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, **from_pretrained)
+    with _initializing_packed_linears_with_stand_ins():
+        model = generating_model_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, **from_pretrained)
     finish_loading(model, quantization)
     return model
+
+
+@contextmanager
+def _initializing_packed_linears_with_stand_ins() -> Iterator[None]:
+    """While transformers loads a model, give every linear without a `weight` (a packed layer) a stand-in `weight`
+    for as long as the weight initialization runs on it or on a module holding it.
+
+    The stand-in is a meta tensor of the weight's shape marked initialized (`_is_hf_initialized`), which
+    transformers' initializers leave alone: the initialization runs as transformers means it to, and a family's
+    initializer that reads a packed layer's `weight` (the module docstring) reads the stand-in instead of failing."""
+    from transformers import PreTrainedModel
+
+    initialize = PreTrainedModel._initialize_weights
+
+    def initialize_with_stand_ins(self: PreTrainedModel, module: nn.Module, *args: Any, **kwargs: Any) -> None:
+        weightless = [
+            linear
+            for linear in module.modules()
+            if isinstance(linear, nn.Linear) and "weight" not in linear._parameters and "weight" not in vars(linear)
+        ]
+        for linear in weightless:
+            stand_in = torch.empty(linear.out_features, linear.in_features, device="meta")
+            stand_in._is_hf_initialized = True
+            vars(linear)["weight"] = stand_in
+        try:
+            initialize(self, module, *args, **kwargs)
+        finally:
+            for linear in weightless:
+                del vars(linear)["weight"]
+
+    PreTrainedModel._initialize_weights = initialize_with_stand_ins
+    try:
+        yield
+    finally:
+        PreTrainedModel._initialize_weights = initialize
 
 
 def finish_loading(model: nn.Module, quantization_config: Mapping[str, Any]) -> int:

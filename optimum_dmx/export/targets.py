@@ -61,6 +61,14 @@ model = {auto_class}.from_pretrained("path/to/{name}", dtype="bfloat16")  # need
 ```
 {load_note}{transforms}{experts}"""
 
+_UNINITIALIZABLE_NOTE = """
+`from_pretrained` alone fails on this model (`AttributeError: ... has no attribute 'weight'`): after loading,
+transformers runs its weight initialization, and that of {classes} reads the `weight` of a linear this format stores
+packed, without one. Load it with `optimum_dmx.export.load_exported("path/to/{name}", dtype="bfloat16")` (from
+`pip install optimum-dmx`), which gives the packed linears a stand-in `weight` while the initialization runs. vLLM is
+not affected.
+"""
+
 _CT_EXPERTS_SECTION = """
 ## Mixture-of-experts layers
 
@@ -112,8 +120,9 @@ class ExportTarget:
         alternative: the other target to suggest when a map cannot be served through this one.
         package: what a user installs to load the result with transformers.
         layer_tensors: `(module, fmt, weight_packed, weight_scale) -> {tensor name: tensor}` in the target layout.
-        quantization_config: `(format_map, modules_to_not_convert, exported names) -> quantization_config` of
-            config.json; the exported names map each layer to its tensors' prefix in the export.
+        quantization_config: `(format_map, float linears, exported names) -> quantization_config` of config.json;
+            the float linears are the model's `nn.Linear`s the map leaves unquantized (module names, `lm_head`
+            included), the exported names map each layer to its tensors' prefix in the export.
         input_transforms: `(input_transforms, model skeleton) -> TransformExport`, what the target writes for a
             rotated checkpoint's online transforms.
         transforms_card: the model card's section on loading a checkpoint with online transforms (a template of
@@ -125,6 +134,9 @@ class ExportTarget:
         experts_refused: why the target takes no quantized mixture-of-experts experts (None: it takes them).
         experts_caveat: `format_map -> ` what a loader cannot do with the map's quantized experts (None: nothing),
             for a warning and the model card.
+        weightless_formats: the formats whose layers the target's transformers loader builds without a `weight`
+            (compressed-tensors' packed layers hold `weight_packed`), which some families' weight initialization
+            reads.
     """
 
     name: str
@@ -134,16 +146,21 @@ class ExportTarget:
     alternative: str | None
     package: str
     layer_tensors: Callable[[str, str, torch.Tensor, torch.Tensor], dict[str, torch.Tensor]]
-    quantization_config: Callable[[Mapping[str, str], Sequence[str] | None, Mapping[str, str]], dict[str, Any]]
+    quantization_config: Callable[[Mapping[str, str], Sequence[str], Mapping[str, str]], dict[str, Any]]
     input_transforms: Callable[[Mapping[str, dict], nn.Module], TransformExport]
     transforms_card: str
     transforms_on_load: str
     experts_card: str = ""
     experts_refused: str | None = None
     experts_caveat: Callable[[Mapping[str, str]], str | None] = lambda format_map: None
+    weightless_formats: tuple[str, ...] = ()
 
-    def model_card(self, dmx_quantization: Mapping[str, Any], name: str, auto_class: str) -> str:
-        """A README saying what the export holds and how to serve and load it (with transformers' `auto_class`)."""
+    def model_card(
+        self, dmx_quantization: Mapping[str, Any], name: str, auto_class: str, uninitializable: Sequence[str] = ()
+    ) -> str:
+        """A README saying what the export holds and how to serve and load it (with transformers' `auto_class`);
+        `uninitializable` names the module classes whose weight initialization keeps `from_pretrained` alone from
+        loading it (`export.checkpoint._initialization_failures`)."""
         counts: dict[str, int] = {}
         for fmt in dmx_quantization["format_map"].values():
             counts[fmt] = counts.get(fmt, 0) + 1
@@ -156,6 +173,10 @@ class ExportTarget:
                 count=len(transformed), layers=kinds, name=name, on_load=self.transforms_on_load
             )
             load_note = "\nThis model is not finished until its online transforms are applied (below).\n"
+        if uninitializable:
+            load_note += _UNINITIALIZABLE_NOTE.format(
+                classes=" and ".join(f"`{c}`" for c in uninitializable), name=name
+            )
         return _SERVE_TEMPLATE.format(
             name=name,
             target=self.name,
@@ -247,8 +268,9 @@ def _ct_experts_caveat(format_map: Mapping[str, str]) -> str | None:
 
 
 def _ct_quantization_config(
-    format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None, exported_names: Mapping[str, str]
+    format_map: Mapping[str, str], float_linears: Sequence[str], exported_names: Mapping[str, str]
 ) -> dict:
+    """compressed-tensors quantizes exactly its groups' targets: the float linears need no entry."""
     groups = {}
     targets = _ct_targets(format_map, exported_names)
     for fmt in sorted(targets, key=lambda f: _CT_FORMATS[f][0]):
@@ -286,6 +308,7 @@ COMPRESSED_TENSORS = ExportTarget(
     ),
     experts_card=_CT_EXPERTS_SECTION,
     experts_caveat=_ct_experts_caveat,
+    weightless_formats=tuple(fmt for fmt, (_, packing) in _CT_FORMATS.items() if packing.endswith("pack-quantized")),
 )
 
 # --- AMD Quark ---------------------------------------------------------------------------------------------
@@ -323,8 +346,12 @@ def _quark_mx_spec(dtype: str, dynamic: bool) -> dict[str, Any]:
 
 
 def _quark_quantization_config(
-    format_map: Mapping[str, str], modules_to_not_convert: Sequence[str] | None, exported_names: Mapping[str, str]
+    format_map: Mapping[str, str], float_linears: Sequence[str], exported_names: Mapping[str, str]
 ) -> dict:
+    """Quark quantizes the layers named in `layer_quant_config` and builds every other linear it does not `exclude`
+    as a `QParamsLinear` of the unquantized global config, which keeps its weight in float32 whatever dtype the model
+    loads in (twice a bfloat16 model's memory for such a layer, and a crash where a module multiplies by the weight
+    itself, as Mamba's mixer does with `dt_proj.weight`): the float linears are excluded, and stay `nn.Linear`."""
     unquantized = {"weight": None, "bias": None, "input_tensors": None, "output_tensors": None, "target_device": None}
     layers = {
         name: {
@@ -341,7 +368,7 @@ def _quark_quantization_config(
         "global_quant_config": unquantized,  # only the layers named below are quantized (exact names)
         "layer_quant_config": layers,
         "layer_type_quant_config": {},
-        "exclude": [],
+        "exclude": sorted(float_linears),
         "algo_config": None,
         "softmax_quant_spec": None,
         "kv_cache_quant_config": {},
