@@ -111,40 +111,80 @@ def test_family_dmx_cannot_quantize_is_refused_naming_why(tmp_path, family):
         AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=_config(tokenizer))
 
 
+# exports transformers cannot load, by family and target: the error's pattern and why
+UNLOADABLE_EXPORTS = {
+    **{
+        (family, "compressed-tensors"): (
+            "automatic conversion of the weights",
+            "float mixture-of-experts experts beside packed layers: transformers' per-expert merge gets no tensors "
+            "(docs/calibration.md, 'Export')",
+        )
+        for family in [
+            "afmoe",
+            "cohere2_moe",
+            "deepseek_v2",
+            "dots1",
+            "ernie4_5_moe",
+            "glm4_moe",
+            "hunyuan_v1_moe",
+            "jamba",
+            "minimax",
+            "minimax_m2",
+            "olmo_hybrid",
+            "olmoe",
+            "qwen3_next",
+        ]  # fmt: skip
+    },
+    ("falcon", "quark"): (
+        "ignore_mismatched_sizes",
+        "amd-quark builds its layers for modules of type nn.Linear only, and Falcon's are FalconLinear",
+    ),
+}
+
+
 @pytest.mark.slow
+@pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
 @pytest.mark.parametrize("family", QUANTIZED)
-def test_the_export_predicts_whether_from_pretrained_alone_loads_it(tmp_path, caplog, family):
-    """Every linear MXFP4 (packed: no `weight` in compressed-tensors' layers), exported to compressed-tensors: the
-    export warns that `from_pretrained` alone cannot load the folder exactly when transformers' weight
-    initialization stops on a packed layer's missing `weight` (GPT-BigCode's and Mamba's are in `test_families.py`),
-    and `load_exported` loads those. A load that fails otherwise is the float-experts conversion error transformers
-    has with compressed-tensors checkpoints (`docs/calibration.md`, "Export")."""
+def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, target):
+    """Every linear MXFP4 but the ones the model reads itself (packed: no `weight` in compressed-tensors' layers),
+    calibrated with the target's scale rule and exported: `load_exported` gives the dMX model's logits in bfloat16,
+    bit for bit, but for the exports of `UNLOADABLE_EXPORTS`. For compressed-tensors, the export warns that
+    `from_pretrained` alone cannot load the folder exactly when transformers' weight initialization stops on a
+    packed layer's missing `weight` (Falcon-Mamba's mixer, Falcon's linears; GPT-BigCode's and Mamba's are in
+    `test_families.py`)."""
+    import quark  # noqa: F401  (transformers loads Quark checkpoints through it)
     from torch import nn
 
     from optimum_dmx.export import export_checkpoint, load_exported
+    from optimum_dmx.nn.replaceable import linears_kept_in_float
 
-    _float_checkpoint(family, tmp_path / "float")
+    tokenizer = _float_checkpoint(family, tmp_path / "float")
     float_model = AutoModelForCausalLM.from_pretrained(tmp_path / "float")
-    format_map = {
-        name: "mxfp4_e2m1"
+    ids = tokenizer("w1 w5 w9 w17 w33 w65 w99 w3 w42 w7 w11", return_tensors="pt").input_ids
+    linears = [
+        name
         for name, module in float_model.named_modules()
         if isinstance(module, nn.Linear) and name != "lm_head" and module.in_features % 32 == 0
-    }
-    config = DMXConfig(format_map=format_map, weight_rounding="rtn")
+    ]
+    kept = linears_kept_in_float(float_model, ids, linears)
+    format_map = {name: "mxfp4_e2m1" for name in linears if name not in kept}
+    config = DMXConfig(format_map=format_map, weight_rounding="rtn", scale_rule=target)
     model = AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config)
     model.save_pretrained(tmp_path / "dmx")
     with caplog.at_level("WARNING", logger="optimum_dmx"):
-        export_checkpoint(tmp_path / "dmx", tmp_path / "ct", force=True)
+        export_checkpoint(tmp_path / "dmx", tmp_path / target, target, force=True)
+    if (family, target) in UNLOADABLE_EXPORTS:
+        with pytest.raises(RuntimeError, match=UNLOADABLE_EXPORTS[family, target][0]):
+            load_exported(tmp_path / target, dtype=torch.bfloat16)
+        return
+    loaded = load_exported(tmp_path / target, dtype=torch.bfloat16)
+    ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)
+    with torch.no_grad():
+        assert torch.equal(loaded(ids).logits, ours(ids).logits)
     predicted = "from_pretrained alone cannot load this export" in caplog.text
     try:
-        AutoModelForCausalLM.from_pretrained(tmp_path / "ct")
+        AutoModelForCausalLM.from_pretrained(tmp_path / target, dtype=torch.bfloat16)
         failure = None
-    except Exception as error:  # noqa: BLE001  (which failure it is, is what is checked)
+    except AttributeError as error:
         failure = error
-    if isinstance(failure, RuntimeError) and "automatic conversion of the weights" in str(failure):
-        return  # float experts beside packed layers: transformers cannot load them either way
-    missing_weight = isinstance(failure, AttributeError) and "'weight'" in str(failure)
-    assert failure is None or missing_weight, failure
-    assert predicted == missing_weight
-    if predicted:
-        load_exported(tmp_path / "ct")
+    assert predicted == (failure is not None and "'weight'" in str(failure)), failure
