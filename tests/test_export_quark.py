@@ -78,3 +78,25 @@ def test_mxfp8_is_refused_with_the_alternative(tiny_llama_dir, tmp_path):
     source = save_dmx(tiny_llama_dir, tmp_path / "fp8", {LAYER.format(0, "mlp.down_proj"): "mxfp8_e4m3"})
     with pytest.raises(ExportError, match="quark cannot store mxfp8_e4m3.*export to 'compressed-tensors' instead"):
         export_checkpoint(source, tmp_path / "out", "quark", force=True)
+
+
+def test_layers_subclassing_linear_are_named_in_a_warning_and_the_model_card(tmp_path, caplog):
+    """amd-quark builds its quantized layers for modules of class `nn.Linear` exactly: Falcon's `FalconLinear`
+    subclasses it, so transformers stops on mismatched sizes loading the export. The export says so, and names the
+    target transformers loads (a Llama's export, all `nn.Linear`, carries no such note: the tests above)."""
+    from transformers import FalconConfig, FalconForCausalLM
+
+    torch.manual_seed(0)
+    config = FalconConfig(vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4)
+    FalconForCausalLM(config).save_pretrained(tmp_path / "float")
+    format_map = {f"transformer.h.{i}.mlp.dense_h_to_4h": "mxfp4_e2m1" for i in range(2)}
+    source = save_dmx(tmp_path / "float", tmp_path / "dmx", format_map)
+    with caplog.at_level("WARNING", logger="optimum_dmx"):
+        exported = export_checkpoint(source, tmp_path / "quark", "quark")
+    assert "2 quantized layers are subclasses (FalconLinear, e.g. transformer.h.0.mlp.dense_h_to_4h)" in caplog.text
+    card = (exported / "README.md").read_text()
+    assert "`FalconLinear` subclass it" in card and "--to compressed-tensors" in card
+    import quark  # noqa: F401  (transformers loads Quark checkpoints through it)
+
+    with pytest.raises(RuntimeError, match="ignore_mismatched_sizes"):
+        AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)

@@ -173,6 +173,8 @@ def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, tar
     model.save_pretrained(tmp_path / "dmx")
     with caplog.at_level("WARNING", logger="optimum_dmx"):
         export_checkpoint(tmp_path / "dmx", tmp_path / target, target, force=True)
+    subclassed = "builds its quantized layers for nn.Linear exactly" in caplog.text  # the export's warning
+    assert subclassed == ((family, target) == ("falcon", "quark"))
     if (family, target) in UNLOADABLE_EXPORTS:
         with pytest.raises(RuntimeError, match=UNLOADABLE_EXPORTS[family, target][0]):
             load_exported(tmp_path / target, dtype=torch.bfloat16)

@@ -122,6 +122,7 @@ def export_checkpoint(
                 _warn_uninitializable(
                     skeleton, [name for name, fmt in format_map.items() if fmt in spec.weightless_formats]
                 ),
+                _warn_subclassed(spec, skeleton, format_map),
             ),
             encoding="utf-8",
         )
@@ -305,6 +306,28 @@ def _warn_uninitializable(skeleton: PreTrainedModel, weightless: list[str]) -> l
             "; ".join(f"{cls}, e.g. at {linear}" for cls, linear in failures.items()),
         )
     return sorted(failures)
+
+
+def _warn_subclassed(spec: ExportTarget, skeleton: torch.nn.Module, format_map: Mapping[str, str]) -> list[str]:
+    """Warn if `spec`'s transformers loader builds its layers for `nn.Linear` exactly and quantized layers subclass
+    it (`ExportTarget.exact_linears_only`); return their classes, for the model card."""
+    if not spec.exact_linears_only:
+        return []
+    layer_classes = {name: type(skeleton.get_submodule(name)) for name in format_map}
+    subclassed = {name: cls.__name__ for name, cls in layer_classes.items() if cls is not torch.nn.Linear}
+    if subclassed:
+        logger.warning(
+            "transformers with %s cannot load this export: %s builds its quantized layers for nn.Linear exactly, and "
+            "%d quantized layers are subclasses (%s, e.g. %s); loading stops on mismatched sizes. Export with "
+            "--to %s to load the model with transformers.",
+            spec.package,
+            spec.package,
+            len(subclassed),
+            ", ".join(sorted(set(subclassed.values()))),
+            next(iter(subclassed)),
+            spec.alternative,
+        )
+    return sorted(set(subclassed.values()))
 
 
 def _online_transforms(

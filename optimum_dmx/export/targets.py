@@ -69,6 +69,13 @@ packed, without one. Load it with `optimum_dmx.export.load_exported("path/to/{na
 not affected.
 """
 
+_SUBCLASSED_NOTE = """
+transformers with {package} cannot load this model: {package} builds its quantized layers for modules of class
+`nn.Linear` exactly, and this model's {classes} subclass it, so loading stops on mismatched sizes. vLLM builds its
+own layers and reads them by name (not tested by optimum-dmx). To load the model with transformers, export it with
+`optimum-dmx export --to {alternative}`.
+"""
+
 _CT_EXPERTS_SECTION = """
 ## Mixture-of-experts layers
 
@@ -137,6 +144,8 @@ class ExportTarget:
         weightless_formats: the formats whose layers the target's transformers loader builds without a `weight`
             (compressed-tensors' packed layers hold `weight_packed`), which some families' weight initialization
             reads.
+        exact_linears_only: whether the target's transformers loader builds its quantized layers only for modules
+            of class `nn.Linear` exactly, not for subclasses (Quark; Falcon's `FalconLinear` is one).
     """
 
     name: str
@@ -154,13 +163,20 @@ class ExportTarget:
     experts_refused: str | None = None
     experts_caveat: Callable[[Mapping[str, str]], str | None] = lambda format_map: None
     weightless_formats: tuple[str, ...] = ()
+    exact_linears_only: bool = False
 
     def model_card(
-        self, dmx_quantization: Mapping[str, Any], name: str, auto_class: str, uninitializable: Sequence[str] = ()
+        self,
+        dmx_quantization: Mapping[str, Any],
+        name: str,
+        auto_class: str,
+        uninitializable: Sequence[str] = (),
+        subclassed: Sequence[str] = (),
     ) -> str:
         """A README saying what the export holds and how to serve and load it (with transformers' `auto_class`);
         `uninitializable` names the module classes whose weight initialization keeps `from_pretrained` alone from
-        loading it (`export.checkpoint._initialization_failures`)."""
+        loading it (`export.checkpoint._initialization_failures`), `subclassed` the quantized layers' classes that
+        subclass `nn.Linear` where the loader takes `nn.Linear` only (`exact_linears_only`)."""
         counts: dict[str, int] = {}
         for fmt in dmx_quantization["format_map"].values():
             counts[fmt] = counts.get(fmt, 0) + 1
@@ -176,6 +192,12 @@ class ExportTarget:
         if uninitializable:
             load_note += _UNINITIALIZABLE_NOTE.format(
                 classes=" and ".join(f"`{c}`" for c in uninitializable), name=name
+            )
+        if subclassed:
+            load_note += _SUBCLASSED_NOTE.format(
+                package=self.package,
+                classes=" and ".join(f"`{c}`" for c in subclassed),
+                alternative=self.alternative,
             )
         return _SERVE_TEMPLATE.format(
             name=name,
@@ -390,6 +412,7 @@ QUARK = ExportTarget(
     scale_rule="quark",
     alternative="compressed-tensors",
     package="amd-quark",
+    exact_linears_only=True,
     layer_tensors=_quark_layer_tensors,
     quantization_config=_quark_quantization_config,
     input_transforms=quark_transforms,
