@@ -7,21 +7,24 @@ transformers has no plug-in discovery for quantization methods: a checkpoint who
 
 :func:`install` only puts a finder at the front of ``sys.meta_path``; nothing heavy is imported, so
 start-up stays as fast as without it. The finder ignores every import except
-``transformers.quantizers.auto``; once that module has run, it imports ``optimum_dmx``, whose import
-registers quant_method ``"dmx"``, and removes itself. If ``optimum_dmx`` cannot be imported the error
-is raised there, never swallowed: a dMX checkpoint must not load silently as a wrong model.
+``transformers.quantizers.auto``; once that module has run, it imports ``optimum_dmx.integration.hf_quantizer``,
+whose import registers quant_method ``"dmx"``, and removes itself. If that cannot be imported the error is raised
+there, never swallowed: a dMX checkpoint must not load silently as a wrong model.
 
-Set ``OPTIMUM_DMX_NO_AUTOREGISTER=1`` to switch the hook off (then ``import optimum_dmx`` yourself).
+Set ``OPTIMUM_DMX_NO_AUTOREGISTER=1`` to switch the hook off at start-up; ``import optimum_dmx`` then puts the same
+finder in place (or registers at once, when transformers' quantizer registry is already imported).
 """
 
+import importlib
 import os
 import sys
 
 TRIGGER = "transformers.quantizers.auto"
+REGISTRAR = "optimum_dmx.integration.hf_quantizer"  # importing it registers quant_method "dmx"
 
 
 class _RegisterAfterExec:
-    """Wraps the trigger module's loader: runs it, then imports ``optimum_dmx``."""
+    """Wraps the trigger module's loader: runs it, then imports the module that registers the backend."""
 
     def __init__(self, loader):
         self._loader = loader
@@ -34,8 +37,7 @@ class _RegisterAfterExec:
 
     def exec_module(self, module):
         self._loader.exec_module(module)
-        if "optimum_dmx" not in sys.modules:  # when present, its own import registers the backend
-            import optimum_dmx  # noqa: F401
+        importlib.import_module(REGISTRAR)
 
 
 class AutoRegisterFinder:
@@ -56,9 +58,10 @@ class AutoRegisterFinder:
         return None
 
 
-def install():
-    """Put :class:`AutoRegisterFinder` first on ``sys.meta_path`` (once; a no-op when switched off)."""
-    if os.environ.get("OPTIMUM_DMX_NO_AUTOREGISTER", "") not in ("", "0"):
+def install(at_startup=True):
+    """Put :class:`AutoRegisterFinder` first on ``sys.meta_path`` (once; at start-up, a no-op when switched off by
+    ``OPTIMUM_DMX_NO_AUTOREGISTER``; ``import optimum_dmx`` calls it with ``at_startup=False``)."""
+    if at_startup and os.environ.get("OPTIMUM_DMX_NO_AUTOREGISTER", "") not in ("", "0"):
         return
     if AutoRegisterFinder not in sys.meta_path and TRIGGER not in sys.modules:
         sys.meta_path.insert(0, AutoRegisterFinder)

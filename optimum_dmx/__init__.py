@@ -2,48 +2,54 @@
 
 Importing the package registers quant_method ``"dmx"`` with transformers, so that
 ``from_pretrained(..., quantization_config=DMXConfig(...))`` quantizes a float model and dMX checkpoints
-load. (An installed package also registers itself when transformers' quantizer registry is first
-imported; see ``optimum_dmx_autoregister``.) Importing it never loads the calibration machinery (the
-trainer, tqdm, ``datasets``): that happens when a model is calibrated.
+load: at once if transformers' quantizer registry (``transformers.quantizers.auto``) is already imported,
+otherwise the moment it is (the finder of ``optimum_dmx_autoregister``, which an installed package also puts in
+place at interpreter start-up). The names below load on first use (PEP 562), so ``import optimum_dmx`` imports
+neither torch nor transformers, and the ``optimum-dmx`` command answers ``--help`` and usage errors without them.
+Nothing here loads the calibration machinery (the trainer, tqdm, ``datasets``): that happens when a model is
+calibrated.
 
 The package is layered, each layer importing only from the ones before it:
 ``formats`` -> ``continuous`` -> ``nn`` (and ``text``) -> ``calibration`` (and ``evaluation``) ->
 ``integration`` (and ``defaults``) -> ``cli``.
 """
 
-from .continuous import FORMAT_PAIRS, FormatPair, get_format_pair, quantize_mx_continuous
-from .formats import (
-    MX_FORMATS,
-    MXFormat,
-    MXPackedTensor,
-    get_format,
-    pack_mx,
-    quantize_mx,
-    set_compile_enabled,
-    unpack_mx,
-)
-from .integration.configuration import DMXConfig
-from .integration.hf_quantizer import DMXHfQuantizer
-from .integration.quantizer import DMXQuantizer
-from .nn import MXLinear
+from __future__ import annotations
+
+import importlib
+import sys
+
+import optimum_dmx_autoregister
+
+from .lazy import lazy_exports
 
 __version__ = "0.1.0.dev0"
 
-__all__ = [
-    "FORMAT_PAIRS",
-    "MX_FORMATS",
-    "DMXConfig",
-    "DMXHfQuantizer",
-    "DMXQuantizer",
-    "FormatPair",
-    "MXFormat",
-    "MXLinear",
-    "MXPackedTensor",
-    "get_format",
-    "get_format_pair",
-    "pack_mx",
-    "quantize_mx",
-    "quantize_mx_continuous",
-    "set_compile_enabled",
-    "unpack_mx",
-]
+_EXPORTS = {
+    "FORMAT_PAIRS": "continuous",
+    "FormatPair": "continuous",
+    "get_format_pair": "continuous",
+    "quantize_mx_continuous": "continuous",
+    "MX_FORMATS": "formats",
+    "MXFormat": "formats",
+    "MXPackedTensor": "formats",
+    "get_format": "formats",
+    "pack_mx": "formats",
+    "quantize_mx": "formats",
+    "set_compile_enabled": "formats",
+    "unpack_mx": "formats",
+    "DMXConfig": "integration.configuration",
+    "DMXHfQuantizer": "integration.hf_quantizer",
+    "DMXQuantizer": "integration.quantizer",
+    "MXLinear": "nn",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
+
+if optimum_dmx_autoregister.TRIGGER in sys.modules:
+    importlib.import_module(".integration.hf_quantizer", __name__)  # its import registers quant_method "dmx"
+else:
+    optimum_dmx_autoregister.install(at_startup=False)

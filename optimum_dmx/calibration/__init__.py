@@ -6,8 +6,7 @@ neither that nor loading a saved dMX model should pay for importing the trainer,
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ..lazy import lazy_exports
 
 _EXPORTS = {
     "CalibrationResult": "result",
@@ -39,13 +38,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    if name not in _EXPORTS:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(f".{_EXPORTS[name]}", __name__), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted([*globals(), *_EXPORTS])
+__getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
