@@ -15,8 +15,9 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import torch
 from torch import nn
+
+from ..integration.hf_quantizer import initialization_stand_in
 
 __all__ = ["EXPORTED_METHODS", "finish_loading", "is_export", "load_exported"]
 
@@ -70,9 +71,7 @@ def _initializing_packed_linears_with_stand_ins() -> Iterator[None]:
             if isinstance(linear, nn.Linear) and "weight" not in linear._parameters and "weight" not in vars(linear)
         ]
         for linear in weightless:
-            stand_in = torch.empty(linear.out_features, linear.in_features, device="meta")
-            stand_in._is_hf_initialized = True
-            vars(linear)["weight"] = stand_in
+            vars(linear)["weight"] = initialization_stand_in((linear.out_features, linear.in_features))
         try:
             initialize(self, module, *args, **kwargs)
         finally:

@@ -228,9 +228,16 @@ def _add_initialization_stand_ins(model: PreTrainedModel, names: Iterable[str]) 
     initializers leave it alone, anything else done to it computes nothing, and it is in no state dict."""
     for name in names:
         module = model.get_submodule(name)
-        stand_in = torch.empty(module.weight_shape, device="meta")
-        stand_in._is_hf_initialized = True
-        module.__dict__["weight"] = stand_in
+        module.__dict__["weight"] = initialization_stand_in(module.weight_shape)
+
+
+def initialization_stand_in(shape: tuple[int, ...] | torch.Size) -> torch.Tensor:
+    """A stand-in for a weight a layer does not hold (it holds packed or MX values), while transformers initializes
+    the model's weights: a meta tensor of the weight's `shape` (no memory, and anything done to it computes nothing),
+    marked initialized (`_is_hf_initialized`), which transformers' initializers leave alone."""
+    stand_in = torch.empty(shape, device="meta")
+    stand_in._is_hf_initialized = True
+    return stand_in
 
 
 def _remove_initialization_stand_ins(model: PreTrainedModel) -> None:
