@@ -205,8 +205,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.set_defaults(handler=run_eval)
 
     inspect = commands.add_parser("inspect", help="summarize a dMX checkpoint's format map")
-    inspect.add_argument("model", type=Path, help="saved dMX model folder")
-    inspect.add_argument("--heatmap", type=Path, help="where to write the heatmap PNG (default: in the folder)")
+    inspect.add_argument("model", type=Path, help="saved dMX model folder (only read)")
+    inspect.add_argument("--heatmap", type=Path, help="draw the format map's heatmap into this PNG file")
     inspect.set_defaults(handler=run_inspect)
 
     export = commands.add_parser(
@@ -563,9 +563,12 @@ def run_inspect(args) -> int:
             f"layers {span[0]}-{span[-1]}": [f for (layer, _), f in cells.items() if layer in span] for span in spans
         }
         _print_counts(by_depth, formats)
-    heatmap = save_format_heatmap(format_map, args.heatmap or folder / HEATMAP_NAME)
-    if heatmap:
-        print(f"\nheatmap written to {heatmap}")
+    if args.heatmap:  # the folder is only read: the heatmap goes where the user names
+        heatmap = save_format_heatmap(format_map, args.heatmap)
+        if heatmap:
+            print(f"\nheatmap written to {heatmap}")
+    elif (folder / HEATMAP_NAME).is_file():
+        print(f"\nheatmap (saved with the model): {folder / HEATMAP_NAME}")
     return 0
 
 

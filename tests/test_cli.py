@@ -101,6 +101,22 @@ def test_inspect_summarises_by_layer_type_and_depth(quantized, tmp_path):
     assert (tmp_path / "map.png").stat().st_size > 1000
 
 
+def test_inspect_only_reads_the_model_folder(quantized, tmp_path):
+    """Without `--heatmap` the summary points to the heatmap `save_pretrained` wrote, and nothing in the folder
+    changes: before, `inspect` drew it again into the folder (a checkpoint the user may share or not own)."""
+    out, _ = quantized
+    folder = shutil.copytree(out, tmp_path / "model")
+    before = {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in folder.iterdir()}
+    result = cli("inspect", folder)
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert f"heatmap (saved with the model): {folder / 'dmx_format_map.png'}" in result.stdout
+    assert {path.name: (path.stat().st_mtime_ns, path.read_bytes()) for path in folder.iterdir()} == before
+    (folder / "dmx_format_map.png").unlink()
+    result = cli("inspect", folder)
+    assert result.returncode == 0 and "heatmap" not in result.stdout
+    assert not (folder / "dmx_format_map.png").exists()
+
+
 def test_existing_output_needs_overwrite(quantized, tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     out = tmp_path / "busy"
