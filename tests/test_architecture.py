@@ -66,6 +66,22 @@ def test_the_packages_names_load_on_first_use_and_an_unknown_one_is_named():
         optimum_dmx.DMXConfg  # noqa: B018
 
 
+def test_inspecting_a_checkpoint_does_not_import_transformers_quantizer_registry(tmp_path, tiny_llama_dir):
+    """`optimum-dmx inspect` reads config.json and the safetensors files: it loads no model, so it does not import
+    transformers' quantizer registry (every installed quantization library: seconds with torchao)."""
+    config = DMXConfig(format_map=cycling_format_map(tiny_llama_dir))
+    AutoModelForCausalLM.from_pretrained(tiny_llama_dir, quantization_config=config).save_pretrained(tmp_path)
+    code = f"""
+import json, sys
+from optimum_dmx.cli import main
+status = main(["inspect", {str(tmp_path)!r}])
+print(json.dumps([status, "transformers.quantizers.auto" in sys.modules]))
+"""
+    proc = run_python(code)
+    assert last_json_line(proc) == [0, False]
+    assert "MX linears" in proc.stdout  # the summary was printed
+
+
 @pytest.mark.parametrize("transformers_first", [False, True])
 def test_importing_the_package_registers_dmx_before_or_after_transformers(tmp_path, tiny_llama_dir, transformers_first):
     """With the start-up hook switched off, `import optimum_dmx` registers quant_method "dmx": at once when
