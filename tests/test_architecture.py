@@ -30,8 +30,7 @@ def test_the_tree_passes_ruff(command):
 
 def test_importing_the_package_and_the_commands_help_import_neither_torch_nor_transformers():
     """The package's names load on first use (`optimum_dmx.lazy`): `import optimum_dmx` costs no torch, and
-    `optimum-dmx quantize --help` (choices listed from the layers that define them) no transformers, which took
-    the command from 5-7 s to about 2.5 s here."""
+    `optimum-dmx quantize --help` (choices listed from the layers that define them) no transformers."""
     code = """
 import json, sys
 import optimum_dmx
