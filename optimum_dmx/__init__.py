@@ -18,12 +18,31 @@ from __future__ import annotations
 
 import importlib
 import sys
+from typing import TYPE_CHECKING
 
 import optimum_dmx_autoregister
 
 from .lazy import lazy_exports
 
 __version__ = "0.1.0.dev0"
+
+if TYPE_CHECKING:  # what type checkers and editors see; the names load on first use (`__getattr__`)
+    from .continuous import FORMAT_PAIRS as FORMAT_PAIRS
+    from .continuous import FormatPair as FormatPair
+    from .continuous import get_format_pair as get_format_pair
+    from .continuous import quantize_mx_continuous as quantize_mx_continuous
+    from .formats import MX_FORMATS as MX_FORMATS
+    from .formats import MXFormat as MXFormat
+    from .formats import MXPackedTensor as MXPackedTensor
+    from .formats import get_format as get_format
+    from .formats import pack_mx as pack_mx
+    from .formats import quantize_mx as quantize_mx
+    from .formats import set_compile_enabled as set_compile_enabled
+    from .formats import unpack_mx as unpack_mx
+    from .integration.configuration import DMXConfig as DMXConfig
+    from .integration.hf_quantizer import DMXHfQuantizer as DMXHfQuantizer
+    from .integration.quantizer import DMXQuantizer as DMXQuantizer
+    from .nn import MXLinear as MXLinear
 
 _EXPORTS = {
     "FORMAT_PAIRS": "continuous",

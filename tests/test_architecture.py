@@ -1,5 +1,6 @@
 """The package's layering and style: the import contracts and ruff hold, and the inference path stays light."""
 
+import ast
 import json
 import shutil
 import subprocess
@@ -49,6 +50,22 @@ print(json.dumps([after_import, after_help, "DMXConfig" in dir(optimum_dmx), "to
     assert after_help == []
     assert listed  # the lazy names are listed before they load
     assert torch_after_help  # the check above ran the parsers, whose choices come from modules that use torch
+
+
+@pytest.mark.parametrize("package", ["", "calibration", "export", "integration"])
+def test_what_type_checkers_see_is_what_loads_on_first_use(package):
+    """A package whose names load on first use (`optimum_dmx.lazy`) imports the same names from the same modules
+    under `TYPE_CHECKING`, for type checkers and editors, which do not run `__getattr__`."""
+    init = REPO_ROOT / "optimum_dmx" / package / "__init__.py"
+    tree = ast.parse(init.read_text())
+    exports = next(
+        ast.literal_eval(node.value)
+        for node in tree.body
+        if isinstance(node, ast.Assign) and getattr(node.targets[0], "id", None) == "_EXPORTS"
+    )
+    checked = next(node for node in tree.body if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING")
+    seen = {alias.name: node.module for node in checked.body for alias in node.names if alias.asname == alias.name}
+    assert seen == exports
 
 
 def test_the_packages_names_load_on_first_use_and_an_unknown_one_is_named():

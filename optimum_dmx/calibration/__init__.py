@@ -6,7 +6,35 @@ neither that nor loading a saved dMX model should pay for importing the trainer,
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..lazy import lazy_exports
+
+if TYPE_CHECKING:  # what type checkers and editors see; the names load on first use (`__getattr__`)
+    from .baselines import kl_preselection as kl_preselection
+    from .baselines import uniform as uniform
+    from .baselines import uniform_format_map as uniform_format_map
+    from .data import build_calibration_batches as build_calibration_batches
+    from .data import load_calibration_dataset as load_calibration_dataset
+    from .dmx_linear import DMXLinear as DMXLinear
+    from .dmx_linear import EndpointProbe as EndpointProbe
+    from .dmx_linear import RelaxedOffset as RelaxedOffset
+    from .gptq import gptq_pack as gptq_pack
+    from .gptq import round_weights_by_gptq as round_weights_by_gptq
+    from .presets import PRESETS as PRESETS
+    from .presets import Preset as Preset
+    from .presets import get_preset as get_preset
+    from .regularizers import bit_regularizer as bit_regularizer
+    from .result import CalibrationResult as CalibrationResult
+    from .result import result_from_format_map as result_from_format_map
+    from .schedule import discrete_offset as discrete_offset
+    from .schedule import temperature_at as temperature_at
+    from .schedule import temperature_sigmoid as temperature_sigmoid
+    from .sensitivity import kl_sensitivities as kl_sensitivities
+    from .settings import CalibrationSettings as CalibrationSettings
+    from .settings import PaperRecipe as PaperRecipe
+    from .trainer import calibrate as calibrate
+    from .trainer import dmx_linears as dmx_linears
 
 _EXPORTS = {
     "CalibrationResult": "result",

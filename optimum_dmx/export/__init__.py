@@ -7,7 +7,19 @@ Above `integration` (it reads saved dMX folders) and below the command line. The
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..lazy import lazy_exports
+
+if TYPE_CHECKING:  # what type checkers and editors see; the names load on first use (`__getattr__`)
+    from .checkpoint import ExportError as ExportError
+    from .checkpoint import export_checkpoint as export_checkpoint
+    from .loading import finish_loading as finish_loading
+    from .loading import is_export as is_export
+    from .loading import load_exported as load_exported
+    from .targets import EXPORT_TARGETS as EXPORT_TARGETS
+    from .targets import ExportTarget as ExportTarget
+    from .targets import get_export_target as get_export_target
 
 _EXPORTS = {
     "EXPORT_TARGETS": "targets",

@@ -8,7 +8,19 @@ quant_method "dmx" is registered whenever that registry is imported.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ..lazy import lazy_exports
+
+if TYPE_CHECKING:  # what type checkers and editors see; the names load on first use (`__getattr__`)
+    from .configuration import QUANT_METHOD as QUANT_METHOD
+    from .configuration import DMXConfig as DMXConfig
+    from .hf_quantizer import DMXHfQuantizer as DMXHfQuantizer
+    from .model_card import ModelCardInfo as ModelCardInfo
+    from .model_card import PerplexityComparison as PerplexityComparison
+    from .model_card import checkpoint_bytes as checkpoint_bytes
+    from .model_card import write_model_card as write_model_card
+    from .quantizer import DMXQuantizer as DMXQuantizer
 
 _EXPORTS = {
     "QUANT_METHOD": "configuration",
