@@ -76,6 +76,13 @@ own layers and reads them by name (not tested by optimum-dmx). To load the model
 `optimum-dmx export --to {alternative}`.
 """
 
+_FLOAT_EXPERTS_NOTE = """
+transformers with {package} cannot load this model: it merges the float experts of {count} layers (e.g.
+`{example}`), stored per expert, into its fused experts modules while loading, and that merge fails beside packed
+layers (a conversion error). vLLM is not affected (not tested by optimum-dmx). To load the model with transformers,
+quantize the experts too, or keep the other layers in MXFP8.
+"""
+
 _CT_EXPERTS_SECTION = """
 ## Mixture-of-experts layers
 
@@ -172,11 +179,14 @@ class ExportTarget:
         auto_class: str,
         uninitializable: Sequence[str] = (),
         subclassed: Sequence[str] = (),
+        float_experts: Sequence[str] = (),
     ) -> str:
         """A README saying what the export holds and how to serve and load it (with transformers' `auto_class`);
         `uninitializable` names the module classes whose weight initialization keeps `from_pretrained` alone from
         loading it (`export.checkpoint._initialization_failures`), `subclassed` the quantized layers' classes that
-        subclass `nn.Linear` where the loader takes `nn.Linear` only (`exact_linears_only`)."""
+        subclass `nn.Linear` where the loader takes `nn.Linear` only (`exact_linears_only`), `float_experts` the
+        experts modules stored float per expert beside packed layers, which transformers' loader cannot merge
+        (`export.checkpoint._warn_float_experts`)."""
         counts: dict[str, int] = {}
         for fmt in dmx_quantization["format_map"].values():
             counts[fmt] = counts.get(fmt, 0) + 1
@@ -198,6 +208,10 @@ class ExportTarget:
                 package=self.package,
                 classes=" and ".join(f"`{c}`" for c in subclassed),
                 alternative=self.alternative,
+            )
+        if float_experts:
+            load_note += _FLOAT_EXPERTS_NOTE.format(
+                package=self.package, count=len(float_experts), example=float_experts[0]
             )
         return _SERVE_TEMPLATE.format(
             name=name,
