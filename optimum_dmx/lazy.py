@@ -2,8 +2,10 @@
 
 The top-level package (`import optimum_dmx` and the command line's `--help` import neither torch nor
 transformers), `calibration` (`DMXConfig` validates its fields with `CalibrationSettings` without importing the
-trainer, tqdm and `datasets`) and `export` (the command line lists the export targets without loading
-transformers) use it.
+trainer, tqdm and `datasets`), `export` (the command line lists the export targets without loading transformers) and
+`integration` (`optimum-dmx inspect` uses the model card's helpers without transformers' quantizer registry) use it.
+Each of them also imports its names under `TYPE_CHECKING`, for type checkers and editors, which do not run
+`__getattr__`.
 """
 
 from __future__ import annotations
