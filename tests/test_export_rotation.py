@@ -7,14 +7,17 @@ import logging
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import torch
 from compressed_tensors.transform import TransformConfig, apply_transform_config
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from scipy.linalg import hadamard
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.continuous import get_format_pair
@@ -260,6 +263,8 @@ def test_the_exported_model_card_says_how_to_apply_the_transforms(tmp_path, capl
         / "README.md"
     ).read_text()
     assert "online transforms" not in plain
+    if target == "compressed-tensors":  # transformers' load report calls the stored matrices unexpected
+        assert "`*_input.weight`, which vLLM loads) as UNEXPECTED" in card
 
 
 @pytest.mark.slow
@@ -304,6 +309,7 @@ def test_a_rotated_grouped_5_bit_smollm2_export_loads_with_its_transforms_in_a_f
 import json, torch
 from compressed_tensors.transform import TransformConfig, apply_transform_config
 from transformers import AutoModelForCausalLM
+from transformers.utils import logging as hf_logging
 model = AutoModelForCausalLM.from_pretrained({str(exported)!r}, dtype=torch.bfloat16)
 config = json.load(open({str(exported / "config.json")!r}))["quantization_config"]["transform_config"]
 apply_transform_config(model, TransformConfig.model_validate(config))
@@ -396,6 +402,50 @@ def test_load_exported_finishes_the_transforms_as_the_loader_does(tmp_path, targ
     assert is_export(exported) and not is_export(source)
     with pytest.raises(ValueError, match=r"is not an exported checkpoint: its quant_method is 'dmx'"):
         load_exported(source)
+
+
+@contextmanager
+def transformers_warnings() -> Iterator[list[str]]:
+    """The messages transformers' loggers emit while the block runs (its load report among them)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    hf_logging.get_logger().addHandler(handler)
+    try:
+        yield messages
+    finally:
+        hf_logging.get_logger().removeHandler(handler)
+
+
+def test_load_exported_checks_the_stored_transform_matrices_instead_of_reporting_them(tmp_path):
+    """transformers builds no compressed-tensors transform modules, so its load report calls the transform matrices a
+    compressed-tensors export stores (which vLLM loads) unexpected; `load_exported` leaves them out of the report and
+    checks each against the matrix compressed-tensors built for its layer, refusing, by name, a stored matrix that
+    differs or that no transform of the config is attached to."""
+    float_dir = float_model(tmp_path / "float", "llama", 96)
+    source = dmx_checkpoint(tmp_path / "dmx", float_dir, "block_hadamard", target="compressed-tensors")
+    exported = export_checkpoint(source, tmp_path / "out", "compressed-tensors")
+    stored = [f"{layer}.dmx_hadamard_32_input.weight" for layer in transformed_layers("block_hadamard")]
+    with transformers_warnings() as plain_load:
+        AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+    (report,) = [message for message in plain_load if "LOAD REPORT" in message]
+    assert "UNEXPECTED" in report and "dmx_hadamard_32_input.weight" in report
+    with transformers_warnings() as loading:
+        load_exported(exported, dtype=torch.bfloat16)
+    assert not [message for message in loading if "LOAD REPORT" in message]
+
+    tensors = load_file(exported / "model.safetensors")
+    assert sorted(name for name in tensors if "_input." in name) == stored
+    tensors[stored[-1]][0, 0] *= -1
+    save_file(tensors, exported / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"not the matrix compressed-tensors built .*{re.escape(stored[-1])}"):
+        load_exported(exported, dtype=torch.bfloat16)
+    tensors[stored[-1]][0, 0] *= -1
+    untransformed = "model.layers.0.self_attn.o_proj.dmx_hadamard_32_input.weight"
+    tensors[untransformed] = tensors[stored[0]].clone()
+    save_file(tensors, exported / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=rf"attached no transform to its layer .*{re.escape(untransformed)}"):
+        load_exported(exported, dtype=torch.bfloat16)
 
 
 @pytest.mark.parametrize("target", ["compressed-tensors", "quark"])

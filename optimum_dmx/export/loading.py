@@ -5,18 +5,28 @@ transforms: compressed-tensors' `transform_config` is not applied (the model com
 rotating linears are built but not finished (the model cannot run). `load_exported` loads the folder and calls the
 loader's own functions that do it (what the export's model card shows), so that evaluating an export measures the
 model vLLM serves.
+
+A compressed-tensors export also stores each transform's matrix beside the layer it applies to, which vLLM loads.
+transformers, which builds no transform modules, would report those tensors as unexpected and skip them, and
+`apply_transform_config` builds the matrices again from `transform_config`. `load_exported` leaves them out of
+transformers' report and checks instead that each stored matrix is the one compressed-tensors built, so that the
+loaded model computes what vLLM serves from the same folder.
 """
 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors import safe_open
 from torch import nn
 
+from ..integration.checkpoint_names import checkpoint_key_renaming
 from ..integration.hf_quantizer import initialization_stand_in
 
 __all__ = ["EXPORTED_METHODS", "finish_loading", "is_export", "load_exported"]
@@ -35,7 +45,9 @@ def is_export(folder: str | Path) -> bool:
 
 def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
     """`from_pretrained(folder, **from_pretrained)` of the model's Auto class (`generating_model_class`) for a folder
-    `export_checkpoint` wrote, with its online transforms applied by its loader's code (`finish_loading`)."""
+    `export_checkpoint` wrote, with its online transforms applied by its loader's code (`finish_loading`). The
+    transform matrices a compressed-tensors export stores are checked against those compressed-tensors built (raising
+    `ValueError` naming one that differs) instead of being reported as unexpected by transformers."""
     from transformers import AutoConfig
 
     from ..integration.model_classes import generating_model_class
@@ -46,10 +58,69 @@ def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
             f"{str(folder)!r} is not an exported checkpoint: its quant_method is "
             f"{quantization.get('quant_method')!r}; allowed: {', '.join(EXPORTED_METHODS)}"
         )
-    with _initializing_packed_linears_with_stand_ins():
+    stored_transforms = _stored_transform_matrix(quantization)
+    with (
+        _initializing_packed_linears_with_stand_ins(),
+        _not_reported_as_unexpected(stored_transforms) if stored_transforms else nullcontext(),
+    ):
         model = generating_model_class(AutoConfig.from_pretrained(folder)).from_pretrained(folder, **from_pretrained)
     finish_loading(model, quantization)
+    if stored_transforms:
+        _check_stored_transform_matrices(model, folder, stored_transforms)
     return model
+
+
+def _stored_transform_matrix(quantization_config: Mapping[str, Any]) -> re.Pattern[str] | None:
+    """The names of the transform matrices a compressed-tensors export stores (`<layer>.<scheme>_input.weight`,
+    compressed-tensors' names for an input transform's module and its matrix), or None without a `transform_config`
+    (the scheme's name in group 1)."""
+    schemes = ((quantization_config.get("transform_config") or {}).get("config_groups")) or {}
+    if quantization_config.get("quant_method") != "compressed-tensors" or not schemes:
+        return None
+    return re.compile(rf"\.({'|'.join(map(re.escape, schemes))})_input\.weight$")
+
+
+@contextmanager
+def _not_reported_as_unexpected(keys: re.Pattern[str]) -> Iterator[None]:
+    """While transformers loads a model, leave the checkpoint keys matching `keys` out of its unexpected keys (and so
+    out of its load report): tensors `load_exported` checks itself after the load."""
+    from transformers import PreTrainedModel
+
+    adjust = PreTrainedModel._adjust_missing_and_unexpected_keys
+
+    def adjust_and_leave_out(self: PreTrainedModel, loading_info: Any) -> None:
+        adjust(self, loading_info)
+        loading_info.unexpected_keys = {key for key in loading_info.unexpected_keys if not keys.search(key)}
+
+    PreTrainedModel._adjust_missing_and_unexpected_keys = adjust_and_leave_out
+    try:
+        yield
+    finally:
+        PreTrainedModel._adjust_missing_and_unexpected_keys = adjust
+
+
+def _check_stored_transform_matrices(model: nn.Module, folder: str | Path, keys: re.Pattern[str]) -> None:
+    """Raise, naming the tensor, unless every transform matrix stored in `folder` (checkpoint keys matching `keys`)
+    equals the matrix of the transform compressed-tensors attached to that layer of `model`: vLLM computes with the
+    stored matrix, the loaded model with the attached one."""
+    module_name = checkpoint_key_renaming(model)
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        with safe_open(file, framework="pt") as reader:
+            for key in filter(keys.search, reader.keys()):
+                try:
+                    attached = model.get_parameter(module_name(key))
+                except AttributeError:
+                    problem = "compressed-tensors attached no transform to its layer"
+                else:
+                    stored = reader.get_tensor(key).to(attached.device, attached.dtype)
+                    if torch.equal(stored, attached.detach()):
+                        continue
+                    problem = "it is not the matrix compressed-tensors built for its layer"
+                raise ValueError(
+                    f"{problem} from the transform_config in config.json, for the transform matrix {key!r} stored "
+                    f"in {file.name}: vLLM would compute with the stored matrix and this model with another. The "
+                    "checkpoint is damaged or its config.json was edited."
+                )
 
 
 @contextmanager

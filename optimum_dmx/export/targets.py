@@ -105,6 +105,10 @@ from compressed_tensors.transform import TransformConfig, apply_transform_config
 config = json.load(open("path/to/{name}/config.json"))["quantization_config"]["transform_config"]
 apply_transform_config(model, TransformConfig.model_validate(config))
 ```
+
+transformers' load report lists the transforms' stored matrices (`*_input.weight`, which vLLM loads) as UNEXPECTED:
+`apply_transform_config` builds them again from the configuration. `optimum_dmx.export.load_exported` loads the
+model, applies the transforms and checks that each stored matrix is the one built.
 """
 
 _QUARK_TRANSFORMS_SECTION = """
