@@ -4,11 +4,14 @@ specification defines, and running code in a fresh interpreter. Fixtures live in
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import subprocess
 import sys
 import textwrap
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +30,7 @@ from transformers import (
     Qwen3Config,
     Qwen3ForCausalLM,
 )
+from transformers.utils import logging as hf_logging
 
 from optimum_dmx.formats import packing
 
@@ -257,3 +261,16 @@ def adversarial_blocks(fmt) -> torch.Tensor:
 def file_bytes(folder: Path) -> dict[str, bytes]:
     """Every file directly in `folder`, by name: what a test compares to show nothing in it was written."""
     return {path.name: path.read_bytes() for path in sorted(folder.iterdir()) if path.is_file()}
+
+
+@contextmanager
+def transformers_warnings() -> Iterator[list[str]]:
+    """The messages transformers' loggers emit at warning level while the block runs (its load report among them)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    hf_logging.get_logger().addHandler(handler)
+    try:
+        yield messages
+    finally:
+        hf_logging.get_logger().removeHandler(handler)

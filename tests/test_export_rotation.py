@@ -7,8 +7,6 @@ import logging
 import re
 import subprocess
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -17,7 +15,6 @@ from compressed_tensors.transform import TransformConfig, apply_transform_config
 from safetensors.torch import load_file, save_file
 from scipy.linalg import hadamard
 from transformers import AutoModelForCausalLM
-from transformers.utils import logging as hf_logging
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.continuous import get_format_pair
@@ -31,7 +28,15 @@ from optimum_dmx.export import (
     load_exported,
 )
 
-from .helpers import held_out, linear_names, run_python, tiny_decoder, word_tokenizer, words
+from .helpers import (
+    held_out,
+    linear_names,
+    run_python,
+    tiny_decoder,
+    transformers_warnings,
+    word_tokenizer,
+    words,
+)
 
 PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 IDS = torch.randint(0, 128, (2, 24), generator=torch.Generator().manual_seed(5))
@@ -402,19 +407,6 @@ def test_load_exported_finishes_the_transforms_as_the_loader_does(tmp_path, targ
     assert is_export(exported) and not is_export(source)
     with pytest.raises(ValueError, match=r"is not an exported checkpoint: its quant_method is 'dmx'"):
         load_exported(source)
-
-
-@contextmanager
-def transformers_warnings() -> Iterator[list[str]]:
-    """The messages transformers' loggers emit while the block runs (its load report among them)."""
-    messages: list[str] = []
-    handler = logging.Handler(logging.WARNING)
-    handler.emit = lambda record: messages.append(record.getMessage())
-    hf_logging.get_logger().addHandler(handler)
-    try:
-        yield messages
-    finally:
-        hf_logging.get_logger().removeHandler(handler)
 
 
 def test_load_exported_checks_the_stored_transform_matrices_instead_of_reporting_them(tmp_path):

@@ -16,7 +16,7 @@ from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration.budget import BUDGET_TOLERANCE
 
-from .helpers import word_tokenizer, words
+from .helpers import transformers_warnings, word_tokenizer, words
 
 SMALL = dict(
     hidden_size=64,
@@ -152,7 +152,8 @@ UNLOADABLE_EXPORTS = {
 def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, target):
     """Every linear MXFP4 but the ones the model reads itself (packed: no `weight` in compressed-tensors' layers),
     calibrated with the target's scale rule and exported: `load_exported` gives the dMX model's logits in bfloat16,
-    bit for bit, but for the exports of `UNLOADABLE_EXPORTS`. For compressed-tensors, the export warns that
+    bit for bit, with no load report from transformers (nothing missing or unexpected), but for the exports of
+    `UNLOADABLE_EXPORTS`. For compressed-tensors, the export warns that
     `from_pretrained` alone cannot load the folder exactly when transformers' weight initialization stops on a
     packed layer's missing `weight` (Falcon-Mamba's mixer, Falcon's linears; GPT-BigCode's and Mamba's are in
     `test_families.py`)."""
@@ -185,7 +186,9 @@ def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, tar
         with pytest.raises(RuntimeError, match=UNLOADABLE_EXPORTS[family, target][0]):
             load_exported(tmp_path / target, dtype=torch.bfloat16)
         return
-    loaded = load_exported(tmp_path / target, dtype=torch.bfloat16)
+    with transformers_warnings() as loading:
+        loaded = load_exported(tmp_path / target, dtype=torch.bfloat16)
+    assert not [message for message in loading if "LOAD REPORT" in message]  # nothing missing or unexpected
     ours = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, ours(ids).logits)
