@@ -23,7 +23,7 @@ from optimum_dmx.integration.model_classes import generating_model_class
 from optimum_dmx.nn.replaceable import NOT_REACHED, linears_kept_in_float
 from optimum_dmx.nn.surgery import subtree_prefixes
 
-from .helpers import word_tokenizer, words
+from .helpers import transformers_warnings, word_tokenizer, words
 
 TEXT = dict(
     hidden_size=64,
@@ -182,7 +182,12 @@ def test_an_image_text_checkpoint_exports_and_loads_with_its_vision_path_in_floa
         targets = list(quantization["layer_quant_config"])
     assert sorted(targets) == sorted(model.config.quantization_config.format_map)
     assert "AutoModelForImageTextToText.from_pretrained" in (exported / "README.md").read_text()
-    loaded = load_exported(exported, dtype=torch.bfloat16)
+    with transformers_warnings() as loading:
+        loaded = load_exported(exported, dtype=torch.bfloat16)
+    # the default rotation's transforms (compressed-tensors: matrices stored under the checkpoint's names,
+    # `language_model.model.layers...`, checked against those applied, not reported as unexpected)
+    assert ("transform_config" if target == "compressed-tensors" else "algo_config") in quantization
+    assert not [message for message in loading if "LOAD REPORT" in message]
     ours = AutoModelForImageTextToText.from_pretrained(tmp_path / "dmx", dtype=torch.bfloat16)
     assert isinstance(loaded, LlavaForConditionalGeneration)
     pixels = torch.randn(1, 3, 32, 32, generator=torch.Generator().manual_seed(0)).bfloat16()
