@@ -2,6 +2,7 @@
 every process holding the whole model or, sharded by FSDP2 (`fully_shard` on each decoder layer), half of it."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -75,8 +76,11 @@ def _run_in_two_processes(script) -> str:
         text=True,
         timeout=600,
         cwd=script.parent,
+        # A worker that aborts prints every thread's Python stack: a sharded worker has aborted, rarely and on loaded
+        # machines only, with "terminate called without an active exception", and where it was is not known yet.
+        env={**os.environ, "PYTHONFAULTHANDLER": "1"},
     )
-    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.returncode == 0, f"stdout: {launched.stdout[-2000:]}\nstderr: {launched.stderr[-12000:]}"
     return launched.stdout
 
 
