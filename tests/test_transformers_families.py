@@ -98,7 +98,9 @@ def test_family_quantizes_saves_and_reloads(tmp_path, family):
     with torch.no_grad():
         logits = model(ids).logits
     model.save_pretrained(tmp_path / "dmx")
-    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")
+    with transformers_warnings() as reloading:
+        reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "dmx")
+    assert not [message for message in reloading if "LOAD REPORT" in message]  # nothing missing or unexpected
     with torch.no_grad():
         assert torch.equal(reloaded(ids).logits, logits)
 
