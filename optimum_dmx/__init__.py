@@ -69,6 +69,6 @@ __all__ = sorted(_EXPORTS)
 __getattr__, __dir__ = lazy_exports(globals(), _EXPORTS)
 
 if optimum_dmx_autoregister.TRIGGER in sys.modules:
-    importlib.import_module(".integration.hf_quantizer", __name__)  # its import registers quant_method "dmx"
+    importlib.import_module(optimum_dmx_autoregister.REGISTRAR)  # its import registers quant_method "dmx"
 else:
     optimum_dmx_autoregister.install(at_startup=False)

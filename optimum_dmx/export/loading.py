@@ -71,13 +71,18 @@ def load_exported(folder: str | Path, **from_pretrained: Any) -> nn.Module:
 
 
 def _stored_transform_matrix(quantization_config: Mapping[str, Any]) -> re.Pattern[str] | None:
-    """The names of the transform matrices a compressed-tensors export stores (`<layer>.<scheme>_input.weight`,
-    compressed-tensors' names for an input transform's module and its matrix), or None without a `transform_config`
-    (the scheme's name in group 1)."""
+    """The names of the transform matrices a compressed-tensors export stores (`<layer>.<scheme>_input.weight`: the
+    matrix of the module `_transform_module` names), or None without a `transform_config`."""
     schemes = ((quantization_config.get("transform_config") or {}).get("config_groups")) or {}
     if quantization_config.get("quant_method") != "compressed-tensors" or not schemes:
         return None
-    return re.compile(rf"\.({'|'.join(map(re.escape, schemes))})_input\.weight$")
+    modules = "|".join(re.escape(_transform_module(scheme)) for scheme in schemes)
+    return re.compile(rf"\.({modules})\.weight$")
+
+
+def _transform_module(scheme: str) -> str:
+    """The name of the module compressed-tensors attaches to a layer for its input transform of `scheme`."""
+    return f"{scheme}_input"
 
 
 @contextmanager
@@ -175,7 +180,7 @@ def _apply_compressed_tensors_transforms(model: nn.Module, transform_config: Map
     from compressed_tensors.transform import TransformConfig, apply_transform_config
 
     config = TransformConfig.model_validate(transform_config)
-    attached = {f"{scheme}_input" for scheme in config.config_groups}  # the module each transformed layer gets
+    attached = {_transform_module(scheme) for scheme in config.config_groups}  # what each transformed layer gets
     if any(name.rpartition(".")[2] in attached for name, _ in model.named_modules()):
         return 0  # a loader that applies the transforms itself
     apply_transform_config(model, config)
