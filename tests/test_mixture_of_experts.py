@@ -479,25 +479,31 @@ def test_the_command_line_keeps_the_experts_float_with_its_flag(tmp_path):
 @pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
 def test_float_experts_beside_packed_layers_are_named_in_a_warning_and_the_model_card(tmp_path, caplog, family):
     """transformers with compressed-tensors cannot load an export whose packed (MXFP4) layers sit beside float
-    experts stored per expert, which it merges into its fused experts modules while loading: the export says so,
-    naming the experts modules, and the loading fails as it says. Packed experts (the test above) and float experts
-    beside MXFP8 layers only load."""
+    experts stored per expert, which it merges into its packed experts tensors while loading: the export says so,
+    naming the tensors transformers would build (two per layer, under the model's names, also for Mixtral's
+    checkpoint names), and the loading fails as it says, whether the map is all MXFP4 or mixed. Packed experts (the
+    test above) and float experts beside MXFP8 layers only load."""
     save_float(family, tmp_path / "float")
     attention = {f"model.layers.{i}.self_attn.{p}_proj": "mxfp4_e2m1" for i in range(2) for p in "qkvo"}
-    for formats, fails in ((attention, True), (dict.fromkeys(attention, "mxfp8_e4m3"), False)):
+    mixed = {
+        name: "mxfp8_e4m3" if name.endswith(("q_proj", "k_proj", "v_proj")) else fmt for name, fmt in attention.items()
+    }
+    for case, (formats, fails) in enumerate(
+        ((attention, True), (mixed, True), (dict.fromkeys(attention, "mxfp8_e4m3"), False))
+    ):
         config = DMXConfig(format_map=formats, scale_rule="compressed-tensors")
-        dmx, exported = tmp_path / f"dmx{fails}", tmp_path / f"ct{fails}"
+        dmx, exported = tmp_path / f"dmx{case}", tmp_path / f"ct{case}"
         AutoModelForCausalLM.from_pretrained(tmp_path / "float", quantization_config=config).save_pretrained(dmx)
         caplog.clear()
         with caplog.at_level("WARNING", logger="optimum_dmx"):
             export_checkpoint(dmx, exported, "compressed-tensors", force=True)
         card = " ".join((exported / "README.md").read_text().split())  # the note's lines joined
-        said = "the float experts of 2 layers (e.g."
+        said = "builds 4 tensors (e.g."
         assert (said in caplog.text) == fails and (said in card) == fails
         if not fails:
             AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
             continue
-        first = {"qwen3_moe": EXPERTS[0], "mixtral": "model.layers.0.block_sparse_moe.experts"}[family]
-        assert first in caplog.text and f"`{first}`" in card
+        assert "(e.g. model.layers.0.mlp.experts.down_proj)" in caplog.text
+        assert "(e.g. `model.layers.0.mlp.experts.down_proj`)" in card
         with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
             AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)

@@ -138,8 +138,8 @@ UNLOADABLE_EXPORTS = {
     },
     ("olmo_hybrid", "compressed-tensors"): (
         "automatic conversion of the weights",
-        "the same merge, of float tensors beside packed layers, of its q/k/v convolutions stored apart, which "
-        "transformers concatenates into one conv1d while loading; the export does not predict it",
+        "the same conversion of float tensors beside packed layers: its q/k/v convolutions, stored apart, which "
+        "transformers concatenates into one conv1d while loading",
     ),
     ("falcon", "quark"): (
         "ignore_mismatched_sizes",
@@ -155,7 +155,8 @@ def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, tar
     """Every linear MXFP4 but the ones the model reads itself (packed: no `weight` in compressed-tensors' layers),
     calibrated with the target's scale rule and exported: `load_exported` gives the dMX model's logits in bfloat16,
     bit for bit, with no load report from transformers (nothing missing or unexpected), but for the exports of
-    `UNLOADABLE_EXPORTS`. For compressed-tensors, the export warns that
+    `UNLOADABLE_EXPORTS`, of which the export warns exactly those that stop on a conversion of float tensors (float
+    experts, OLMo-Hybrid's convolutions). For compressed-tensors, the export warns that
     `from_pretrained` alone cannot load the folder exactly when transformers' weight initialization stops on a
     packed layer's missing `weight` (Falcon-Mamba's mixer, Falcon's linears; GPT-BigCode's and Mamba's are in
     `test_families.py`)."""
@@ -182,8 +183,10 @@ def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, tar
         export_checkpoint(tmp_path / "dmx", tmp_path / target, target, force=True)
     subclassed = "builds its quantized layers for nn.Linear exactly" in caplog.text  # the export's warning
     assert subclassed == ((family, target) == ("falcon", "quark"))
-    float_experts = "stored per expert, into its fused experts modules" in caplog.text  # the export's warning
-    assert float_experts == ("float mixture-of-experts" in UNLOADABLE_EXPORTS.get((family, target), ("", ""))[1])
+    float_conversions = "from float tensors the checkpoint stores apart" in caplog.text  # the export's warning
+    assert float_conversions == (
+        UNLOADABLE_EXPORTS.get((family, target), ("",))[0] == "automatic conversion of the weights"
+    )
     if (family, target) in UNLOADABLE_EXPORTS:
         with pytest.raises(RuntimeError, match=UNLOADABLE_EXPORTS[family, target][0]):
             load_exported(tmp_path / target, dtype=torch.bfloat16)
@@ -201,3 +204,27 @@ def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, tar
     except AttributeError as error:
         failure = error
     assert predicted == (failure is not None and "'weight'" in str(failure)), failure
+
+
+@pytest.mark.parametrize(
+    "family, key, built",
+    [
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w3.weight", "model.layers.1.mlp.experts.gate_up_proj"),
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.2.w2.weight", "model.layers.1.mlp.experts.down_proj"),
+        ("olmo_hybrid", "model.layers.0.linear_attn.k_conv1d.weight", "model.layers.0.linear_attn.conv1d.weight"),
+        ("olmo_hybrid", "model.layers.0.linear_attn.k_proj.weight", None),
+        ("llama", "model.layers.0.mlp.gate_proj.weight", None),
+        ("qwen3_moe", "model.layers.0.mlp.experts.1.up_proj.weight_packed", None),  # a packed expert loads as it is
+    ],
+)
+def test_the_tensors_transformers_builds_from_a_checkpoint_key_are_read_from_its_converters(family, key, built):
+    """`converted_weight_target`, which the export's warning of float conversions beside packed layers rests on:
+    the model's tensor that one of transformers' converters for the family builds from a checkpoint key (Mixtral's
+    checkpoint names renamed), and None for keys that load as they are."""
+    from optimum_dmx.integration.checkpoint_names import converted_weight_target
+
+    values = {**SMALL, **EXTRA.get(family, {})}
+    config = AutoConfig.for_model(family, **{k: v for k, v in values.items() if v is not None})
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    assert converted_weight_target(model)(key) == built

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 import tempfile
 from collections.abc import Iterable, Mapping
@@ -24,7 +23,11 @@ from safetensors.torch import save_file
 from transformers import AutoConfig, PreTrainedModel
 
 from ..formats.packing import negate_rows
-from ..integration.checkpoint_names import checkpoint_key_renaming, expert_projection_names
+from ..integration.checkpoint_names import (
+    checkpoint_key_renaming,
+    converted_weight_target,
+    expert_projection_names,
+)
 from ..integration.configuration import QUANT_METHOD
 from ..integration.folders import check_output, staged_folder
 from ..integration.model_classes import generating_model_class
@@ -124,7 +127,7 @@ def export_checkpoint(
                     skeleton, [name for name, fmt in format_map.items() if fmt in spec.weightless_formats]
                 ),
                 _warn_subclassed(spec, skeleton, format_map),
-                _warn_float_experts(spec, format_map, weight_map, exported_names.values()),
+                _warn_float_conversions(spec, skeleton, format_map, weight_map, exported_names.values()),
             ),
             encoding="utf-8",
         )
@@ -310,42 +313,45 @@ def _warn_uninitializable(skeleton: PreTrainedModel, weightless: list[str]) -> l
     return sorted(failures)
 
 
-_PER_EXPERT_TENSOR = re.compile(r"^(.*\.experts)\.\d+\.")  # a mixture of experts' tensor stored per expert
-
-
-def _warn_float_experts(
-    spec: ExportTarget, format_map: Mapping[str, str], tensor_names: Iterable[str], quantized: Iterable[str]
+def _warn_float_conversions(
+    spec: ExportTarget,
+    skeleton: PreTrainedModel,
+    format_map: Mapping[str, str],
+    tensor_names: Iterable[str],
+    quantized: Iterable[str],
 ) -> list[str]:
-    """Warn if the export holds float experts stored per expert (`tensor_names` outside the `quantized` layers)
-    beside layers `spec`'s transformers loader builds packed (`ExportTarget.weightless_formats`); return their
-    experts modules, for the model card.
+    """Warn if transformers builds tensors of the model from float tensors of the export (`tensor_names` outside the
+    `quantized` layers) with one of its converters (`converted_weight_target`) while packed layers are present
+    (`ExportTarget.weightless_formats`); return the tensors it would build, for the model card.
 
-    transformers merges per-expert tensors into its fused experts modules while loading, and with compressed-tensors
-    (0.20, transformers 5.25) that merge gets no tensors when packed layers are present: the loading stops with a
-    conversion error (tiny Qwen3-MoE and Mixtral, tested; 12 families of the families sweep). Beside MXFP8 layers
-    only, or with the experts quantized, the same models load. transformers' other merges of float tensors fail the
-    same way (OLMo-Hybrid's q/k/v convolutions, stored apart); they are not predicted here."""
+    With compressed-tensors (0.20, transformers 5.25) such a conversion gets no tensors. transformers runs the
+    compressed-tensors decompression before each converter of weights, with the scheme of the first quantization
+    group whose targets are module names (`get_experts_scheme`); the export lists the groups from the fewest bits,
+    so with a packed format present that scheme is packed, and its decompression passes on only packed tensors.
+    Loading then stops with a conversion error: float experts stored per expert (tiny Qwen3-MoE and Mixtral, tested;
+    12 families of the families sweep) and OLMo-Hybrid's q/k/v convolutions. Beside MXFP8 layers only, the
+    decompression passes float tensors on unchanged, and the same models load."""
     if not any(fmt in spec.weightless_formats for fmt in format_map.values()):
         return []
-    quantized = set(quantized)
-    modules = sorted(
+    quantized, target_of = set(quantized), converted_weight_target(skeleton)
+    built = sorted(
         {
-            match.group(1)
+            target
             for name in tensor_names
-            if name.rpartition(".")[0] not in quantized and (match := _PER_EXPERT_TENSOR.match(name))
+            if name.rpartition(".")[0] not in quantized and (target := target_of(name)) is not None
         }
     )
-    if modules:
+    if built:
         logger.warning(
-            "transformers with %s cannot load this export: it merges the float experts of %d layers (e.g. %s), "
-            "stored per expert, into its fused experts modules while loading, and that merge fails beside packed "
-            "layers. vLLM is not affected (not tested here). To load the model with transformers, quantize the "
-            "experts too, or keep the other layers in MXFP8.",
+            "transformers with %s cannot load this export: while loading it builds %d tensors (e.g. %s) from float "
+            "tensors the checkpoint stores apart (a mixture of experts' experts, stored per expert, or convolutions), "
+            "and beside packed layers that conversion gets no tensors. vLLM is not affected (not tested here). To "
+            "load the model with transformers, keep the quantized layers in MXFP8, or quantize the float experts.",
             spec.package,
-            len(modules),
-            modules[0],
+            len(built),
+            built[0],
         )
-    return modules
+    return built
 
 
 def _warn_subclassed(spec: ExportTarget, skeleton: torch.nn.Module, format_map: Mapping[str, str]) -> list[str]:

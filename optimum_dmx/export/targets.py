@@ -76,11 +76,11 @@ own layers and reads them by name (not tested by optimum-dmx). To load the model
 `optimum-dmx export --to {alternative}`.
 """
 
-_FLOAT_EXPERTS_NOTE = """
-transformers with {package} cannot load this model: it merges the float experts of {count} layers (e.g.
-`{example}`), stored per expert, into its fused experts modules while loading, and that merge fails beside packed
-layers (a conversion error). vLLM is not affected (not tested by optimum-dmx). To load the model with transformers,
-quantize the experts too, or keep the other layers in MXFP8.
+_FLOAT_CONVERSIONS_NOTE = """
+transformers with {package} cannot load this model: while loading it builds {count} tensors (e.g. `{example}`) from
+float tensors this checkpoint stores apart (a mixture of experts' experts, stored per expert, or convolutions), and
+beside packed layers that conversion gets no tensors (a conversion error). vLLM is not affected (not tested by
+optimum-dmx). To load the model with transformers, keep the quantized layers in MXFP8, or quantize the float experts.
 """
 
 _CT_EXPERTS_SECTION = """
@@ -183,14 +183,14 @@ class ExportTarget:
         auto_class: str,
         uninitializable: Sequence[str] = (),
         subclassed: Sequence[str] = (),
-        float_experts: Sequence[str] = (),
+        float_conversions: Sequence[str] = (),
     ) -> str:
         """A README saying what the export holds and how to serve and load it (with transformers' `auto_class`);
         `uninitializable` names the module classes whose weight initialization keeps `from_pretrained` alone from
         loading it (`export.checkpoint._initialization_failures`), `subclassed` the quantized layers' classes that
-        subclass `nn.Linear` where the loader takes `nn.Linear` only (`exact_linears_only`), `float_experts` the
-        experts modules stored float per expert beside packed layers, which transformers' loader cannot merge
-        (`export.checkpoint._warn_float_experts`)."""
+        subclass `nn.Linear` where the loader takes `nn.Linear` only (`exact_linears_only`), `float_conversions`
+        the tensors transformers would build from float tensors beside packed layers, which its loader cannot
+        (`export.checkpoint._warn_float_conversions`)."""
         counts: dict[str, int] = {}
         for fmt in dmx_quantization["format_map"].values():
             counts[fmt] = counts.get(fmt, 0) + 1
@@ -213,9 +213,9 @@ class ExportTarget:
                 classes=" and ".join(f"`{c}`" for c in subclassed),
                 alternative=self.alternative,
             )
-        if float_experts:
-            load_note += _FLOAT_EXPERTS_NOTE.format(
-                package=self.package, count=len(float_experts), example=float_experts[0]
+        if float_conversions:
+            load_note += _FLOAT_CONVERSIONS_NOTE.format(
+                package=self.package, count=len(float_conversions), example=float_conversions[0]
             )
         return _SERVE_TEMPLATE.format(
             name=name,

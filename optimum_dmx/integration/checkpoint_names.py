@@ -15,11 +15,11 @@ from collections.abc import Callable
 
 from torch import nn
 from transformers.conversion_mapping import get_model_conversion_mapping
-from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings
+from transformers.core_model_loading import WeightConverter, WeightRenaming, apply_renamings, rename_source_key
 
 from ..nn.experts import PROJECTIONS
 
-__all__ = ["checkpoint_key_renaming", "expert_projection_names"]
+__all__ = ["checkpoint_key_renaming", "converted_weight_target", "expert_projection_names"]
 
 # transformers' packed experts tensors and the per-expert projections merged into each, in order.
 _MERGED_PROJECTIONS = {"experts.gate_up_proj": ("gate_proj", "up_proj"), "experts.down_proj": ("down_proj",)}
@@ -33,6 +33,29 @@ def checkpoint_key_renaming(model: nn.Module) -> Callable[[str], str]:
         transform for transform in get_model_conversion_mapping(model) if isinstance(transform, WeightRenaming)
     ]
     return functools.partial(apply_renamings, weight_renamings=renamings)
+
+
+def converted_weight_target(model: nn.Module) -> Callable[[str], str | None]:
+    """For a checkpoint key, the tensor of `model` that one of transformers' converters for this model builds from it
+    while loading, or None when no converter reads it (it loads as it is, renamed at most). Only converters of
+    `weight`s count: those merging a mixture of experts' per-expert weights into its packed experts
+    (`model.layers.0.mlp.experts.gate_up_proj`), or concatenating OLMo-Hybrid's q/k/v convolutions, stored apart, into
+    one (`model.layers.0.linear_attn.conv1d.weight`). A loader that quantizes (compressed-tensors) runs its
+    decompression before each of them (`HfQuantizer.update_weight_conversions`)."""
+    transforms = get_model_conversion_mapping(model)
+    renamings = [transform for transform in transforms if isinstance(transform, WeightRenaming)]
+    converters = [
+        transform
+        for transform in transforms
+        if isinstance(transform, WeightConverter)
+        and all(source.endswith(".weight") for source in transform._original_source_patterns)
+    ]
+
+    def target(key: str) -> str | None:
+        renamed, converter_source = rename_source_key(key, renamings, converters)
+        return None if converter_source is None else renamed
+
+    return target
 
 
 def expert_projection_names(model: nn.Module) -> dict[str, str]:
