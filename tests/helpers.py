@@ -7,8 +7,10 @@ import json
 import logging
 import math
 import os
+import shutil
 import subprocess
 import sys
+import sysconfig
 import textwrap
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -160,6 +162,13 @@ def run_python(code: str, env: dict[str, str] | None = None) -> subprocess.Compl
     if proc.returncode != 0:
         raise AssertionError(f"subprocess failed ({proc.returncode}):\n{proc.stdout}\n{proc.stderr}")
     return proc
+
+
+def installed_script(name: str) -> str | None:
+    """The path of the console script `name` that this interpreter's environment installed (its scripts folder), or
+    None: a script of the same name earlier on `PATH` (another environment's, a version manager's shim) is not the
+    one under test."""
+    return shutil.which(name, path=sysconfig.get_path("scripts"))
 
 
 def last_json_line(proc: subprocess.CompletedProcess):

@@ -2,7 +2,6 @@
 
 import ast
 import json
-import shutil
 import subprocess
 
 import pytest
@@ -10,12 +9,14 @@ from transformers import AutoModelForCausalLM
 
 from optimum_dmx import DMXConfig
 
-from .helpers import REPO_ROOT, cycling_format_map, last_json_line, run_python
+from .helpers import REPO_ROOT, cycling_format_map, installed_script, last_json_line, run_python
 
 
 def test_import_contracts_hold():
     """`lint-imports` checks the one-way layers, acyclic packages and the light inference modules."""
-    lint = shutil.which("lint-imports") or pytest.fail("import-linter is a test dependency: pip install -e '.[dev]'")
+    lint = installed_script("lint-imports") or pytest.fail(
+        "import-linter is a test dependency: pip install -e '.[dev]'"
+    )
     proc = subprocess.run([lint, "--no-cache"], cwd=REPO_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "3 kept, 0 broken" in proc.stdout
@@ -24,7 +25,7 @@ def test_import_contracts_hold():
 @pytest.mark.parametrize("command", [["check"], ["format", "--check"]])
 def test_the_tree_passes_ruff(command):
     """ruff (pyproject.toml's settings: line length 120, pycodestyle, pyflakes, import order, bugbear, pyupgrade)."""
-    ruff = shutil.which("ruff") or pytest.fail("ruff is a test dependency: pip install -e '.[dev]'")
+    ruff = installed_script("ruff") or pytest.fail("ruff is a test dependency: pip install -e '.[dev]'")
     proc = subprocess.run([ruff, *command, "--no-cache", "."], cwd=REPO_ROOT, capture_output=True, text=True)
     assert proc.returncode == 0, proc.stdout + proc.stderr
 

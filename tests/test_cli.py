@@ -14,6 +14,8 @@ from safetensors import safe_open
 
 from optimum_dmx.cli import DEFAULT_RUN_PRESET, build_parser, calibration_overrides
 
+from .helpers import installed_script
+
 FAST = ["--steps", "4", "--seq-len", "16", "--batch-size", "2", "--num-samples", "8"]
 
 
@@ -235,7 +237,7 @@ def test_user_errors_are_one_line_with_exit_status_2(args, fragments, tiny_text_
 
 
 def test_console_script_is_installed():
-    script = shutil.which("optimum-dmx")
+    script = installed_script("optimum-dmx")
     if script is None:
         pytest.skip("package not installed with its console script")
     result = subprocess.run([script, "--help"], capture_output=True, text=True, timeout=120)
