@@ -503,7 +503,7 @@ def test_float_experts_beside_packed_layers_are_named_in_a_warning_and_the_model
         if not fails:
             AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
             continue
-        assert "(e.g. model.layers.0.mlp.experts.down_proj)" in caplog.text
-        assert "(e.g. `model.layers.0.mlp.experts.down_proj`)" in card
+        example = "(e.g. `model.layers.0.mlp.experts.down_proj`)"
+        assert example in caplog.text and example in card
         with pytest.raises(RuntimeError, match="automatic conversion of the weights"):
             AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)

@@ -70,11 +70,16 @@ REFUSED = {
 CALIBRATION = dict(steps=4, seq_len=16, batch_size=2, num_samples=8)
 
 
-def _float_checkpoint(family: str, folder):
+def _family_config(family: str):
+    """The family's tiny configuration (`SMALL` with its `EXTRA`); skips a family this transformers lacks."""
     if family not in CONFIG_MAPPING_NAMES:
         pytest.skip(f"transformers {__import__('transformers').__version__} has no {family!r} models")
     values = {**SMALL, **EXTRA.get(family, {})}
-    config = AutoConfig.for_model(family, **{k: v for k, v in values.items() if v is not None})
+    return AutoConfig.for_model(family, **{k: v for k, v in values.items() if v is not None})
+
+
+def _float_checkpoint(family: str, folder):
+    config = _family_config(family)
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(folder)
     tokenizer = word_tokenizer()
@@ -183,7 +188,7 @@ def test_the_export_loads_to_the_dmx_models_logits(tmp_path, caplog, family, tar
         export_checkpoint(tmp_path / "dmx", tmp_path / target, target, force=True)
     subclassed = "builds its quantized layers for nn.Linear exactly" in caplog.text  # the export's warning
     assert subclassed == ((family, target) == ("falcon", "quark"))
-    float_conversions = "from float tensors the checkpoint stores apart" in caplog.text  # the export's warning
+    float_conversions = "from float tensors this checkpoint stores apart" in caplog.text  # the export's warning
     assert float_conversions == (
         UNLOADABLE_EXPORTS.get((family, target), ("",))[0] == "automatic conversion of the weights"
     )
@@ -223,8 +228,6 @@ def test_the_tensors_transformers_builds_from_a_checkpoint_key_are_read_from_its
     checkpoint names renamed), and None for keys that load as they are."""
     from optimum_dmx.integration.checkpoint_names import converted_weight_target
 
-    values = {**SMALL, **EXTRA.get(family, {})}
-    config = AutoConfig.for_model(family, **{k: v for k, v in values.items() if v is not None})
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = AutoModelForCausalLM.from_config(_family_config(family))
     assert converted_weight_target(model)(key) == built

@@ -342,15 +342,7 @@ def _warn_float_conversions(
         }
     )
     if built:
-        logger.warning(
-            "transformers with %s cannot load this export: while loading it builds %d tensors (e.g. %s) from float "
-            "tensors the checkpoint stores apart (a mixture of experts' experts, stored per expert, or convolutions), "
-            "and beside packed layers that conversion gets no tensors. vLLM is not affected (not tested here). To "
-            "load the model with transformers, keep the quantized layers in MXFP8, or quantize the float experts.",
-            spec.package,
-            len(built),
-            built[0],
-        )
+        logger.warning(" ".join(spec.float_conversions_note(built).split()))
     return built
 
 

@@ -214,9 +214,7 @@ class ExportTarget:
                 alternative=self.alternative,
             )
         if float_conversions:
-            load_note += _FLOAT_CONVERSIONS_NOTE.format(
-                package=self.package, count=len(float_conversions), example=float_conversions[0]
-            )
+            load_note += self.float_conversions_note(float_conversions)
         return _SERVE_TEMPLATE.format(
             name=name,
             target=self.name,
@@ -227,6 +225,11 @@ class ExportTarget:
             transforms=transforms,
             experts=self._experts_section(dmx_quantization["format_map"]),
         )
+
+    def float_conversions_note(self, built: Sequence[str]) -> str:
+        """The model card's note (and the export's warning) that transformers cannot load the export because it
+        would build the tensors `built` from float tensors beside packed layers (`export.checkpoint`)."""
+        return _FLOAT_CONVERSIONS_NOTE.format(package=self.package, count=len(built), example=built[0])
 
     def _experts_section(self, format_map: Mapping[str, str]) -> str:
         groups = expert_groups(format_map)
