@@ -430,14 +430,133 @@ def test_load_exported_checks_the_stored_transform_matrices_instead_of_reporting
     assert sorted(name for name in tensors if "_input." in name) == stored
     tensors[stored[-1]][0, 0] *= -1
     save_file(tensors, exported / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"not the matrix compressed-tensors built .*{re.escape(stored[-1])}"):
+    with pytest.raises(ValueError, match=rf"{re.escape(stored[-1])}.* not the matrix compressed-tensors built"):
         load_exported(exported, dtype=torch.bfloat16)
     tensors[stored[-1]][0, 0] *= -1
     untransformed = "model.layers.0.self_attn.o_proj.dmx_hadamard_32_input.weight"
     tensors[untransformed] = tensors[stored[0]].clone()
     save_file(tensors, exported / "model.safetensors", metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=rf"attached no transform to its layer .*{re.escape(untransformed)}"):
+    with pytest.raises(ValueError, match=rf"{re.escape(untransformed)}.* attached no transform to its layer"):
         load_exported(exported, dtype=torch.bfloat16)
+
+
+def transformed_checkpoint(
+    folder: Path, layout: str, kind: str, randomize: bool, seed: int | None
+) -> tuple[Path, torch.Tensor]:
+    """A tiny Llama rotated by compressed-tensors' own transform factories (drawing from a generator seeded with
+    `seed`, or from its default one as `apply_transform_config` does) as llm-compressor rotates a model (`layout`,
+    `transform_layouts`; transforms of `kind`, blocks of 32 where online), saved with the `transform_config` its
+    `ModelCompressor` writes; with the rotated model's logits on `IDS`."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.transform import TransformFactory
+    from compressed_tensors.transform.apply import _register_tied_transform_weights
+
+    model = tiny_decoder("llama", tied=False)
+    config = TransformConfig.model_validate(transform_layouts(kind, randomize)[layout])
+    if seed is None:
+        apply_transform_config(model, config)
+    else:
+        for name, transforms in config.config_groups.items():  # `apply_transform_config` with seeded factories
+            TransformFactory.from_scheme(transforms, name=name, seed=seed).apply_to_model(model, use_tqdm=False)
+        _register_tied_transform_weights(model)
+        model.transform_config = config
+    with torch.no_grad():
+        logits = model(IDS).logits
+    compressor = ModelCompressor.from_pretrained_model(model)
+    model.save_pretrained(folder)
+    compressor.update_config(folder)
+    return folder, logits
+
+
+def transform_layouts(kind: str, randomize: bool) -> dict[str, dict]:
+    """Where llm-compressor's QuIP and SpinQuant modifiers put their transforms: QuIP's "v" online on each linear's
+    input and merged into its weight, "u" merged into its weight's output and online on its output; SpinQuant's R1
+    (residual) and R2 (per head) merged, R3 online on the queries and keys, R4 online on `down_proj`'s input."""
+
+    def scheme(*apply: tuple[list[str], str, bool], head_dim: int | None = 32) -> dict:
+        return {
+            "type": kind,
+            "randomize": randomize,
+            "head_dim": head_dim,
+            "precision": "torch.float64",
+            "apply": [
+                {"targets": t, "location": where, "inverse": inverse, "ignore": "lm_head"}
+                for t, where, inverse in apply
+            ],
+        }
+
+    linear, attention = ["Linear"], ["re:.*self_attn$"]
+    readers = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    return {
+        "quip": {
+            "config_groups": {
+                "v": scheme((linear, "input", False), (linear, "weight_input", True)),
+                "u": scheme((linear, "weight_output", False), (linear, "output", True)),
+            }
+        },
+        "spinquant": {
+            "config_groups": {
+                "R1": scheme(
+                    (["embed_tokens", "o_proj", "down_proj"], "weight_output", False),
+                    (readers, "weight_input", True),
+                    head_dim=None,
+                ),
+                "R2": scheme((["v_proj"], "weight_output", False), (["o_proj"], "weight_input", True)),
+                "R3": scheme((attention, "q_attn", False), (attention, "k_cache", False)),
+                "R4": scheme((["down_proj"], "input", False), (["down_proj"], "weight_input", True)),
+            }
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    "layout, kind, randomize, seed",
+    [
+        ("quip", "hadamard", False, None),  # the matrices the configuration determines
+        ("quip", "hadamard", True, 7),  # and random permutations of them
+        ("quip", "random-hadamard", False, None),  # what llm-compressor's QuIPModifier writes by default
+        ("quip", "random-hadamard", False, 7),
+        ("quip", "random-matrix", False, 7),
+        ("spinquant", "random-hadamard", False, 7),  # online transforms of attention's queries and keys too
+    ],
+)
+def test_load_exported_computes_what_a_third_party_transformed_checkpoint_was_saved_computing(
+    tmp_path, layout, kind, randomize, seed
+):
+    """A compressed-tensors checkpoint with online and merged transforms (`transformed_checkpoint`) loads to exactly the
+    model that was saved: the merged transforms are not applied to the stored weights a second time, and the stored
+    random matrices and permutations, which the configuration does not determine, are the ones computed with; no
+    stored transform tensor is reported as unexpected."""
+    folder, saved = transformed_checkpoint(tmp_path / layout, layout, kind, randomize, seed)
+    with transformers_warnings() as loading:
+        loaded = load_exported(folder)
+    assert not [message for message in loading if "LOAD REPORT" in message]
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, saved)
+
+
+def test_a_stored_transform_differing_from_its_shared_one_gets_its_layer_a_tensor_of_its_own(tmp_path):
+    """compressed-tensors shares one transform matrix between the layers of one size and stores it once; a matrix
+    stored for another of those layers (as vLLM reads one per layer) is that layer's alone, and one of another shape
+    is refused by name."""
+    folder, _ = transformed_checkpoint(tmp_path / "quip", "quip", "random-hadamard", False, 7)
+    tensors = load_file(folder / "model.safetensors")
+    shared = "model.layers.0.self_attn.q_proj.v_input.weight"
+    own = "model.layers.0.self_attn.k_proj.v_input.weight"  # the same size: q_proj's matrix, not stored
+    assert shared in tensors and own not in tensors
+    tensors[own] = -tensors[shared]
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    loaded = load_exported(folder)
+    assert torch.equal(loaded.get_parameter(shared), tensors[shared])
+    assert torch.equal(loaded.get_parameter(own), tensors[own])
+    assert torch.equal(loaded.get_parameter(own.replace("k_proj", "v_proj")), tensors[shared])
+
+    tensors[own] = tensors[own][:16, :16].contiguous()
+    save_file(tensors, folder / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(
+        ValueError, match=rf"{re.escape(own)}.* shape is \(16, 16\), the attached transform's \(32, 32\)"
+    ):
+        load_exported(folder)
 
 
 @pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
