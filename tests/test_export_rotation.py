@@ -471,7 +471,9 @@ def transformed_checkpoint(
 def transform_layouts(kind: str, randomize: bool) -> dict[str, dict]:
     """Where llm-compressor's QuIP and SpinQuant modifiers put their transforms: QuIP's "v" online on each linear's
     input and merged into its weight, "u" merged into its weight's output and online on its output; SpinQuant's R1
-    (residual) and R2 (per head) merged, R3 online on the queries and keys, R4 online on `down_proj`'s input."""
+    (residual) and R2 (per head) merged, R3 online on the queries and keys, R4 online on `down_proj`'s input; R1 and
+    R2 alone (`spinquant-merged`). Without the modifiers' folding of the norms' scales into the next weights, the
+    rotated model computes another function than the float one: what matters here is that it is saved and loaded."""
 
     def scheme(*apply: tuple[list[str], str, bool], head_dim: int | None = 32) -> dict:
         return {
@@ -480,13 +482,21 @@ def transform_layouts(kind: str, randomize: bool) -> dict[str, dict]:
             "head_dim": head_dim,
             "precision": "torch.float64",
             "apply": [
-                {"targets": t, "location": where, "inverse": inverse, "ignore": "lm_head"}
+                {"targets": t, "location": where, "inverse": inverse, "ignore": "lm_head" if t == ["Linear"] else []}
                 for t, where, inverse in apply
             ],
         }
 
     linear, attention = ["Linear"], ["re:.*self_attn$"]
     readers = ["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj"]
+    merged = {
+        "R1": scheme(
+            (["embed_tokens", "o_proj", "down_proj"], "weight_output", False),
+            ([*readers, "lm_head"], "weight_input", True),
+            head_dim=None,
+        ),
+        "R2": scheme((["v_proj"], "weight_output", False), (["o_proj"], "weight_input", True)),
+    }
     return {
         "quip": {
             "config_groups": {
@@ -496,16 +506,12 @@ def transform_layouts(kind: str, randomize: bool) -> dict[str, dict]:
         },
         "spinquant": {
             "config_groups": {
-                "R1": scheme(
-                    (["embed_tokens", "o_proj", "down_proj"], "weight_output", False),
-                    (readers, "weight_input", True),
-                    head_dim=None,
-                ),
-                "R2": scheme((["v_proj"], "weight_output", False), (["o_proj"], "weight_input", True)),
+                **merged,
                 "R3": scheme((attention, "q_attn", False), (attention, "k_cache", False)),
                 "R4": scheme((["down_proj"], "input", False), (["down_proj"], "weight_input", True)),
             }
         },
+        "spinquant-merged": {"config_groups": merged},  # SpinQuantModifier's default rotations: nothing online
     }
 
 
@@ -518,6 +524,7 @@ def transform_layouts(kind: str, randomize: bool) -> dict[str, dict]:
         ("quip", "random-hadamard", False, 7),
         ("quip", "random-matrix", False, 7),
         ("spinquant", "random-hadamard", False, 7),  # online transforms of attention's queries and keys too
+        ("spinquant-merged", "random-hadamard", False, None),
     ],
 )
 def test_load_exported_computes_what_a_third_party_transformed_checkpoint_was_saved_computing(
