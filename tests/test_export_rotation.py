@@ -441,12 +441,14 @@ def test_load_exported_checks_the_stored_transform_matrices_instead_of_reporting
 
 
 def transformed_checkpoint(
-    folder: Path, layout: str, kind: str, randomize: bool, seed: int | None
+    folder: Path, layout: str, kind: str, randomize: bool, seed: int | None, fp8: bool = False
 ) -> tuple[Path, torch.Tensor]:
     """A tiny Llama rotated by compressed-tensors' own transform factories (drawing from a generator seeded with
     `seed`, or from its default one as `apply_transform_config` does) as llm-compressor rotates a model (`layout`,
     `transform_layouts`; transforms of `kind`, blocks of 32 where online), saved with the `transform_config` its
-    `ModelCompressor` writes; with the rotated model's logits on `IDS`."""
+    `ModelCompressor` writes; with `fp8`, its linears (but `lm_head`) then quantized by compressed-tensors to its
+    `FP8_DYNAMIC` scheme (weights per output channel, their scales from each row's range) and compressed; with the
+    rotated (and quantized) model's logits on `IDS`."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.transform import TransformFactory
     from compressed_tensors.transform.apply import _register_tied_transform_weights
@@ -460,12 +462,33 @@ def transformed_checkpoint(
             TransformFactory.from_scheme(transforms, name=name, seed=seed).apply_to_model(model, use_tqdm=False)
         _register_tied_transform_weights(model)
         model.transform_config = config
+    if fp8:
+        fp8_dynamic(model)
     with torch.no_grad():
         logits = model(IDS).logits
     compressor = ModelCompressor.from_pretrained_model(model)
+    if fp8:
+        compressor.compress_model(model)
     model.save_pretrained(folder)
     compressor.update_config(folder)
     return folder, logits
+
+
+def fp8_dynamic(model: torch.nn.Module) -> None:
+    """Quantize `model`'s linears but `lm_head` to compressed-tensors' `FP8_DYNAMIC` scheme, as llm-compressor does
+    without calibration data: each weight row's scale from its range (`calculate_qparams`), activations dynamic."""
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config, preset_name_to_scheme
+    from compressed_tensors.quantization.utils import calculate_qparams
+
+    scheme = preset_name_to_scheme("FP8_DYNAMIC", ["Linear"])
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    with torch.no_grad():
+        for module in model.modules():
+            if hasattr(module, "weight_scale"):
+                rows = module.weight
+                low, high = rows.amin(1, keepdim=True).clamp(max=0), rows.amax(1, keepdim=True).clamp(min=0)
+                scale, _ = calculate_qparams(low, high, module.quantization_scheme.weights)
+                module.weight_scale.copy_(scale.reshape(module.weight_scale.shape))
 
 
 def transform_layouts(kind: str, randomize: bool) -> dict[str, dict]:
@@ -516,25 +539,28 @@ def transform_layouts(kind: str, randomize: bool) -> dict[str, dict]:
 
 
 @pytest.mark.parametrize(
-    "layout, kind, randomize, seed",
+    "layout, kind, randomize, seed, fp8",
     [
-        ("quip", "hadamard", False, None),  # the matrices the configuration determines
-        ("quip", "hadamard", True, 7),  # and random permutations of them
-        ("quip", "random-hadamard", False, None),  # what llm-compressor's QuIPModifier writes by default
-        ("quip", "random-hadamard", False, 7),
-        ("quip", "random-matrix", False, 7),
-        ("spinquant", "random-hadamard", False, 7),  # online transforms of attention's queries and keys too
-        ("spinquant-merged", "random-hadamard", False, None),
+        ("quip", "hadamard", False, None, False),  # the matrices the configuration determines
+        ("quip", "hadamard", True, 7, False),  # and random permutations of them
+        ("quip", "random-hadamard", False, None, False),  # what llm-compressor's QuIPModifier writes by default
+        ("quip", "random-hadamard", False, None, True),  # and with the FP8 weights it would quantize them to
+        ("quip", "random-hadamard", False, 7, False),
+        ("quip", "random-matrix", False, 7, False),
+        ("spinquant", "random-hadamard", False, 7, False),  # online transforms of attention's queries and keys too
+        ("spinquant-merged", "random-hadamard", False, None, False),
     ],
 )
 def test_load_exported_computes_what_a_third_party_transformed_checkpoint_was_saved_computing(
-    tmp_path, layout, kind, randomize, seed
+    tmp_path, layout, kind, randomize, seed, fp8
 ):
     """A compressed-tensors checkpoint with online and merged transforms (`transformed_checkpoint`) loads to exactly the
     model that was saved: the merged transforms are not applied to the stored weights a second time, and the stored
     random matrices and permutations, which the configuration does not determine, are the ones computed with; no
     stored transform tensor is reported as unexpected."""
-    folder, saved = transformed_checkpoint(tmp_path / layout, layout, kind, randomize, seed)
+    folder, saved = transformed_checkpoint(tmp_path / layout, layout, kind, randomize, seed, fp8)
+    stored = load_file(folder / "model.safetensors")["model.layers.0.mlp.down_proj.weight"]
+    assert stored.dtype == (torch.float8_e4m3fn if fp8 else torch.float32)
     with transformers_warnings() as loading:
         loaded = load_exported(folder)
     assert not [message for message in loading if "LOAD REPORT" in message]
