@@ -154,7 +154,9 @@ def _settle_stored_transforms(
         with safe_open(file, framework="pt") as reader:
             stored |= {module_name(key): (file, key) for key in filter(keys.search, reader.keys())}
     attached_tensors = dict(model.named_parameters(remove_duplicate=False))
-    for file, key in (stored[name] for name in stored.keys() - attached_tensors.keys()):
+    unattached = sorted(stored.keys() - attached_tensors.keys())
+    if unattached:
+        file, key = stored[unattached[0]]
         raise _stored_transform_error(key, file, "compressed-tensors attached no transform to its layer")
     taken: dict[int, torch.Tensor] = {}  # the attached tensors filled so far, by id, with what filled them
     for name, attached in attached_tensors.items():
