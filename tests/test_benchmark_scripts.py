@@ -283,6 +283,47 @@ def test_served_quality_evaluates_the_exported_map_as_the_loader_runs_it(tiny_te
     assert missing.returncode != 0 and "has no dmx run with a format map" in missing.stderr
 
 
+@pytest.mark.slow  # builds llm-compressor's environment from PyPI (minutes)
+def test_served_peers_load_each_librarys_own_checkpoint_through_compressed_tensors(tiny_text_model_dir, tmp_path):
+    """dMX's uniform MXFP4 exports (learned rotations among them) and llm-compressor's own GPTQ checkpoints (with its
+    QuIP transforms and without) are evaluated as transformers loads them with compressed-tensors: every online
+    transform attached (dMX's one per linear with the online rotation, one per down_proj with the Hadamard rotation,
+    QuIP's two per linear), each row set against the QuIP row; a row already run is not run again."""
+    root = tiny_text_model_dir
+    runs, output = tmp_path / "runs.jsonl", tmp_path / "served_peers.md"
+    args = [
+        *(
+            "--model",
+            root / "model",
+            "--calibration",
+            root / "calibration.txt",
+            "--eval",
+            f"heldout={root / 'heldout.txt'}",
+        ),
+        *("--eval-tokens", 256, "--eval-seq-len", 16, "--preset", "cpu-demo", "--threads", 1, "--runs", runs),
+    ]
+    env = {"OPTIMUM_DMX_CACHE": str(tmp_path / "cache")}
+    run_benchmark("bench_served_peers.py", *args, "--output", output, env=env)
+    rows = {row["row"]: row for row in map(json.loads, runs.read_text().splitlines())}
+    linears = 2 * 7  # the tiny Llama's decoder linears
+    assert {name: row["online_transforms"] for name, row in rows.items()} == {
+        "dmx:none": 0,
+        "dmx:online_block_hadamard": linears,
+        "dmx:hadamard": 2,  # down_proj's
+        "dmx:hadamard+learned": 2,
+        "llmcompressor:none": 0,
+        "llmcompressor:quip": 2 * linears,
+    }
+    assert (
+        rows["llmcompressor:quip"]["peer"]["rotations"] == ["v", "u"]
+        and rows["llmcompressor:none"]["peer"]["rotations"] == []
+    )
+    assert all(row["ppl_heldout"] > 1 for row in rows.values())
+    assert "| llmcompressor | quip | 28 | cpu-demo | 0 |" in output.read_text() and "| 1.0000 |" in output.read_text()
+    run_benchmark("bench_served_peers.py", *args, "--rows", "dmx:none", env=env)  # done already: nothing added
+    assert len(runs.read_text().splitlines()) == len(rows) == 6
+
+
 @pytest.mark.slow  # two calibrations learning rotations and GPTQ: a minute or two
 def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_text_model_dir, tmp_path):
     """The GPTQ row of a learned-rotation cell rounds the weights that cell's calibration learned (kept in the
