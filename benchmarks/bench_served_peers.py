@@ -198,7 +198,10 @@ def main(argv: list[str] | None = None) -> None:
         "Uniform MXFP4 weights and activations of the de-gridded SmolLM2-135M (lm_head float), GPTQ-rounded on the "
         "same calibration sequences, each checkpoint written by its own library's code and evaluated as transformers "
         "loads it with compressed-tensors (bfloat16, online transforms applied by compressed-tensors); the quality "
-        "benchmark's evaluation (16384 tokens from 10% into each held-out text, 512-token windows).\n\n"
+        "benchmark's evaluation (16384 tokens from 10% into each held-out text, 512-token windows). `quantize s`: the "
+        "wall time from the float model to the checkpoint (dMX: quantizing, saving and exporting; llm-compressor: its "
+        "process, installing excepted), on a machine that may have run other work. A row is added by "
+        "`python benchmarks/bench_served_peers.py --rows ROW[,ROW] --threads 2`.\n\n"
     )
     write_report(header + report(read_json_lines(a.runs)), a.output, "Served peers: uniform MXFP4")
 
