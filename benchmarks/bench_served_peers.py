@@ -14,7 +14,8 @@ windows). Rows:
   `DMXConfig(target_bits=4, rotation="hadamard", learn_rotations=True, ...)`, whose calibration learns the merged
   rotations (the preset's steps) and puts every layer in MXFP4;
 * `llmcompressor`: llm-compressor's `oneshot` with GPTQ in its `MXFP4` scheme, after its QuIP transforms
-  (`quip`: "v" on each linear's input, "u" on its output, Hadamard blocks of 32) or without (`none`), saved
+  (`quip`: "v" on each linear's input, "u" on its output, Hadamard blocks of 32; `quip-v`: "v" alone) or without
+  (`none`), saved
   compressed by llm-compressor (`peers/llmcompressor_quip.py`, in its own environment: `common.peer_python`).
 
     python benchmarks/bench_served_peers.py --threads 2 --output benchmarks/results/served_peers.md
@@ -54,8 +55,10 @@ ROWS = (  # method:transforms
     "dmx:hadamard+learned",
     "llmcompressor:none",
     "llmcompressor:quip",
+    "llmcompressor:quip-v",
 )
 REFERENCE = "llmcompressor:quip"
+QUIP_ROTATIONS = {"quip": "v,u", "quip-v": "v", "none": ""}  # llm-compressor's `transforms`: QuIP's rotations
 
 
 def dmx_checkpoint(
@@ -94,13 +97,13 @@ def dmx_checkpoint(
 def llmcompressor_checkpoint(
     folder: Path, model_dir: Path, transforms: str, sequences: torch.Tensor
 ) -> tuple[Path, dict]:
-    """llm-compressor's GPTQ MXFP4 checkpoint of the model (after its QuIP transforms, for `quip`) made by its own
-    code on `sequences`, under `folder`; returns it and the peer's run record."""
+    """llm-compressor's GPTQ MXFP4 checkpoint of the model (after the QuIP rotations `QUIP_ROTATIONS[transforms]`)
+    made by its own code on `sequences`, under `folder`; returns it and the peer's run record."""
     save_file({"input_ids": sequences.contiguous()}, folder / "tokens.safetensors")
     command = [str(peer_python("llmcompressor")), str(Path(__file__).parent / "peers" / "llmcompressor_quip.py")]
     command += ["--model", str(model_dir), "--tokens", str(folder / "tokens.safetensors")]
     command += ["--output", str(folder / "peer"), "--threads", str(torch.get_num_threads())]
-    command += ["--rotations", "v,u" if transforms == "quip" else ""]
+    command += ["--rotations", QUIP_ROTATIONS[transforms]]
     subprocess.run(command, check=True)
     return folder / "peer" / "model", json.loads((folder / "peer" / "run.json").read_text())
 

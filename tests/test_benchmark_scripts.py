@@ -288,7 +288,8 @@ def test_served_peers_load_each_librarys_own_checkpoint_through_compressed_tenso
     """dMX's uniform MXFP4 exports (learned rotations among them) and llm-compressor's own GPTQ checkpoints (with its
     QuIP transforms and without) are evaluated as transformers loads them with compressed-tensors: every online
     transform attached (dMX's one per linear with the online rotation, one per down_proj with the Hadamard rotation,
-    QuIP's two per linear), each row set against the QuIP row; a row already run is not run again."""
+    QuIP's two per linear, or one with its input rotation alone), each row set against the QuIP row; a row already
+    run is not run again."""
     root = tiny_text_model_dir
     runs, output = tmp_path / "runs.jsonl", tmp_path / "served_peers.md"
     args = [
@@ -313,15 +314,17 @@ def test_served_peers_load_each_librarys_own_checkpoint_through_compressed_tenso
         "dmx:hadamard+learned": 2,
         "llmcompressor:none": 0,
         "llmcompressor:quip": 2 * linears,
+        "llmcompressor:quip-v": linears,
     }
-    assert (
-        rows["llmcompressor:quip"]["peer"]["rotations"] == ["v", "u"]
-        and rows["llmcompressor:none"]["peer"]["rotations"] == []
-    )
+    assert {name: row["peer"]["rotations"] for name, row in rows.items() if "peer" in row} == {
+        "llmcompressor:none": [],
+        "llmcompressor:quip": ["v", "u"],
+        "llmcompressor:quip-v": ["v"],
+    }
     assert all(row["ppl_heldout"] > 1 for row in rows.values())
     assert "| llmcompressor | quip | 28 | cpu-demo | 0 |" in output.read_text() and "| 1.0000 |" in output.read_text()
     run_benchmark("bench_served_peers.py", *args, "--rows", "dmx:none", env=env)  # done already: nothing added
-    assert len(runs.read_text().splitlines()) == len(rows) == 6
+    assert len(runs.read_text().splitlines()) == len(rows) == 7
 
 
 @pytest.mark.slow  # two calibrations learning rotations and GPTQ: a minute or two
