@@ -14,15 +14,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from datasets import Dataset
-from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
-from safetensors.torch import load_file, save_file
+from llmcompressor_oneshot import library_versions, oneshot_on_tokens
+from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 
@@ -37,21 +34,7 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    input_ids = load_file(a.tokens)["input_ids"]
-    dataset = Dataset.from_dict(
-        {"input_ids": input_ids.tolist(), "attention_mask": [[1] * input_ids.shape[1]] * len(input_ids)}
-    )
-    recipe = GPTQModifier(targets="Linear", scheme=a.scheme, ignore=["lm_head"])
-    start = time.perf_counter()
-    oneshot(
-        model=model,
-        dataset=dataset,
-        recipe=recipe,
-        num_calibration_samples=len(input_ids),
-        max_seq_length=input_ids.shape[1],
-        shuffle_calibration_samples=False,
-    )
-    seconds = time.perf_counter() - start
+    seconds = oneshot_on_tokens(model, a.tokens, GPTQModifier(targets="Linear", scheme=a.scheme, ignore=["lm_head"]))
     weights = {
         name: module.weight.detach().float().contiguous()
         for name, module in model.named_modules()
@@ -63,7 +46,7 @@ def main() -> None:
         "scheme": a.scheme,
         "seconds": round(seconds, 1),
         "layers": len(weights),
-        "versions": {name: version(name) for name in ("llmcompressor", "compressed-tensors", "transformers", "torch")},
+        "versions": library_versions(),
     }
     (a.output / "run.json").write_text(json.dumps(run, indent=1))
     print(json.dumps(run))

@@ -20,16 +20,12 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import time
-from importlib.metadata import version
 from pathlib import Path
 
 import torch
-from datasets import Dataset
-from llmcompressor import oneshot
 from llmcompressor.modifiers.quantization import GPTQModifier
 from llmcompressor.modifiers.transform import QuIPModifier
-from safetensors.torch import load_file
+from llmcompressor_oneshot import library_versions, oneshot_on_tokens
 from transformers import AutoModelForCausalLM
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt")
@@ -49,26 +45,13 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)
-    input_ids = load_file(a.tokens)["input_ids"]
-    dataset = Dataset.from_dict(
-        {"input_ids": input_ids.tolist(), "attention_mask": [[1] * input_ids.shape[1]] * len(input_ids)}
-    )
     rotations = [rotation for rotation in a.rotations.split(",") if rotation]
     quip = QuIPModifier(
         rotations=rotations, transform_type=a.transform_type, transform_block_size=a.transform_block_size
     )
     recipe = [quip] if rotations else []
     recipe.append(GPTQModifier(targets="Linear", scheme=a.scheme, ignore=["lm_head"]))
-    start = time.perf_counter()
-    oneshot(
-        model=model,
-        dataset=dataset,
-        recipe=recipe,
-        num_calibration_samples=len(input_ids),
-        max_seq_length=input_ids.shape[1],
-        shuffle_calibration_samples=False,
-    )
-    seconds = time.perf_counter() - start
+    seconds = oneshot_on_tokens(model, a.tokens, recipe)
     model.save_pretrained(a.output / "model", save_compressed=True)
     for name in TOKENIZER_FILES:
         if (a.model / name).exists():
@@ -79,7 +62,7 @@ def main() -> None:
         "transform_type": a.transform_type,
         "transform_block_size": a.transform_block_size,
         "seconds": round(seconds, 1),
-        "versions": {name: version(name) for name in ("llmcompressor", "compressed-tensors", "transformers", "torch")},
+        "versions": library_versions(),
     }
     (a.output / "run.json").write_text(json.dumps(run, indent=1))
     print(json.dumps(run))
