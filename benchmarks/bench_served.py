@@ -130,13 +130,29 @@ def report(rows: list[dict]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_sweep_arguments(p: argparse.ArgumentParser) -> None:
+    """The options naming the model, the calibration and held-out texts and the evaluation's sizes (`sweep_from`)."""
     p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
     p.add_argument("--calibration", type=Path, nargs="+", help="calibration text files (default: five Austen novels)")
     p.add_argument("--eval", nargs="+", help="NAME=FILE held-out texts (default: Pride and Prejudice, Moby Dick)")
     p.add_argument("--eval-tokens", type=int, default=Sweep.eval_tokens)
     p.add_argument("--eval-seq-len", type=int, default=Sweep.eval_seq_len)
+
+
+def sweep_from(a: argparse.Namespace) -> Sweep:
+    """The `Sweep` of the options `add_sweep_arguments` added (None where left to the default model and texts)."""
+    return Sweep(
+        model=a.model,
+        calibration=a.calibration,
+        eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
+        eval_tokens=a.eval_tokens,
+        eval_seq_len=a.eval_seq_len,
+    )
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_sweep_arguments(p)
     p.add_argument("--rotation", default="none")
     p.add_argument("--offset-groups", default="fused")
     p.add_argument("--bit-average", default="weighted")
@@ -161,14 +177,7 @@ def main(argv: list[str] | None = None) -> None:
         for r in read_json_lines(a.runs)
     )
     if not a.report_only and not done:
-        sweep = Sweep(
-            model=a.model,
-            calibration=a.calibration,
-            eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
-            eval_tokens=a.eval_tokens,
-            eval_seq_len=a.eval_seq_len,
-        )
-        row = run(cell, a.to, a.weight_rounding, a.quality_runs, sweep)
+        row = run(cell, a.to, a.weight_rounding, a.quality_runs, sweep_from(a))
         append_json_line(a.runs, row | {"torch_threads": torch.get_num_threads()})
     header = (
         "Each row: a `dmx` map of the quality benchmark (`quality row`: the same map and rounding's perplexity there, "

@@ -37,7 +37,7 @@ from pathlib import Path
 
 import torch
 from bench_quality import SKIPPED, Sweep
-from bench_served import load_served, perplexities
+from bench_served import add_sweep_arguments, load_served, perplexities, sweep_from
 from compressed_tensors.transform.factory.base import TransformBase
 from safetensors.torch import save_file
 
@@ -166,11 +166,7 @@ def report(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", type=Path, help="Hugging Face model folder (default: the de-gridded SmolLM2-135M)")
-    p.add_argument("--calibration", type=Path, nargs="+", help="calibration text files (default: five Austen novels)")
-    p.add_argument("--eval", nargs="+", help="NAME=FILE held-out texts (default: Pride and Prejudice, Moby Dick)")
-    p.add_argument("--eval-tokens", type=int, default=Sweep.eval_tokens)
-    p.add_argument("--eval-seq-len", type=int, default=Sweep.eval_seq_len)
+    add_sweep_arguments(p)
     p.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
     p.add_argument("--preset", default="cpu-bench", help="the calibration sequences' sizes (GPTQ reads its share)")
     p.add_argument("--seed", type=int, default=0)
@@ -185,13 +181,7 @@ def main(argv: list[str] | None = None) -> None:
         p.error(f"unknown rows {unknown}; allowed: {', '.join(ROWS)}")
     if a.threads:
         torch.set_num_threads(a.threads)
-    sweep = Sweep(
-        model=a.model,
-        calibration=a.calibration,
-        eval_texts=dict(item.split("=", 1) for item in a.eval) if a.eval else None,
-        eval_tokens=a.eval_tokens,
-        eval_seq_len=a.eval_seq_len,
-    )
+    sweep = sweep_from(a)
     model = (a.model or Path("smollm2-135m-degridded")).name
     done = {(r["row"], r["model"], r["preset"], r["seed"]) for r in read_json_lines(a.runs)}
     for row in [] if a.report_only else rows:
