@@ -40,17 +40,100 @@ def test_gptq_halves_the_output_error_of_round_to_nearest_on_correlated_inputs(n
     assert gptq_error < 0.7 * rtn_error
 
 
+@pytest.mark.parametrize("activation_order", [True, False])
 @pytest.mark.parametrize("scale_rule", ["ocp", "compressed-tensors", "quark"])
 @pytest.mark.parametrize("name", FORMATS)
-def test_with_uncorrelated_inputs_gptq_is_round_to_nearest_bit_for_bit(name, scale_rule):
+def test_with_uncorrelated_inputs_gptq_is_round_to_nearest_bit_for_bit(name, scale_rule, activation_order):
     """With a diagonal Hessian no error is fed forward: every code and scale is round-to-nearest's."""
     weight, _ = _problem(seed=1, in_features=80)  # a ragged last block
-    hessian = torch.diag(torch.linspace(0.5, 2.0, 80))
+    hessian = torch.diag(torch.linspace(0.5, 2.0, 80)[torch.randperm(80, generator=torch.Generator().manual_seed(0))])
     packed, expected = (
-        gptq_pack(weight, hessian, get_format(name), scale_rule=scale_rule),
+        gptq_pack(weight, hessian, get_format(name), scale_rule=scale_rule, activation_order=activation_order),
         pack_mx(weight, name, 32, scale_rule),
     )
     assert torch.equal(packed.codes, expected.codes) and torch.equal(packed.scales, expected.scales)
+
+
+def _element_values(fmt) -> torch.Tensor:
+    """Every non-negative value of the format's elements, from its exponent and mantissa widths, in code order."""
+    bias = 2 ** (fmt.ebits - 1) - 1
+    subnormals = [m / 2**fmt.mbits * 2.0 ** (1 - bias) for m in range(2**fmt.mbits)]
+    normals = [(1 + m / 2**fmt.mbits) * 2.0 ** (e - bias) for e in range(1, 2**fmt.ebits) for m in range(2**fmt.mbits)]
+    return torch.tensor([v for v in subnormals + normals if v <= fmt.max_normal], dtype=torch.float64)
+
+
+def _round_to_elements(x: torch.Tensor, fmt) -> torch.Tensor:
+    """`x` (float64) to the nearest element value, ties to the even code, beyond the largest saturated."""
+    values = _element_values(fmt)
+    magnitude = x.abs().clamp(max=fmt.max_normal)
+    above = torch.searchsorted(values, magnitude).clamp(1, len(values) - 1)
+    low, high = values[above - 1], values[above]
+    take_high = (high - magnitude < magnitude - low) | ((high - magnitude == magnitude - low) & (above % 2 == 0))
+    return torch.where(take_high, high, low) * x.sign()
+
+
+def _textbook_gptq_in_activation_order(weight, hessian, fmt, damping=0.01):
+    """GPTQ as its paper writes it, in float64: the columns in descending order of the Hessian's diagonal, every
+    block's scale from the float weights by the OCP rule (`2^(floor(log2 amax) - emax)`), and after each column
+    every later column takes its share of the error at once (no lazy batches). The dequantized weight."""
+    amax = weight.double().abs().view(len(weight), -1, 32).amax(-1)
+    scale = torch.exp2(torch.floor(torch.log2(amax)) - fmt.emax).repeat_interleave(32, 1)
+    order = torch.argsort(hessian.diagonal(), descending=True, stable=True)
+    h = hessian.double()[order][:, order]
+    h.diagonal().add_(damping * h.diagonal().mean())
+    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    w, scale = weight.double()[:, order], scale[:, order]
+    q = torch.empty_like(w)
+    for i in range(w.shape[1]):
+        q[:, i] = _round_to_elements(w[:, i] / scale[:, i], fmt) * scale[:, i]
+        w[:, i:] -= torch.outer((w[:, i] - q[:, i]) / u[i, i], u[i, i:])
+    return torch.empty_like(q).index_copy_(1, order, q)
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_gptq_rounds_in_activation_order_as_the_textbook_algorithm_does(name):
+    """The library's lazy float32 loop against the textbook's float64 one: the same weights (every one, on the
+    machine this was written on), but for the few a float32 sum could put on the other side of a rounding midpoint;
+    the columns' own order gives others for more than half of them."""
+    fmt = get_format(name)
+    weight, x = _problem(seed=7)
+    x = x * torch.exp(torch.randn(x.shape[1], generator=torch.Generator().manual_seed(1)))  # inputs of unequal energy
+    hessian = x.T @ x / len(x)
+    expected = _textbook_gptq_in_activation_order(weight, hessian.double(), fmt)
+    in_order, in_columns = (
+        unpack_mx(gptq_pack(weight, hessian, fmt, activation_order=ordered)).double() for ordered in (True, False)
+    )
+    assert (in_order != expected).double().mean() < 0.01
+    assert (in_columns != expected).double().mean() > 0.3
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_activation_order_lowers_the_output_error_on_inputs_of_unequal_energy(name):
+    """What it is for: with inputs whose energies spread as an LLM's activations' do, rounding the columns of the
+    most energetic inputs first, while the others can still absorb their errors, halves the layer's output error
+    (over twelve problems, 0.46-0.51x on average by format; each below 0.65x)."""
+    fmt = get_format(name)
+    for seed in range(4):
+        weight, x = _problem(seed=seed)
+        x = x * torch.exp(torch.randn(x.shape[1], generator=torch.Generator().manual_seed(seed)))
+        hessian = x.T @ x / len(x)
+        errors = [
+            (x @ (weight - unpack_mx(gptq_pack(weight, hessian, fmt, activation_order=ordered))).T).pow(2).mean()
+            for ordered in (True, False)
+        ]
+        assert errors[0] < 0.8 * errors[1]
+
+
+def test_activation_order_rounds_the_inputs_never_active_last():
+    _, x = _problem(seed=2)
+    x[:, 5] = 0
+    order = InverseHessian.of(x.T @ x / len(x)).order
+    energy = (x.T @ x).diagonal()[order]
+    assert (
+        order[-1] == 5
+        and torch.all(energy[:-1] >= energy[1:])
+        and InverseHessian.of(x.T @ x, activation_order=False).order is None
+    )
 
 
 def test_inputs_never_active_get_weight_zero():
