@@ -34,6 +34,10 @@ cell's round-to-nearest row when `--runs` holds it, and the report compares the 
     python benchmarks/bench_quality.py --methods uniform --uniform-formats mxfp4_e2m1 --weight-rounding gptq
     python benchmarks/bench_quality.py --methods dmx --seeds 0,1 --weight-rounding gptq
 
+GPTQ rounds each weight's columns in activation order, as the library does (rows record `gptq_order`, labelled
+`gptq (act order)`); `--gptq-order columns` runs the library's GPTQ before it, in the columns' own order, which
+every GPTQ row without `gptq_order` ran.
+
 With `--sensitivity-rounding gptq` the KL scan puts each layer in the low format rounded by GPTQ (every layer
 low, the seed's sequences) instead of to nearest: `kl` ranks by that scan, and `dmx` blends its learned offsets with
 it in place of its own scan (the rows are labelled `(GPTQ scan)`; the report compares the default with them):
@@ -144,6 +148,7 @@ class Sweep:
     weight_rounding: str = "rtn"
     learn_rotations: bool = False
     gptq_samples: int | None = None  # None: every calibration sequence of the preset
+    gptq_order: str = "activation"  # GPTQ's column order (`round_weights_by_gptq`): "activation" or "columns"
     sensitivity_rounding: str = "rtn"  # how the KL scan (`kl`'s, `dmx`'s blend) rounds the low format: rtn or gptq
     peer_samples: int | None = None  # None: map peers read every calibration sequence of the preset
     eval_tokens: int = 16384
@@ -189,6 +194,9 @@ class Sweep:
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
             if self.gptq_samples is not None:
                 key.update(gptq_samples=self.gptq_samples)
+        if method not in WEIGHT_PEERS and "gptq" in (self.weight_rounding, self.sensitivity_rounding):
+            if self.gptq_order != "columns":  # rows without it: columns, this package's only GPTQ before `gptq_order`
+                key.update(gptq_order=self.gptq_order)
         if method in WEIGHT_PEERS:
             key.update(weight_rounding="gptq", preset=self.preset)
         return key
@@ -276,7 +284,8 @@ class Runner:
         format_map = dict.fromkeys(float_linears, fmt)
         with emulate_format_map(model, format_map):
             batch_size = get_preset(self.sweep.preset).batch_size
-            round_weights_by_gptq(model, float_linears, self.calibration_ids(seed), batch_size)
+            ids, activation_order = self.calibration_ids(seed), self.sweep.gptq_order == "activation"
+            round_weights_by_gptq(model, float_linears, ids, batch_size, activation_order=activation_order)
             return {name: model.get_submodule(name).dequantized_weight(torch.float32) for name in format_map}
 
     @contextlib.contextmanager
@@ -381,7 +390,8 @@ class Runner:
                 preset = get_preset(self.sweep.preset)
                 batch_size = preset.batch_size
                 sequences = self.calibration_ids(seed)[: self.sweep.gptq_samples or preset.gptq_samples]
-                round_weights_by_gptq(model, gptq_linears, sequences, batch_size)
+                activation_order = self.sweep.gptq_order == "activation"
+                round_weights_by_gptq(model, gptq_linears, sequences, batch_size, activation_order=activation_order)
                 row["gptq_seconds"] = round(time.perf_counter() - start, 1)
             for name, text in self.texts.items():
                 result = evaluate_perplexity(
@@ -432,15 +442,24 @@ def _identity(row: dict) -> tuple:
         "weight_rounding",
         "learn_rotations",
         "gptq_samples",
+        "gptq_order",
         "sensitivity_rounding",
         "peer_samples",
     )
     return tuple(str(row.get(k, "")) for k in keys)
 
 
+def gptq_order(row: dict) -> str:
+    """The column order of a row's GPTQ (`Sweep.gptq_order`): rows without one ran this package's GPTQ before
+    activation order, which rounded the columns in their own order."""
+    return row.get("gptq_order", "columns")
+
+
 def rounding_label(row: dict) -> str:
     """The row's weight rounding, with the number of sequences GPTQ read when it was limited."""
     rounding = row.get("weight_rounding", "rtn")
+    if rounding == "gptq" and row.get("method") not in WEIGHT_PEERS and gptq_order(row) == "activation":
+        rounding = "gptq (act order)"
     return f"{rounding} ({row['gptq_samples']} seq)" if row.get("gptq_samples") else rounding
 
 
@@ -759,6 +778,13 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
     )
     p.add_argument("--gptq-samples", type=int, help="GPTQ reads only the first N calibration sequences")
     p.add_argument(
+        "--gptq-order",
+        default=d.gptq_order,
+        choices=["activation", "columns"],
+        help="GPTQ rounds each weight's columns in activation order (the library's) or in their own order (its "
+        "GPTQ before; rows without `gptq_order` ran it)",
+    )
+    p.add_argument(
         "--sensitivity-rounding",
         default=d.sensitivity_rounding,
         choices=["rtn", "gptq"],
@@ -814,6 +840,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         weight_rounding=a.weight_rounding,
         learn_rotations=a.learn_rotations,
         gptq_samples=a.gptq_samples,
+        gptq_order=a.gptq_order,
         sensitivity_rounding=a.sensitivity_rounding,
         peer_samples=a.peer_samples,
         eval_tokens=a.eval_tokens,

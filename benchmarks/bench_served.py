@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_quality import SKIPPED, Sweep
+from bench_quality import SKIPPED, Sweep, gptq_order, rounding_label
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.evaluation import evaluate_perplexity
@@ -39,8 +39,8 @@ CELL = ("rotation", "offset_groups", "bit_average", "pair", "target", "seed")
 
 
 def quality_runs(runs: Path, cell: dict, model: str) -> dict[str, dict]:
-    """The `dmx` runs of `cell` on `model` in the quality runs, by weight rounding; the round-to-nearest one, whose
-    map every rounding shares, must be there."""
+    """The `dmx` runs of `cell` on `model` in the quality runs, by weight rounding (GPTQ's: in the library's column
+    order, activation order); the round-to-nearest one, whose map every rounding shares, must be there."""
     found = {
         row.get("weight_rounding", "rtn"): row
         for row in read_json_lines(runs)
@@ -49,6 +49,7 @@ def quality_runs(runs: Path, cell: dict, model: str) -> dict[str, dict]:
         and all(str(row.get(key)) == str(value) for key, value in cell.items())
         and not row.get("learn_rotations")
         and not row.get("gptq_samples")
+        and (row.get("weight_rounding", "rtn") == "rtn" or gptq_order(row) == "activation")
     }
     if not found.get("rtn", {}).get("format_map"):
         raise SystemExit(f"{runs} has no dmx run with a format map for {cell}: run bench_quality.py for it first")
@@ -95,6 +96,8 @@ def run(cell: dict, target: str, rounding: str, runs: Path, sweep: Sweep) -> dic
         modules_to_not_convert=list(SKIPPED),
     )
     row = {**cell, "to": target, "weight_rounding": rounding, "preset": source["preset"]}
+    if rounding == "gptq":
+        row["gptq_order"] = "activation"  # the library's (`calibration.gptq`); rows without it: columns
     row.update({k: source[k] for k in ("bits_simple", "bits_weighted", "storage_bits")})
     row.update({f"quality_ppl_{name}": reference.get(f"ppl_{name}", "-") for name in texts})
     with tempfile.TemporaryDirectory(prefix="dmx-served-") as folder:
@@ -122,7 +125,7 @@ def report(rows: list[dict]) -> str:
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: tuple(str(r[k]) for k in (*CELL, "to", "weight_rounding"))):
         cells = [r["rotation"], r["offset_groups"], r["bit_average"], r["pair"], r["target"], r["seed"], r["to"]]
-        cells += [r["weight_rounding"], r["bits_weighted"]]
+        cells += [rounding_label(r), r["bits_weighted"]]
         for t in texts:
             cells += [r[f"quality_ppl_{t}"], r[f"dmx_ppl_{t}"], r[f"served_ppl_{t}"]]
             cells.append(f"{r[f'served_ppl_{t}'] / r[f'dmx_ppl_{t}']:.4f}")
@@ -174,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     done = any(
         all(str(r.get(k)) == str(v) for k, v in cell.items())
         and (r["to"], r["weight_rounding"]) == (a.to, a.weight_rounding)
+        and (a.weight_rounding == "rtn" or gptq_order(r) == "activation")
         for r in read_json_lines(a.runs)
     )
     if not a.report_only and not done:

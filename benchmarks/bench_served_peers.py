@@ -36,7 +36,7 @@ import time
 from pathlib import Path
 
 import torch
-from bench_quality import SKIPPED, Sweep
+from bench_quality import SKIPPED, Sweep, gptq_order
 from bench_served import add_sweep_arguments, load_served, perplexities, sweep_from
 from compressed_tensors.transform.factory.base import TransformBase
 from safetensors.torch import save_file
@@ -124,6 +124,8 @@ def run(row: str, preset: str, seed: int, sweep: Sweep) -> dict:
         texts[name] = text[int(len(text) * sweep.eval_offset) :]
     settings = get_preset(preset)
     result = {"row": row, "model": model_dir.name, "preset": preset, "seed": seed}
+    if method == "dmx":
+        result["gptq_order"] = "activation"  # the library's GPTQ (`calibration.gptq`); rows without it: columns
     with tempfile.TemporaryDirectory(prefix="dmx-served-peers-") as work:
         start = time.perf_counter()
         if method == "dmx":
@@ -149,9 +151,13 @@ def report(rows: list[dict]) -> str:
     head += [f"{label} {t}" for t in texts for label in ("ppl", f"/ {REFERENCE}")]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: (r["model"], r["seed"], ROWS.index(r["row"]))):
+        method, transforms = r["row"].split(":")
+        if method == "dmx" and gptq_order(r) == "columns":
+            method = "dmx (GPTQ in column order)"
         cells = [
             r["model"],
-            *r["row"].split(":"),
+            method,
+            transforms,
             r["online_transforms"],
             r["preset"],
             r["seed"],
@@ -183,7 +189,11 @@ def main(argv: list[str] | None = None) -> None:
         torch.set_num_threads(a.threads)
     sweep = sweep_from(a)
     model = (a.model or Path("smollm2-135m-degridded")).name
-    done = {(r["row"], r["model"], r["preset"], r["seed"]) for r in read_json_lines(a.runs)}
+    done = {  # a dMX row of this package's GPTQ before activation order is not one of today's
+        (r["row"], r["model"], r["preset"], r["seed"])
+        for r in read_json_lines(a.runs)
+        if not r["row"].startswith("dmx:") or gptq_order(r) == "activation"
+    }
     for row in [] if a.report_only else rows:
         if (row, model, a.preset, a.seed) not in done:
             append_json_line(a.runs, run(row, a.preset, a.seed, sweep) | {"torch_threads": torch.get_num_threads()})
