@@ -728,20 +728,30 @@ def servable_comparison(rows: list[dict], texts: list[str]) -> list[str]:
 
 
 def peer_comparison(rows: list[dict], texts: list[str]) -> list[str]:
-    """Each peer's row against this package's uniform row of the same format, rotation and rounding."""
+    """Each peer's row against this package's uniform rows of the same format, rotation and rounding (GPTQ: each
+    column order this package's rows ran)."""
 
     def cell(r: dict) -> tuple:
-        return r["model"], rotation_label(r), r["target"], rounding_label(r), r["eval"]
+        return (
+            r["model"],
+            rotation_label(r),
+            r["target"],
+            r.get("weight_rounding", "rtn"),
+            r.get("gptq_samples"),
+            r["eval"],
+        )
 
-    ours = {cell(r): r for r in rows if r["method"] == "uniform"}
+    ours: dict[tuple, list[dict]] = {}
+    for r in rows:
+        if r["method"] == "uniform":
+            ours.setdefault(cell(r), []).append(r)
     lines = []
     for r in rows:
-        if r["method"] in WEIGHT_PEERS and cell(r) in ours:
-            mine = ours[cell(r)]
+        for mine in ours.get(cell(r), []) if r["method"] in WEIGHT_PEERS else []:
             ratios = ", ".join(f"{t} {mine[f'ppl_{t}'] / r[f'ppl_{t}']:.3f}" for t in texts)
             lines.append(
-                f"- `{r['method']}` ({rotation_label(r)}, {r['target']}, {cell(r)[3]}): this package's perplexity "
-                f"over the peer's: {ratios}; {r.get('gptq_seconds', '-')} s the peer, "
+                f"- `{r['method']}` ({rotation_label(r)}, {r['target']}, {rounding_label(mine)}): this package's "
+                f"perplexity over the peer's: {ratios}; {r.get('gptq_seconds', '-')} s the peer, "
                 f"{mine.get('gptq_seconds', '-')} s ours"
             )
     if not lines:
