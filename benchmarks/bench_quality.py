@@ -194,7 +194,7 @@ class Sweep:
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
             if self.gptq_samples is not None:
                 key.update(gptq_samples=self.gptq_samples)
-        if method not in WEIGHT_PEERS and "gptq" in (self.weight_rounding, self.sensitivity_rounding):
+        if method not in (*WEIGHT_PEERS, "float") and "gptq" in (self.weight_rounding, self.sensitivity_rounding):
             if self.gptq_order != "columns":  # rows without it: columns, this package's only GPTQ before `gptq_order`
                 key.update(gptq_order=self.gptq_order)
         if method in WEIGHT_PEERS:
