@@ -11,6 +11,17 @@ import torch
 
 from .helpers import tiny_llama, word_tokenizer, words
 
+DEFAULT_SUITE_TEST_TIMEOUT_S = 900  # the longest default-suite test takes a few minutes on two busy cores
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """A default-suite test that runs past 15 minutes has hung (a lock never released, a subprocess never answering):
+    pytest-timeout fails it with every thread's stack, so the run ends with the cause instead of at CI's limit. Slow
+    tests (a long calibration on a real model) are left unbounded."""
+    for item in items:
+        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
+            item.add_marker(pytest.mark.timeout(DEFAULT_SUITE_TEST_TIMEOUT_S))
+
 
 @pytest.fixture(autouse=True, scope="session")
 def single_thread():
@@ -44,6 +55,24 @@ def eager_kernels_unless_a_test_compiles():
             del os.environ[name]
         else:
             os.environ[name] = value
+
+
+@pytest.fixture(autouse=True, scope="session")
+def own_torch_extensions_folder(tmp_path_factory):
+    """amd-quark compiles a C++ extension when it is first imported (`torch.utils.cpp_extension.load`, about 6 s),
+    by default into the user's `~/.cache/torch_extensions`, under a lock file that a process killed mid-build leaves
+    behind: every later import then waits on it forever (a CI run hung on one left by an interrupted run). Each test
+    process (and the subprocesses it starts) builds into a folder of its own run instead, so no earlier run, and
+    nothing the user keeps in their cache, can stall the suite or be rewritten by it."""
+    import os
+
+    own = os.environ.get("TORCH_EXTENSIONS_DIR")
+    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
+    yield
+    if own is None:
+        del os.environ["TORCH_EXTENSIONS_DIR"]
+    else:
+        os.environ["TORCH_EXTENSIONS_DIR"] = own
 
 
 @pytest.fixture(scope="session")
