@@ -31,6 +31,7 @@ A finished row is skipped when asked again; `--report-only` prints both tables.
     python research/gptq_order.py --threads 2 --variants act-static:signed,act-static:none
     python research/gptq_order.py --threads 2 --seed 1 --variants act-static:signed
     python research/gptq_order.py --threads 1 --quality act-static
+    python research/gptq_order.py --threads 1 --quality act-static --seed 1
     python research/gptq_order.py --threads 1 --quality act-static --configuration unrotated --targets 5
     python research/gptq_order.py --report-only
 """
