@@ -19,7 +19,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     pytest-timeout fails it with every thread's stack, so the run ends with the cause instead of at CI's limit. Slow
     tests (a long calibration on a real model) are left unbounded."""
     for item in items:
-        if item.get_closest_marker("slow") is None and item.get_closest_marker("timeout") is None:
+        if item.get_closest_marker("slow") is None:
             item.add_marker(pytest.mark.timeout(DEFAULT_SUITE_TEST_TIMEOUT_S))
 
 
@@ -43,18 +43,12 @@ def eager_kernels_unless_a_test_compiles():
     a whole calibration and its model. Compiled kernels are not stored between processes either (`formats.compilation`):
     what a test of the kernels checks does not depend on what the machine ran before, and the tests of stored kernels
     name their folders themselves."""
-    import os
-
     from optimum_dmx.formats.compilation import COMPILE_ENV_VAR, KERNEL_CACHE_ENV_VAR
 
-    own = {name: os.environ.get(name) for name in (COMPILE_ENV_VAR, KERNEL_CACHE_ENV_VAR)}
-    os.environ[COMPILE_ENV_VAR] = os.environ[KERNEL_CACHE_ENV_VAR] = "0"
-    yield
-    for name, value in own.items():
-        if value is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = value
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(COMPILE_ENV_VAR, "0")
+        patch.setenv(KERNEL_CACHE_ENV_VAR, "0")
+        yield
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -64,15 +58,9 @@ def own_torch_extensions_folder(tmp_path_factory):
     behind: every later import then waits on it forever (a CI run hung on one left by an interrupted run). Each test
     process (and the subprocesses it starts) builds into a folder of its own run instead, so no earlier run, and
     nothing the user keeps in their cache, can stall the suite or be rewritten by it."""
-    import os
-
-    own = os.environ.get("TORCH_EXTENSIONS_DIR")
-    os.environ["TORCH_EXTENSIONS_DIR"] = str(tmp_path_factory.mktemp("torch_extensions"))
-    yield
-    if own is None:
-        del os.environ["TORCH_EXTENSIONS_DIR"]
-    else:
-        os.environ["TORCH_EXTENSIONS_DIR"] = own
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path_factory.mktemp("torch_extensions")))
+        yield
 
 
 @pytest.fixture(scope="session")
