@@ -19,9 +19,12 @@ a calibration that makes every kernel ready:
   own wall time (`aten.mm`, `addmm`, `bmm`, `baddbmm`: the linears, forward and backward, and the vocabulary head;
   attention's own products run in a fused kernel not counted here, a few percent at 128 tokens), in the scan alone
   (`kl_sensitivities` as calibration calls it) and in calibrations of one and three steps, whose difference gives a
-  step's (and checks that calibration adds no products besides its steps and its scan).
+  step's (and checks that calibration adds no products besides its steps and its scan);
+* with `--operators N`, where the scan's time goes: one more scan under `torch.profiler`, its `N` operators of the
+  most time of their own, with their calls and their share of the profiled scan (the profiler adds its own cost to
+  every call, so the shares, not the seconds, compare with the table above).
 
-    python research/scan_arithmetic.py --threads 2
+    python research/scan_arithmetic.py --threads 2 --operators 12
 """
 
 from __future__ import annotations
@@ -94,9 +97,33 @@ def products_of(call) -> Products:
     return counted.products
 
 
+def print_operators(call, count: int) -> None:
+    """The `count` operators of `call()` with the most time of their own (`torch.profiler`, CPU), as a table; the
+    compiled kernels (inductor's, one profiler entry each) are counted together as one."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as profiled:
+        call()
+    own: dict[str, list[float]] = {}  # operator -> [calls, own microseconds]
+    for event in profiled.key_averages():
+        compiled = event.key.startswith("## Call CompiledFxGraph")
+        totals = own.setdefault("compiled kernels (inductor)" if compiled else f"`{event.key}`", [0, 0.0])
+        totals[0] += event.count
+        totals[1] += event.self_cpu_time_total
+    total = sum(seconds for _, seconds in own.values())
+    print()
+    print(f"The scan by operator (`torch.profiler`, {total / 1e6:.2f} s profiled; the {count} of most own time):")
+    print()
+    print("| operator | calls | own s | share of the scan |")
+    print("|---|---|---|---|")
+    for name, (calls, seconds) in sorted(own.items(), key=lambda item: item[1][1], reverse=True)[:count]:
+        print(f"| {name} | {calls} | {seconds / 1e6:.2f} | {seconds / total:.1%} |")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--operators", type=int, default=0, help="also print the scan's N operators of most own time")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
 
@@ -156,6 +183,8 @@ def main() -> None:
         f"Products in a one-step calibration besides its step and its scan: {unaccounted.flops / 1e9:.1f} GFLOP "
         f"({unaccounted.flops / one.flops:.1%} of its total)."
     )
+    if a.operators:
+        print_operators(lambda: kl_sensitivities(model, ids, base, progress=False), a.operators)
 
 
 if __name__ == "__main__":
