@@ -47,7 +47,10 @@ from its float32 weight, and the residual stream, normalisations, softmaxes and 
 the divergence's product with the vocabulary head's rows (`calibration.vocabulary_head`; 0.90x the scan's time). On
 SmolLM2-135M with AMX that is 0.54x the float32 scan's time, ranking the budget's units at Spearman 0.998
 against it (`benchmarks/results/sensitivity.md`; `research/README.md`, "The scan in bfloat16", for the maps).
-`kl_sensitivities(..., matmul_dtype=torch.float32)` keeps float32.
+`kl_sensitivities(..., matmul_dtype=torch.float32)` keeps float32. A scan of whole distributions (soft-capped or
+scaled logits) takes each pass's logits the way the head's divergences take `dz`: the reference's float32 logits plus
+the bfloat16 product of the final hidden states' shift (`_pass_logits`). Rounded to bfloat16 whole, the logits put a
+floor of about 1e-3 nats per token under every divergence.
 
 The copies of layers with an online input transform (`nn.transforms.TransformedLinear`, `y = (x T) W'^T`: the
 `online_block_hadamard` rotation's layers, a `hadamard` rotation's `down_proj`) hold `W' T^T` (computed from the
@@ -62,7 +65,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -159,7 +162,7 @@ def kl_sensitivities(
     input_ids = process_share(input_ids, *split.sequence_group(rank))
     batches = [b.to(device) for b in input_ids.split(settings.batch_size)]
 
-    head = _output_head(model, targets) if head_tokens is not None else None
+    head = _output_head(model, targets)  # skipped (a vocabulary head reference) or shifted (lowered products)
     weights_dtype = next((module.weight.dtype for module in targets.values()), torch.float32)
     lowered = _lower_matmul_dtype(matmul_dtype, weights_dtype, device)
     # frozen and in eval mode once for the whole scan, so that its passes' module swaps need not set them again
@@ -169,7 +172,7 @@ def kl_sensitivities(
             for b in batches:
                 readers.expect(b)
                 references.append(
-                    _record(model, b, list(decoder_layers.values()), head, head_tokens, lowered or torch.float32)
+                    _record(model, b, list(decoder_layers.values()), head, head_tokens, lowered, device.type)
                 )
         # Each process's KL sums over its sequences for the layers it scans, zero elsewhere; summed across processes.
         sums = torch.zeros(len(targets), dtype=torch.float64)
@@ -202,7 +205,8 @@ def kl_sensitivities(
             kls = [0.0] * copies
             with swapped_modules(model, lows):
                 for batch, (reference, outputs) in zip(batches, references):
-                    with replaying(replayed, outputs, copies):
+                    logits = _pass_logits(model, head, reference, lowered, device.type)
+                    with replaying(replayed, outputs, copies), logits:
                         divergences = _divergences(model, batch.repeat(copies, 1), reference, head, copies, weights)
                     kls = [kl + divergence for kl, divergence in zip(kls, divergences)]
             for unit, kl in zip(units, kls):
@@ -533,14 +537,25 @@ def next_token_log_probs(model: nn.Module, batch: torch.Tensor) -> torch.Tensor:
 @dataclass(frozen=True)
 class NextTokenReference:
     """Reference next-token distributions (`[batch, seq_len, vocab]`), as log-probabilities and probabilities: the
-    KL divergence from them (`next_token_kl`) reads both, and the probabilities cost a pass to recompute."""
+    KL divergence from them (`next_token_kl`) reads both, and the probabilities cost a pass to recompute.
+
+    `embedding_input` and `embedding_output`: in a scan whose products are lowered, the output embedding's input and
+    its float32 output in the reference pass, from which each pass's logits are shifted (`_pass_logits`; the output
+    is as large as the log-probabilities); None otherwise."""
 
     log_probs: torch.Tensor
     probabilities: torch.Tensor
+    embedding_input: torch.Tensor | None = None
+    embedding_output: torch.Tensor | None = None
 
     @classmethod
-    def from_log_probs(cls, log_probs: torch.Tensor) -> NextTokenReference:
-        return cls(log_probs, log_probs.exp())
+    def from_log_probs(
+        cls,
+        log_probs: torch.Tensor,
+        embedding_input: torch.Tensor | None = None,
+        embedding_output: torch.Tensor | None = None,
+    ) -> NextTokenReference:
+        return cls(log_probs, log_probs.exp(), embedding_input, embedding_output)
 
 
 def next_token_kl(
@@ -624,13 +639,16 @@ def _record(
     layers: Sequence[nn.Module],
     head: str | None,
     head_tokens: int | None,
-    product_dtype: torch.dtype = torch.float32,
+    lowered: torch.dtype | None = None,
+    device_type: str = "cpu",
 ) -> tuple[NextTokenReference | VocabularyHeadReference, list[Any]]:
     """The float next-token distributions of `batch` and the output of each of `layers`.
 
-    With an output embedding `head`, whose output the model returns unchanged as its logits, the distributions
-    are kept as a vocabulary head reference, whose divergences multiply in `product_dtype`; else (no head, or
-    logits soft-capped or scaled after it) whole.
+    With an output embedding `head`, whose output the model returns unchanged as its logits, and `head_tokens`, the
+    distributions are kept as a vocabulary head reference, whose divergences multiply in `lowered` (float32 when
+    None); else (no head, logits soft-capped or scaled after it, or `head_tokens` None) whole. Under `lowered`
+    products (autocast on `device_type`) the output embedding multiplies in its weights' dtype, and a whole reference
+    keeps its input and output for the passes (`_pass_logits`).
     """
     outputs: list[Any] = [None] * len(layers)
     head_io: list[torch.Tensor] = []
@@ -648,15 +666,87 @@ def _record(
                 lambda module, args, output: head_io.extend([*args[:1], output])
             )
         )
+    unlowered = lowered is not None and head is not None
     try:
-        logits = model(input_ids=batch, use_cache=False).logits
+        with _autocast_paused(model.get_submodule(head), device_type) if unlowered else nullcontext():
+            logits = model(input_ids=batch, use_cache=False).logits
     finally:
         for handle in handles:
             handle.remove()
-    if len(head_io) == 2 and torch.equal(logits, head_io[1].to(logits.device)):
+    one_call = len(head_io) == 2
+    if head_tokens is not None and one_call and torch.equal(logits, head_io[1].to(logits.device)):
         with loaded_weights(model, head) as output_embedding, torch.autocast(logits.device.type, enabled=False):
             reference = VocabularyHeadReference.from_hidden(
-                head_io[0], output_embedding.weight, output_embedding.bias, head_tokens, product_dtype
+                head_io[0], output_embedding.weight, output_embedding.bias, head_tokens, lowered or torch.float32
             )
         return reference, outputs
-    return NextTokenReference.from_log_probs(F.log_softmax(logits.float(), dim=-1)), outputs
+    log_probs = F.log_softmax(logits.float(), dim=-1)
+    if unlowered and one_call:
+        return NextTokenReference.from_log_probs(log_probs, head_io[0], head_io[1].float()), outputs
+    return NextTokenReference.from_log_probs(log_probs), outputs
+
+
+@contextmanager
+def _pass_logits(
+    model: nn.Module,
+    head: str | None,
+    reference: NextTokenReference | VocabularyHeadReference,
+    lowered: torch.dtype | None,
+    device_type: str,
+) -> Iterator[None]:
+    """Within the block, a pass's logits in a scan of whole distributions whose products are `lowered`: the
+    reference's float32 logits plus the lowered product of the shift of the output embedding `head`'s input
+    (`W h' = W h + W (h' - h)`), as the divergences on the vocabulary's head multiply `dz = W dh`
+    (`calibration.vocabulary_head`); for an embedding with a bias, or a reference without its input, the embedding's
+    whole product in its weights' dtype. Nothing changes without lowered products, or for divergences from final
+    hidden states (a vocabulary head reference: the embedding does not run).
+
+    Rounded to bfloat16 whole, logits of magnitude 10 to 30 (Gemma 2 caps its own at 30) are off by up to 1/16,
+    rounded independently in the reference and in every pass: a floor of the order of 1e-3 nats per token under every
+    divergence, which raised the smallest units' values of SmolLM2-135M's whole-vocabulary scan 2.9-fold
+    (`research/README.md`, "The scan's divergences")."""
+    if lowered is None or head is None or isinstance(reference, VocabularyHeadReference):
+        yield
+        return
+    embedding = model.get_submodule(head)
+    if reference.embedding_input is None or embedding.bias is not None:
+        with _autocast_paused(embedding, device_type):
+            yield
+        return
+
+    def shift(module: nn.Module, args: tuple) -> tuple:
+        return (args[0] - reference.embedding_input.to(args[0].device), *args[1:])
+
+    def add_reference(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        return reference.embedding_output.to(output.device) + output.float()
+
+    handles = [embedding.register_forward_pre_hook(shift), embedding.register_forward_hook(add_reference)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+@contextmanager
+def _autocast_paused(module: nn.Module, device_type: str) -> Iterator[None]:
+    """Within the block, `torch.autocast` on `device_type` is paused while `module` runs: its products in its own
+    weights' dtype. Hooks, so that an accelerate or FSDP2 module still loads its weights its own way; the resuming one
+    runs before the module's other forward hooks, so that a pause another hook made around this one ends after it."""
+    paused: list[bool] = []
+
+    def pause(module: nn.Module, args: tuple) -> None:
+        paused.append(torch.is_autocast_enabled(device_type))
+        torch.set_autocast_enabled(device_type, False)
+
+    def resume(module: nn.Module, args: tuple, output: Any) -> None:
+        torch.set_autocast_enabled(device_type, paused.pop())
+
+    handles = [module.register_forward_pre_hook(pause), module.register_forward_hook(resume, prepend=True)]
+    try:
+        yield
+    finally:
+        for handle in handles:
+            handle.remove()
+        while paused:  # a forward that raised
+            torch.set_autocast_enabled(device_type, paused.pop())
