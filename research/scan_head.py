@@ -9,7 +9,10 @@ pass and copy (its `dz = W dh` in bfloat16 where the scan multiplies in it), and
 log-probabilities per position. How much of the scan is that, and how much would a smaller head save, at what cost to
 the ranking? A model whose logits are not its output embedding's output (Gemma 2's soft-capped logits, scaled ones)
 is scanned over the whole vocabulary instead, from its logits: under bfloat16 products the output embedding's product
-is rounded to bfloat16 whole, the reference's and every pass's independently. How far does that move the values?
+was rounded to bfloat16 whole, the reference's and every pass's independently, until the library took each pass's
+logits as the reference's float32 logits plus the bfloat16 product of the final hidden states' shift
+(`calibration.sensitivity._pass_logits`, as the head's `dz`). How far did the rounding move the values, and how far
+does the shift?
 
 The model is the de-gridded SmolLM2-135M (float32, the benchmarks' own; its logits are its output embedding's
 output), rotated `online_block_hadamard` with `offset_groups="fused"` (the default recipe's scan), and the first
@@ -21,7 +24,7 @@ sequences of the `cpu-demo` preset's calibration batches from the Austen novels.
 * `head K`: the library's scan with a head of `K` tokens (`HEAD_TOKENS` first, the library's), bfloat16 products where
   the CPU multiplies them natively; run `--rounds` times in turn after one untimed scan each, the time spent in the
   divergences (`VocabularyHeadReference.kl`) added up during each timed scan;
-* `whole vocabulary`: `head_tokens=None` with the same products, as the scan of a model with soft-capped logits runs;
+* `whole vocabulary`: `head_tokens=None` with the same products, as the library scans a model with soft-capped logits;
 * `whole vocabulary, output embedding in float32`: the same with autocast paused around the output embedding (hooks
   installed by this script), so that the logits are float32 products.
 
@@ -96,7 +99,7 @@ def output_embedding_unlowered(model: nn.Module) -> Iterator[None]:
     def resume(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
         torch.set_autocast_enabled("cpu", paused.pop())
 
-    handles = [embedding.register_forward_pre_hook(pause), embedding.register_forward_hook(resume)]
+    handles = [embedding.register_forward_pre_hook(pause), embedding.register_forward_hook(resume, prepend=True)]
     try:
         yield
     finally:
