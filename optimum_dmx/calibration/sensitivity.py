@@ -701,10 +701,10 @@ def _pass_logits(
     whole product in its weights' dtype. Nothing changes without lowered products, or for divergences from final
     hidden states (a vocabulary head reference: the embedding does not run).
 
-    Rounded to bfloat16 whole, logits of magnitude 10 to 30 (Gemma 2 caps its own at 30) are off by up to 1/16,
-    rounded independently in the reference and in every pass: a floor of the order of 1e-3 nats per token under every
-    divergence, which raised the smallest units' values of SmolLM2-135M's whole-vocabulary scan 2.9-fold
-    (`research/README.md`, "The scan's divergences")."""
+    Rounded to bfloat16 whole, the embedding's outputs, of magnitude 10 to 30 for a trained model's logits, are off by
+    up to 1/16, rounded independently in the reference and in every pass: a floor of the order of 1e-3 nats per token
+    under every divergence, which put the smallest unit's value in SmolLM2-135M's whole-vocabulary scan at 2.9x the
+    float32 scan's (1.3x at most with the shift; `research/README.md`, "The scan's divergences")."""
     if lowered is None or head is None or isinstance(reference, VocabularyHeadReference):
         yield
         return
