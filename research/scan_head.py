@@ -25,8 +25,9 @@ sequences of the `cpu-demo` preset's calibration batches from the Austen novels.
   the CPU multiplies them natively; run `--rounds` times in turn after one untimed scan each, the time spent in the
   divergences (`VocabularyHeadReference.kl`) added up during each timed scan;
 * `whole vocabulary`: `head_tokens=None` with the same products, as the library scans a model with soft-capped logits;
-* `whole vocabulary, output embedding in float32`: the same with autocast paused around the output embedding (hooks
-  installed by this script), so that the logits are float32 products.
+* `whole vocabulary, output embedding in float32`: the same with autocast paused around the output embedding (the
+  library's `_autocast_paused`, installed by this script around the scan's own hooks), so that the logits are float32
+  products.
 
 Each row's ranking of the budget's units (a fused group, or a layer alone) is compared with the library's head and with
 `exact`, and its values with `exact`'s (the ratios' median and range over the units). The tail mass is the reference's
@@ -55,7 +56,13 @@ from bench_sensitivity import spearman  # noqa: E402
 
 from optimum_dmx.calibration import CalibrationSettings, get_preset  # noqa: E402
 from optimum_dmx.calibration.groups import offset_groups  # noqa: E402
-from optimum_dmx.calibration.sensitivity import KL_POSITIONS, KL_SAMPLES, kl_sensitivities, scan_units  # noqa: E402
+from optimum_dmx.calibration.sensitivity import (  # noqa: E402
+    KL_POSITIONS,
+    KL_SAMPLES,
+    _autocast_paused,
+    kl_sensitivities,
+    scan_units,
+)
 from optimum_dmx.calibration.vocabulary_head import HEAD_TOKENS, VocabularyHeadReference  # noqa: E402
 from optimum_dmx.nn import linear_modules_to_quantize  # noqa: E402
 from optimum_dmx.nn.rotation import rotate_model  # noqa: E402
@@ -84,27 +91,6 @@ def divergence_seconds() -> Iterator[list[float]]:
         yield total
     finally:
         VocabularyHeadReference.kl = own
-
-
-@contextmanager
-def output_embedding_unlowered(model: nn.Module) -> Iterator[None]:
-    """Within the block, autocast is paused while `model`'s output embedding runs: its product in its weights'
-    dtype (float32 here) even inside the scan's bfloat16 autocast."""
-    embedding, paused = model.get_output_embeddings(), []
-
-    def pause(module: nn.Module, args: tuple) -> None:
-        paused.append(torch.is_autocast_enabled("cpu"))
-        torch.set_autocast_enabled("cpu", False)
-
-    def resume(module: nn.Module, args: tuple, output: torch.Tensor) -> None:
-        torch.set_autocast_enabled("cpu", paused.pop())
-
-    handles = [embedding.register_forward_pre_hook(pause), embedding.register_forward_hook(resume, prepend=True)]
-    try:
-        yield
-    finally:
-        for handle in handles:
-            handle.remove()
 
 
 def tail_mass(model: nn.Module, ids: torch.Tensor, head_tokens: int) -> float:
@@ -155,7 +141,7 @@ def main() -> None:
             divergences.setdefault(f"head {head}", []).append(spent[0])
     values["whole vocabulary"], whole_seconds = scan(head_tokens=None)
     seconds["whole vocabulary"] = [whole_seconds]
-    with output_embedding_unlowered(model):
+    with _autocast_paused(model.get_output_embeddings(), "cpu"):  # the library's own pause, around the scan's
         values["whole vocabulary, output embedding in float32"], whole_seconds = scan(head_tokens=None)
     seconds["whole vocabulary, output embedding in float32"] = [whole_seconds]
 
