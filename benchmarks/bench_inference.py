@@ -274,6 +274,17 @@ def rounded_in_the_cast(
     return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
 
 
+def products_then_cast(transform: transforms.RandomizedHadamard, x: torch.Tensor, cast: tuple) -> torch.Tensor:
+    """`transform.quantize(x, *cast)` for blocks over 32 as it was before `transforms._sylvester_kernel`: both matrix
+    products, the division and the rounding as torch's operations, then the MX cast's kernel, a chunk of rows at a
+    time."""
+
+    def chunk(rows: torch.Tensor) -> torch.Tensor:
+        return quantize_mx(transform._products(rows, torch.float32).div_(transform._norm).to(x.dtype), *cast)
+
+    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
+
+
 def signs_apart(transform: transforms.RandomizedHadamard, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`RandomizedHadamard._kernel_factor` as it is for float32 rows: the signs apart from the last factor."""
     signs, last, _ = transform._factors_as(rows.device, torch.float32)
@@ -287,9 +298,10 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     each ran before: for 32-blocks in float32 the same kernel compiled with inductor's default fusion thresholds (the
     16 x 16 product split in two passes over a buffer as large as the input), in bfloat16 the rounding to bfloat16 on
     the bit pattern (`rounded_on_the_bits`), the signs apart from the 16 x 16 factor (as in float32) and, besides, the
-    sums divided and rounded after they are put together (`transform_then_round`); for 512-blocks the division and
-    rounding in the cast's kernel (`finish_and_cast`) and, in float32, the transform split into a 64 x 64 product and a
-    Sylvester factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
+    sums divided and rounded after they are put together (`transform_then_round`); for 512-blocks both products,
+    the division and the rounding as torch's operations before the cast's kernel (`products_then_cast`), the
+    division and rounding in the cast's kernel (`finish_and_cast`) and, in float32, the transform split into a
+    64 x 64 product and a Sylvester factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
     fmt = get_format("mxfp4_e2m1")
     kernel = transforms._transform_kernel
     options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
@@ -331,6 +343,9 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
                 rounded_after, apart
             )
         else:
+            candidates["transform and cast, the product across runs as torch's, then the cast's kernel"] = (
+                functools.partial(products_then_cast, transform, x, (fmt, 32, "ocp"))
+            )
             candidates["transform and cast, division and rounding in the cast's kernel"] = functools.partial(
                 rounded_in_the_cast, finished_in_the_cast, transform, x, (fmt, 32, "ocp")
             )

@@ -42,7 +42,7 @@ from optimum_dmx.formats.compilation import (
 )
 from optimum_dmx.formats.packing import fused_code_rows, fused_dequantize
 from optimum_dmx.nn import transforms
-from optimum_dmx.nn.transforms import RandomizedHadamard, _transform_kernel
+from optimum_dmx.nn.transforms import RandomizedHadamard, _sylvester_kernel, _transform_kernel
 
 from .helpers import awkward_tensor, compiling_then_loading, last_json_line, run_python
 
@@ -85,10 +85,11 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, m
     """An online transform's kernel (32-blocks: the signs, the products, the division, the rounding to the input's
     dtype and, for `quantize`, the MX cast) gives the bits of the same steps run eagerly, which
     `quantize_mx(transform(x))` is; with the signs apart from the last factor (float32) and in one copy of it per run
-    (bfloat16 and float16 on a CPU). Larger blocks: the products, division and rounding run as torch's operations and
-    the cast as its own kernel, with the same bits."""
+    (bfloat16 and float16 on a CPU). Larger blocks: the product by the last factor runs as torch's matrix product,
+    the product across its runs, division, rounding and cast in `_sylvester_kernel`, with the same bits."""
     signs_apart = []  # per call of the transform's kernel: whether the signs came apart from the factor
     casts_compiled = []  # per call of the cast's kernel: its format
+    sylvester_casts = []  # per call of the kernel after a large block's first product: its cast (None: none)
 
     class Recorded:
         def __init__(self, kernel, record):
@@ -96,25 +97,34 @@ def test_compiled_online_transform_is_bit_identical_to_the_eager_one(compiled, m
 
         active = property(lambda self: self.kernel.active)
 
-        def __call__(self, x, signs, *args):
-            self.record(signs)
-            return self.kernel(x, signs, *args)
+        def __call__(self, *args):
+            self.record(*args)
+            return self.kernel(*args)
 
     monkeypatch.setattr(
-        transforms, "_transform_kernel", Recorded(_transform_kernel, lambda s: signs_apart.append(s is not None))
+        transforms,
+        "_transform_kernel",
+        Recorded(_transform_kernel, lambda x, signs, *rest: signs_apart.append(signs is not None)),
     )
-    monkeypatch.setattr(cast_module, "fused_cast_mx", Recorded(fused_cast_mx, casts_compiled.append))
+    monkeypatch.setattr(
+        cast_module, "fused_cast_mx", Recorded(fused_cast_mx, lambda x, fmt, *rest: casts_compiled.append(fmt))
+    )
+    monkeypatch.setattr(
+        transforms, "_sylvester_kernel", Recorded(_sylvester_kernel, lambda *args: sylvester_casts.append(args[-1]))
+    )
     transform = RandomizedHadamard(size, block_size, seed=3)
     x = awkward_tensor(24, size).to(dtype).reshape(2, 12, size)
     casts = [(get_format("mxfp4_e2m1"), 32, "ocp"), (get_format("mxfp6_e2m3"), 32, "compressed-tensors")]
     compiled_results = [transform(x), *(transform.quantize(x, *cast) for cast in casts)]
     assert _transform_kernel.rejected_variants == 0 and fused_cast_mx.rejected_variants == 0
+    assert _sylvester_kernel.rejected_variants == 0
     # 32-blocks (a 16 x 16 last factor, then order 2): the transform's kernel computes the whole transform and cast;
-    # larger blocks and larger last factors: the cast's kernel runs once per cast
+    # larger blocks and larger last factors: the Sylvester kernel computes what follows the first product, cast included
     if block_size == 32:
         assert signs_apart == [dtype == torch.float32] * (1 + len(casts)) and not casts_compiled
+        assert not sylvester_casts
     else:
-        assert not signs_apart and len(casts_compiled) == len(casts)
+        assert not signs_apart and not casts_compiled and sylvester_casts == [None, *casts]
     set_compile_enabled(False)
     eager = transform(x)
     eager_results = [eager, *(quantize_mx(eager, *cast) for cast in casts)]
@@ -127,8 +137,9 @@ def test_activations_are_cast_in_one_call_and_large_transforms_a_chunk_of_rows_a
     compiled, monkeypatch, dtype
 ):
     """On a CPU an activation is cast in one kernel call that reads and writes its dtype (no float32 temporary), with
-    the bits of the eager cast; so is a 32-block online transform with its cast. One whose products run before its
-    kernel (blocks over 32, float32 temporaries as large as the input) is transformed a chunk of rows at a time."""
+    the bits of the eager cast; so is a 32-block online transform with its cast. One whose first product runs before
+    its kernel (blocks over 32, float32 temporaries as large as the input) is transformed a chunk of rows at a
+    time."""
     monkeypatch.setattr(cast_module, "ROW_CHUNK_ELEMENTS", 5 * 128)  # 5 rows of 128 per chunk
     calls = []
 
@@ -144,6 +155,7 @@ def test_activations_are_cast_in_one_call_and_large_transforms_a_chunk_of_rows_a
 
     monkeypatch.setattr(cast_module, "fused_cast_mx", recorded(fused_cast_mx))
     monkeypatch.setattr(transforms, "_transform_kernel", recorded(_transform_kernel))
+    monkeypatch.setattr(transforms, "_sylvester_kernel", recorded(_sylvester_kernel))
     x = awkward_tensor(23, 128).to(dtype).reshape(1, 23, 128)
     fmt = get_format("mxfp4_e2m1")
     got = quantize_mx(x, fmt)

@@ -33,13 +33,17 @@ factor, one copy of it per run of 16 elements (a product then loads a vector of 
 multiplies once less); the kernel divides and rounds the sums before it stores them, so that the MX cast's two loops
 over them do not each do it again, and rounds with `.to(dtype)` (rounded on the float32 bit pattern, which inductor
 reads through scalar bit casts on a CPU, a bfloat16 transform with its cast took 3.1x the cast's time, against 1.9x:
-`benchmarks/bench_inference.py`, "Online transforms"). Larger blocks take the two matrix products, the division and
-the rounding as torch's own operations, then the MX cast's kernel: inductor's code for more sums and differences in a
-kernel ran several times slower than the products (SmolLM2's `down_proj` transform, on 512-blocks, made the forward
-pass about a fifth slower that way); on a CPU they run a chunk of rows at a time (`formats.cast.map_row_chunks`:
-float32 temporaries small enough for the allocator to reuse). The kernel is checked bit for bit against the same
-steps run eagerly; that those give the bits of the eager path's matrix products (products by +-1 are exact, and the
-sums run in the order a matrix product's inner loop adds them) is tested.
+`benchmarks/bench_inference.py`, "Online transforms"). Larger blocks (`hadamard`'s 512-blocks of SmolLM2's
+`down_proj` input) take the product by the last factor as torch's matrix product, a chunk of rows at a time on a CPU
+(`formats.cast.map_row_chunks`: float32 temporaries small enough for the allocator to reuse); on a CPU the rest,
+the product across the runs by the Sylvester factor, the division, the rounding and the MX cast, is one compiled
+kernel (`_sylvester_kernel`; its transformed values stored once, where inductor would compute them again in each of
+the cast's loops), which took 0.88x the time of that product, division and rounding as torch's operations followed
+by the cast's kernel, for a bfloat16 1024 x 1536 input on 512-blocks (0.90x in float32;
+`benchmarks/bench_inference.py`). On a GPU both products, the division and the rounding are torch's operations,
+then the cast's kernel. Each kernel is checked bit for bit against the same steps run eagerly; that those give the
+bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
+product's inner loop adds them) is tested.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..formats.cast import cast_mx_blocks, compiles, map_row_chunks, quantize_mx
+from ..formats.blocks import block_scale
+from ..formats.cast import cast_mx_blocks, compiles, map_row_chunks, quantize_blocks, quantize_mx
 from ..formats.compilation import CompiledKernel
 from ..formats.spec import MXFormat
 
@@ -199,6 +204,34 @@ def _transform_kernel(
     return values.to(dtype), block_output
 
 
+@functools.partial(CompiledKernel, options=_transform_kernel.options)
+def _sylvester_kernel(
+    mixed: torch.Tensor, sylvester: torch.Tensor, last: int, norm: float, dtype: torch.dtype, cast: tuple | None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The rest of a large block's transform after the product by its last factor (`mixed`: float32 rows, each block
+    `order` runs of `last` elements): the product across each block's runs by the Sylvester matrix (`sylvester`,
+    `order` x `order`, flattened), its `order` terms added one after the other as a matrix product's inner loop adds
+    them (`_sylvester_product`'s bits), divided by `norm`, rounded to `dtype` and, with `cast` (format, block size,
+    scale rule), MX-quantized: the values as `[rows, blocks, block size]`, the shared exponents and the transformed
+    values, the last two block outputs (`formats.compilation`). Stored once, the transformed values are read by the
+    cast's two loops over each block instead of computed again in each."""
+    rows, width = mixed.shape
+    order = math.isqrt(len(sylvester))
+    runs = mixed.view(rows, width // (order * last), order, 1, last)
+    columns = sylvester.view(order, order).t()
+    product = runs[:, :, 0] * columns[0].view(order, 1)
+    for k in range(1, order):
+        product = product + runs[:, :, k] * columns[k].view(order, 1)
+    finished = (product / norm).to(dtype).float()
+    if cast is None:
+        return finished.to(dtype)
+    fmt, block_size, scale_rule = cast
+    elements, exponents, shift = quantize_blocks(
+        finished.view(rows, -1, block_size), fmt, scale_rule, native_cast=False
+    )
+    return elements.mul_(block_scale(exponents, shift)).to(dtype), exponents, finished
+
+
 class RandomizedHadamard(nn.Module):
     """The orthogonal transform `x -> x @ T` of the last dimension described in the module docstring.
 
@@ -272,10 +305,16 @@ class RandomizedHadamard(nn.Module):
         `D`, each block's last factor, then the Sylvester factor, as matrix products (the product of a bfloat16
         `rows` and float32 signs is float32, one pass), in `dtype` under `torch.autocast` as well. `rows` may be
         strided (Mamba's `x_proj` reads a transposed view of one sequence's activations)."""
-        signs, last, sylvester = self._factors_as(rows.device, dtype)
+        sylvester = self._factors_as(rows.device, dtype)[2]
         with torch.autocast(rows.device.type, enabled=False):
-            mixed = ((rows * signs).reshape(-1, len(last)) @ last).view(rows.shape)
-            return _sylvester_product(mixed, sylvester, len(last))
+            return _sylvester_product(self._last_factor_products(rows, dtype), sylvester, self._last_order)
+
+    def _last_factor_products(self, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """`rows` times the signs `D`, then each run of `_last_order` elements times the last Kronecker factor: the
+        first of `_products`' two matrix products, in `dtype` (float32 or float64), outside `torch.autocast`."""
+        signs, last, _ = self._factors_as(rows.device, dtype)
+        with torch.autocast(rows.device.type, enabled=False):
+            return ((rows * signs).reshape(-1, len(last)) @ last).view(rows.shape)
 
     def _transform_rows(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x @ T` computed in `dtype` (float32 or float64), eagerly, rows of `x`'s last dimension."""
@@ -306,13 +345,20 @@ class RandomizedHadamard(nn.Module):
             raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
 
     def _kernel_values(self, rows: torch.Tensor, dtype: torch.dtype, cast: tuple | None) -> torch.Tensor:
-        """The transform of `rows` in `dtype`, MX-quantized with `cast`: the whole of it in `_transform_kernel`, or
-        the matrix products, the division and the rounding as torch's own operations, then the MX cast's kernel
-        (`formats.quantize_mx`)."""
+        """The transform of `rows` in `dtype`, MX-quantized with `cast`: the whole of it in `_transform_kernel`; for
+        larger blocks on a CPU, the product by the last factor as torch's matrix product, then the rest in
+        `_sylvester_kernel`; elsewhere both matrix products, the division and the rounding as torch's own operations,
+        then the MX cast's kernel (`formats.quantize_mx`)."""
         if self._whole_in_kernel:
             kernel_input = rows, *self._kernel_factor(rows), self._pairs, self._last_order
             finished = _transform_kernel(*kernel_input, float(self._norm), dtype, cast)
             return finished if cast is None else finished[0]
+        sylvester = self._factors_as(rows.device, torch.float32)[2]
+        if rows.device.type == "cpu" and sylvester is not None:
+            mixed = self._last_factor_products(rows, torch.float32)
+            kernel_input = mixed, sylvester.view(-1), self._last_order, float(self._norm), dtype, cast
+            finished = _sylvester_kernel(*kernel_input)
+            return (finished if cast is None else finished[0]).view(rows.shape)
         transformed = self._products(rows, torch.float32).div_(self._norm).to(dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
 
