@@ -23,7 +23,10 @@ Measures, in one run:
    down_proj, layer after layer) every fifth is MXFP8, the rest MXFP4 (4.8 average bits). With
    `--rotation NAME[,NAME...]` one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same
    map, is timed beside them (the cost of the online transforms: `down_proj`'s input for `hadamard` /
-   `block_hadamard`, every quantized input for `online_block_hadamard`).
+   `block_hadamard`, every quantized input for `online_block_hadamard`), with a row per shape of each rotation's
+   cost over the cached dMX model in percent. With `--rounds N` the forwards are timed N times, each time on all
+   the models loaded anew: the cells are the medians of the rounds, the rotations' costs have their range (one
+   load of a model can run several percent faster or slower than another, as one process can).
 
 With `--fresh-processes`, instead of all of the above: the whole model in bfloat16 (float, the cached dMX model, each
 rotation), each model timed in a process of its own, started for it, as a user's process runs it (whether float32
@@ -43,7 +46,7 @@ each model's minor page faults in one forward.
 Prints a Markdown table and, with `--output`, writes it with the command line that produced it.
 
 usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--model-bf16] [--rotation NAME[,NAME]]
-                                           [--fresh-processes] [--malloc fixed|default] [--repeats N]
+                                           [--fresh-processes] [--malloc fixed|default] [--repeats N] [--rounds N]
                                            [--threads N] [--output FILE]
 """
 
@@ -454,9 +457,43 @@ def bench_fresh_processes(
     return rows
 
 
+def load_models(model_dir: Path, dmx_dir: Path, rotated_dirs: list[Path], dtype: torch.dtype) -> list[nn.Module]:
+    """The whole-model table's models in `dtype`, in its column order: float, dMX cached, dMX packed-only, dMX cached
+    with no input cast shared, then one cached dMX model per rotated folder."""
+    from transformers import AutoModelForCausalLM
+
+    models = [
+        AutoModelForCausalLM.from_pretrained(path, dtype=dtype) for path in (model_dir, dmx_dir, dmx_dir, dmx_dir)
+    ]
+    for module in models[2].modules():
+        if isinstance(module, MXLinear):
+            module.cache_weight = False
+    for module in models[3].modules():
+        if isinstance(module, MXLinear):
+            module.input_casts = None
+    return models + [AutoModelForCausalLM.from_pretrained(path, dtype=dtype) for path in rotated_dirs]
+
+
+def cost_over_rounds(times: list[list[float]], column: int) -> str:
+    """The cell of a rotated model (`column` of each round's times; the cached dMX model's is 1): its time over the
+    cached dMX model's as a percentage to a tenth (the +5% bar of the online transforms), the median of the rounds
+    and, of several, their range."""
+    costs = sorted(100 * (round_times[column] / round_times[1] - 1) for round_times in times)
+    spread = f" ({costs[0]:+.1f}% to {costs[-1]:+.1f}%)" if len(costs) > 1 else ""
+    return f"{statistics.median(costs):+.1f}%{spread}"
+
+
 def bench_model(
-    model_dir: Path, repeats: int, rotations: tuple[str, ...] = (), dtypes: tuple[torch.dtype, ...] = (torch.float32,)
+    model_dir: Path,
+    repeats: int,
+    rotations: tuple[str, ...] = (),
+    dtypes: tuple[torch.dtype, ...] = (torch.float32,),
+    rounds: int = 1,
 ) -> tuple[list[list[str]], list[str]]:
+    """The whole-model table's rows and notes. The forwards are timed in `rounds` rounds, each on models loaded anew
+    (two loads of one model differed by several percent, as separate processes do), each cell the median of the
+    rounds; with rotations, a row per shape gives each rotation's cost over the cached dMX model (the median of the
+    rounds' ratios and their range). Page faults and generation are measured on the last round's models."""
     from transformers import AutoModelForCausalLM
 
     rows, notes = [], []
@@ -512,47 +549,31 @@ def bench_model(
         )
 
         for dtype in dtypes:
-            float_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
-            dmx = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
-            dmx_packed = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
-            dmx_unshared = AutoModelForCausalLM.from_pretrained(dmx_dir, dtype=dtype)
-            for module in dmx_packed.modules():
-                if isinstance(module, MXLinear):
-                    module.cache_weight = False
-            for module in dmx_unshared.modules():
-                if isinstance(module, MXLinear):
-                    module.input_casts = None
-            models = [float_model, dmx, dmx_packed, dmx_unshared]
-            models += [AutoModelForCausalLM.from_pretrained(rotated_dir, dtype=dtype) for rotated_dir in rotated_dirs]
-            for batch, seq in SHAPES:
-                generator = torch.Generator().manual_seed(0)
-                ids = torch.randint(0, float_model.config.vocab_size, (batch, seq), generator=generator)
-                forwards = [lambda m=m: m(ids) for m in models]
-                with torch.inference_mode():
-                    base, *others = median_seconds(forwards, repeats, time.process_time)
-                log(f"model {dtype} {batch}x{seq}: " + " / ".join(f"{t:.2f}" for t in (base, *others)) + " s")
+            name = str(dtype).removeprefix("torch.")
+            per_round: dict[tuple[int, int], list[list[float]]] = {shape: [] for shape in SHAPES}
+            for _ in range(rounds):
+                models = None  # the last round's models are freed before the next round loads its own
+                models = load_models(model_dir, dmx_dir, rotated_dirs, dtype)
+                vocab_size = models[0].config.vocab_size
+                for shape, times in per_round.items():
+                    ids = torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(0))
+                    with torch.inference_mode():
+                        times.append(median_seconds([lambda m=m: m(ids) for m in models], repeats, time.process_time))
+                    log(f"model {dtype} {shape}: " + " / ".join(f"{t:.2f}" for t in times[-1]) + " s")
+            for (batch, seq), times in per_round.items():
+                base, *others = (statistics.median(model_times) for model_times in zip(*times))
+                shape = f"{batch}x{seq}"
                 rows.append(
-                    [
-                        "SmolLM2-135M forward",
-                        str(dtype).removeprefix("torch."),
-                        f"{batch}x{seq}",
-                        f"{base * 1e3:.0f}",
-                        *compared(others, base, 1e3, "{:.0f}"),
-                    ]
+                    ["SmolLM2-135M forward", name, shape, f"{base * 1e3:.0f}", *compared(others, base, 1e3, "{:.0f}")]
                 )
+                if rotations:
+                    rows.append(["SmolLM2-135M forward, rotation's cost over dMX cached", name, shape, "", "", "", ""])
+                    rows[-1] += [cost_over_rounds(times, column) for column in range(4, 4 + len(rotations))]
+                ids = torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
                 with torch.inference_mode():
-                    faults = [page_faults_of(forward) for forward in forwards]
-                rows.append(
-                    [
-                        "SmolLM2-135M forward, minor page faults (one call)",
-                        str(dtype).removeprefix("torch."),
-                        f"{batch}x{seq}",
-                        *map(str, faults),
-                    ]
-                )
-            prompt = torch.randint(
-                0, float_model.config.vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0)
-            )
+                    faults = [page_faults_of(lambda m=m: m(ids)) for m in models]
+                rows.append(["SmolLM2-135M forward, minor page faults (one call)", name, shape, *map(str, faults)])
+            prompt = torch.randint(0, vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
             with torch.inference_mode():
                 base, *others = (
                     t / GENERATED_TOKENS
@@ -613,6 +634,12 @@ def main() -> None:
         help="only the whole model in bfloat16, each model timed in a process of its own",
     )
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="whole-model forwards: rounds of timing, each on models loaded anew (the cells: medians of the rounds)",
+    )
     parser.add_argument("--threads", type=int, default=1, help="torch threads (CPU time is summed over them)")
     parser.add_argument(
         "--malloc",
@@ -623,6 +650,8 @@ def main() -> None:
     )
     parser.add_argument("--output", type=Path, help="also write the results as Markdown here")
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
     rotations = tuple(r for r in args.rotation.split(",") if r != "none")
     unknown = [r for r in rotations if r not in ROTATIONS]
     if unknown:
@@ -638,6 +667,8 @@ def main() -> None:
         f"torch {torch.__version__}; {allocator}; times are median CPU times of {args.repeats} runs, in ms unless "
         "marked"
     )
+    if args.rounds > 1 and not args.fresh_processes:
+        machine += f"; whole-model forwards: the median of {args.rounds} rounds, each on the models loaded anew"
     if args.fresh_processes:
         header = ["measure", "dtype", "batch x seq", "float", "dMX cached (vs float)"]
         header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]
@@ -671,7 +702,7 @@ def main() -> None:
     ]
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)
-        rows, notes = bench_model(args.model or benchmark_model(), args.repeats, rotations, dtypes)
+        rows, notes = bench_model(args.model or benchmark_model(), args.repeats, rotations, dtypes, args.rounds)
         header = [
             "measure",
             "dtype",

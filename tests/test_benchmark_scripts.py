@@ -817,8 +817,9 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     tiny_text_model_dir, tmp_path
 ):
     """The whole-model table's map gives each fused group (q/k/v, gate/up) one format, as calibrated maps have; the
-    rotated models have cells with their ratios to the float and to the cached dMX model; the online transforms' table
-    times each transform with its cast against the cast alone."""
+    rotated models have cells with their ratios to the float and to the cached dMX model and, per shape, a row of
+    their cost over the cached dMX model in percent: the median of the rounds (each on the models loaded anew) and
+    their range; the online transforms' table times each transform with its cast against the cast alone."""
     script = [sys.executable, "-c", INFERENCE_MAP]
     result = subprocess.run(script, capture_output=True, text=True, cwd=ROOT, timeout=120)
     assert result.returncode == 0, result.stderr[-2000:]
@@ -826,14 +827,25 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     output = tmp_path / "inference.md"
     rotations = ("hadamard", "online_block_hadamard")
     args = ("--model", tiny_text_model_dir / "model", "--repeats", "1", "--rotation", ",".join(rotations))
-    run_benchmark("bench_inference.py", *args, "--output", output)
+    run_benchmark("bench_inference.py", *args, "--rounds", "2", "--output", output)
     forward_rows = [line for line in output.read_text().splitlines() if " forward | float32 |" in line]
-    assert len(forward_rows) == 2  # 1 x 512 and 8 x 128
-    for line in forward_rows:
+    cost_rows = [
+        line for line in output.read_text().splitlines() if "rotation's cost over dMX cached | float32" in line
+    ]
+    assert len(forward_rows) == len(cost_rows) == 2  # 1 x 512 and 8 x 128
+    for line, cost_line in zip(forward_rows, cost_rows):
         cells = [cell.strip() for cell in line.strip("|").split("|")]
         assert len(cells) == 7 + len(rotations)
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cell) for cell in cells[4:7]), cells
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[7:]), cells
+        costs = [cell.strip() for cell in cost_line.strip("|").split("|")]
+        assert costs[2] == cells[2] and costs[3:7] == [""] * 4, costs
+        for cost in costs[7:]:
+            median, low, high = map(
+                float, re.fullmatch(r"([+-]\d+\.\d)% \(([+-]\d+\.\d)% to ([+-]\d+\.\d)%\)", cost).groups()
+            )
+            assert low <= median <= high, costs
+    assert "whole-model forwards: the median of 2 rounds, each on the models loaded anew" in output.read_text()
     lines = output.read_text().splitlines()
     fault_rows = [line for line in lines if "minor page faults (one call) | float32 |" in line]
     assert len(fault_rows) == 2  # every model's page faults in one forward, per shape
