@@ -548,18 +548,22 @@ def bench_model(
             ]
         )
 
+        vocab_size = float_model.config.vocab_size
+        inputs = {
+            shape: torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(0)) for shape in SHAPES
+        }
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
             per_round: dict[tuple[int, int], list[list[float]]] = {shape: [] for shape in SHAPES}
             for _ in range(rounds):
                 models = None  # the last round's models are freed before the next round loads its own
                 models = load_models(model_dir, dmx_dir, rotated_dirs, dtype)
-                vocab_size = models[0].config.vocab_size
                 for shape, times in per_round.items():
-                    ids = torch.randint(0, vocab_size, shape, generator=torch.Generator().manual_seed(0))
+                    forwards = [lambda m=m, ids=inputs[shape]: m(ids) for m in models]
                     with torch.inference_mode():
-                        times.append(median_seconds([lambda m=m: m(ids) for m in models], repeats, time.process_time))
+                        times.append(median_seconds(forwards, repeats, time.process_time))
                     log(f"model {dtype} {shape}: " + " / ".join(f"{t:.2f}" for t in times[-1]) + " s")
+            first_rotated = len(models) - len(rotations)
             for (batch, seq), times in per_round.items():
                 base, *others = (statistics.median(model_times) for model_times in zip(*times))
                 shape = f"{batch}x{seq}"
@@ -567,11 +571,11 @@ def bench_model(
                     ["SmolLM2-135M forward", name, shape, f"{base * 1e3:.0f}", *compared(others, base, 1e3, "{:.0f}")]
                 )
                 if rotations:
-                    rows.append(["SmolLM2-135M forward, rotation's cost over dMX cached", name, shape, "", "", "", ""])
-                    rows[-1] += [cost_over_rounds(times, column) for column in range(4, 4 + len(rotations))]
-                ids = torch.randint(0, vocab_size, (batch, seq), generator=torch.Generator().manual_seed(0))
+                    costs = [cost_over_rounds(times, column) for column in range(first_rotated, len(models))]
+                    blank = [""] * first_rotated
+                    rows.append(["SmolLM2-135M forward, rotation's cost over dMX cached", name, shape, *blank, *costs])
                 with torch.inference_mode():
-                    faults = [page_faults_of(lambda m=m: m(ids)) for m in models]
+                    faults = [page_faults_of(lambda m=m: m(inputs[batch, seq])) for m in models]
                 rows.append(["SmolLM2-135M forward, minor page faults (one call)", name, shape, *map(str, faults)])
             prompt = torch.randint(0, vocab_size, (1, PROMPT_TOKENS), generator=torch.Generator().manual_seed(0))
             with torch.inference_mode():
