@@ -288,6 +288,18 @@ def products_then_cast(transform: transforms.RandomizedHadamard, x: torch.Tensor
     return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
 
 
+def chunks_copied(transform: transforms.RandomizedHadamard, x: torch.Tensor, cast: tuple) -> torch.Tensor:
+    """`transform.quantize(x, *cast)` for blocks over 32 as it was before `transforms._sylvester_kernel` wrote into the
+    output: each chunk of rows transformed into a tensor of its own, then copied into the output."""
+
+    def chunk(rows: torch.Tensor) -> torch.Tensor:
+        values = torch.empty(rows.shape, dtype=x.dtype)
+        transform._sylvester_kernel_into(rows, values, cast)
+        return values
+
+    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
+
+
 def signs_apart(transform: transforms.RandomizedHadamard, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`RandomizedHadamard._kernel_factor` as it is for float32 rows: the signs apart from the last factor."""
     signs, last, _ = transform._factors_as(rows.device, torch.float32)
@@ -301,10 +313,12 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     each ran before: for 32-blocks in float32 the same kernel compiled with inductor's default fusion thresholds (the
     16 x 16 product split in two passes over a buffer as large as the input), in bfloat16 the rounding to bfloat16 on
     the bit pattern (`rounded_on_the_bits`), the signs apart from the 16 x 16 factor (as in float32) and, besides, the
-    sums divided and rounded after they are put together (`transform_then_round`); for 512-blocks both products,
-    the division and the rounding as torch's operations before the cast's kernel (`products_then_cast`), the
-    division and rounding in the cast's kernel (`finish_and_cast`) and, in float32, the transform split into a
-    64 x 64 product and a Sylvester factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
+    sums divided and rounded after they are put together (`transform_then_round`); for 512-blocks (without signs,
+    which `hadamard` moves into `up_proj`'s rows) the signs applied online (a signed transform, as `hadamard`'s was
+    before), each chunk's values copied into the output (`chunks_copied`), both products, the division and the
+    rounding as torch's operations before the cast's kernel (`products_then_cast`), the division and rounding in the
+    cast's kernel (`finish_and_cast`) and, in float32, the transform split into a 64 x 64 product and a Sylvester
+    factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
     fmt = get_format("mxfp4_e2m1")
     kernel = transforms._transform_kernel
     options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
@@ -320,7 +334,7 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     table = []
     for dtype, width, block in cases:
         x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0)).to(dtype)
-        transform = transforms.RandomizedHadamard(width, block, seed=0)
+        transform = transforms.RandomizedHadamard(width, block, seed=0, signed=block == 32)
 
         def with_kernel(replacement: CompiledKernel, factor: Callable | None = None) -> Callable[[], None]:
             def call() -> None:
@@ -346,6 +360,11 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
                 rounded_after, apart
             )
         else:
+            signed = transforms.RandomizedHadamard(width, block, seed=0)
+            candidates["transform and cast, signs applied online"] = lambda: signed.quantize(x, fmt, 32, "ocp")
+            candidates["transform and cast, each chunk's values copied into the output"] = functools.partial(
+                chunks_copied, transform, x, (fmt, 32, "ocp")
+            )
             candidates["transform and cast, the product across runs as torch's, then the cast's kernel"] = (
                 functools.partial(products_then_cast, transform, x, (fmt, 32, "ocp"))
             )
@@ -354,7 +373,7 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
             )
         if block > 32 and dtype == torch.float32:
             with mock.patch.object(transforms, "kronecker_split", split_64_by_8):
-                split_before = transforms.RandomizedHadamard(width, block, seed=0)
+                split_before = transforms.RandomizedHadamard(width, block, seed=0, signed=False)
             candidates["transform and cast, 64 x 64 product then order 8"] = lambda: split_before.quantize(
                 x, fmt, 32, "ocp"
             )

@@ -866,11 +866,13 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     # per dtype, input width and block: the cast alone (1.00x), the transform with it, and the references: in float32
     # for 32-blocks the same kernel compiled with inductor's default fusion thresholds; in bfloat16 for 32-blocks the
     # rounding to bfloat16 on the bit pattern, the signs apart from the factor, then also the sums rounded after the
-    # stack; for 512-blocks both products, the division and the rounding as torch's operations before the cast's
-    # kernel, the division and rounding in the cast's kernel and, in float32, the 64 x 64 split
+    # stack; for 512-blocks the signs applied online, each chunk's values copied into the output, both products, the
+    # division and the rounding as torch's operations before the cast's kernel, the division and rounding in the
+    # cast's kernel and, in float32, the 64 x 64 split
     cast, transform = "MX cast alone (quantize_mx)", "transform and cast"
     thresholds = f"{transform}, inductor's default fusion thresholds"
     in_the_cast = f"{transform}, division and rounding in the cast's kernel"
+    signed, copied = f"{transform}, signs applied online", f"{transform}, each chunk's values copied into the output"
     products_first = f"{transform}, the product across runs as torch's, then the cast's kernel"
     split = f"{transform}, 64 x 64 product then order 8"
     apart = f"{transform}, signs apart from the factor"
@@ -879,10 +881,16 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     expected = [
         *[("1024 x 576", "float32", "32", call) for call in (cast, transform, thresholds)],
         *[("1024 x 1536", "float32", "32", call) for call in (cast, transform, thresholds)],
-        *[("1024 x 1536", "float32", "512", call) for call in (cast, transform, products_first, in_the_cast, split)],
+        *[
+            ("1024 x 1536", "float32", "512", call)
+            for call in (cast, transform, signed, copied, products_first, in_the_cast, split)
+        ],
         *[("1024 x 576", "bfloat16", "32", call) for call in (cast, transform, on_the_bits, apart, rounded_after)],
         *[("1024 x 1536", "bfloat16", "32", call) for call in (cast, transform, on_the_bits, apart, rounded_after)],
-        *[("1024 x 1536", "bfloat16", "512", call) for call in (cast, transform, products_first, in_the_cast)],
+        *[
+            ("1024 x 1536", "bfloat16", "512", call)
+            for call in (cast, transform, signed, copied, products_first, in_the_cast)
+        ],
     ]
     assert [tuple(c[:4]) for c in calls] == expected
     # each ratio is the row's time over its cast's (a one-repeat run on a busy machine can time the transform below

@@ -649,6 +649,66 @@ def test_a_kernel_whose_first_result_differs_from_the_eager_function_is_rejected
     assert torch.equal(checked(x), x * 2) and checked.rejected_variants == 0 and checked.compiled_variants == 1
 
 
+def _doubled_into(x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Writes `2 x` into `out` (`2 x + 1` while traced into a kernel's graph: a miscompiled kernel with
+    `miscompiled`) and returns the rows' sums."""
+    out.copy_(x * 2 + 1 if _doubled_into.miscompiled and get_proxy_mode() is not None else x * 2)
+    return x.sum(-1)
+
+
+@pytest.mark.parametrize("miscompiled", [False, True])
+def test_a_kernel_that_writes_into_a_tensor_stores_there_what_the_eager_function_writes(
+    compiled, monkeypatch, miscompiled
+):
+    """`writes_into`: the kernel stores its values into the caller's tensor (rows of a larger one), and its first
+    call compares them with what the eager function writes; a kernel that writes other values is rejected, and the
+    caller's tensor gets the eager values."""
+    monkeypatch.setattr(_doubled_into, "miscompiled", miscompiled, raising=False)
+    kernel = CompiledKernel(_doubled_into, writes_into="out")
+    x, output = torch.arange(96.0).reshape(3, 32), torch.full((7, 32), -1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sums = kernel(x, output[2:5])
+    assert len([w for w in caught if "eager reference" in str(w.message)]) == int(miscompiled)
+    assert kernel.rejected_variants == int(miscompiled) and kernel.compiled_variants == 1
+    assert torch.equal(sums, x.sum(-1)) and torch.equal(output[2:5], x * 2)
+    assert torch.all(output[:2] == -1) and torch.all(output[5:] == -1)  # the other rows untouched
+    assert torch.equal(kernel(x + 1, output[:3]), (x + 1).sum(-1)) and torch.equal(output[:3], (x + 1) * 2)
+    with pytest.raises(ValueError, match="writes into a contiguous tensor only"):
+        kernel(x, output[:3].t().contiguous().t())
+    with pytest.raises(ValueError, match=r"has no parameter 'result' to write into; it has \['x', 'out'\]"):
+        CompiledKernel(_doubled_into, writes_into="result")
+
+
+def test_a_large_blocks_transform_writes_each_chunk_of_rows_into_the_output(compiled, monkeypatch):
+    """On a CPU the kernel after a large block's first product stores each chunk's values into the rows of the
+    output (no chunk result copied there), with or without the cast, with the eager bits."""
+    monkeypatch.setattr(cast_module, "ROW_CHUNK_ELEMENTS", 5 * 512)  # 5 rows of 512 per chunk
+    written = []
+
+    class Recorded:
+        active = property(lambda self: _sylvester_kernel.active)
+
+        def __call__(self, mixed, sylvester, out, *rest):
+            written.append((out.untyped_storage().data_ptr(), out.storage_offset(), len(out)))
+            return _sylvester_kernel(mixed, sylvester, out, *rest)
+
+    monkeypatch.setattr(transforms, "_sylvester_kernel", Recorded())
+    transform = RandomizedHadamard(512, 512, seed=2, signed=False)
+    x = awkward_tensor(12, 512).reshape(3, 4, 512)
+    fmt = get_format("mxfp8_e4m3")
+    got = [transform(x), transform.quantize(x, fmt, 32, "ocp")]
+    assert _sylvester_kernel.rejected_variants == 0
+    for output, calls in zip(got, (written[:3], written[3:]), strict=True):
+        assert calls == [
+            (output.untyped_storage().data_ptr(), 512 * start, rows) for start, rows in ((0, 5), (5, 5), (10, 2))
+        ]
+    set_compile_enabled(False)
+    expected = [transform(x), transform.quantize(x, fmt, 32, "ocp")]
+    set_compile_enabled(True)
+    assert all(torch.equal(_bits(a), _bits(b)) for a, b in zip(got, expected, strict=True))
+
+
 # Where torch's own choice is AVX2, every compiled test of this file checks AVX2 code already.
 @pytest.mark.skipif(torch.backends.cpu.get_cpu_capability() != "AVX512", reason="x86 with AVX-512 only")
 def test_kernels_compiled_for_avx2_are_bit_identical(tmp_path):

@@ -197,7 +197,7 @@ def quantize_mx(x: torch.Tensor, fmt: str | MXFormat, block_size: int = 32, scal
     return cast_mx(x, fmt, block_size, scale_rule, native_cast=not torch.compiler.is_compiling())
 
 
-# Rows per call of `map_row_chunks`' function: at most this many elements (1 MiB of float32).
+# Rows per call of `map_row_chunks`' and `fill_row_chunks`' functions: at most this many elements (1 MiB of float32).
 ROW_CHUNK_ELEMENTS = 2**18
 
 
@@ -210,16 +210,32 @@ def map_row_chunks(fn: Callable[[torch.Tensor], torch.Tensor], rows: torch.Tenso
     tokens, in a process holding only the quantized model, its forward took 1.25x as long with each activation's
     float32 copy made in one call as in chunks (`benchmarks/results/inference_processes.md` at `e84736a`, when the
     casts made such copies; whether it happens depends on what the process allocated before). Chunks of
-    ``ROW_CHUNK_ELEMENTS`` keep the temporaries small enough to be reused (and in cache); the output is written once,
-    as any layer's. On a GPU (a caching allocator) ``fn`` runs on all rows at once.
+    ``ROW_CHUNK_ELEMENTS`` keep the temporaries small enough to be reused (and in cache); each chunk's result is
+    copied into the output (`fill_row_chunks` saves that copy for a function that can write there itself). On a GPU
+    (a caching allocator) ``fn`` runs on all rows at once.
     """
-    chunk_rows = max(1, ROW_CHUNK_ELEMENTS // max(1, rows.shape[-1]))
-    if rows.device.type != "cpu" or len(rows) <= chunk_rows:
+    if rows.device.type != "cpu" or len(rows) <= _chunk_rows(rows):
         return fn(rows).to(dtype)
+    return fill_row_chunks(lambda chunk, out: out.copy_(fn(chunk)), rows, dtype)
+
+
+def fill_row_chunks(
+    fill: Callable[[torch.Tensor, torch.Tensor], object], rows: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """A new tensor of ``rows``' shape in ``dtype``, written by ``fill(chunk, out)``, which writes the result for a
+    chunk of rows (``ROW_CHUNK_ELEMENTS`` elements at most: `map_row_chunks`) into ``out``, the output's same rows:
+    a compiled kernel that stores its values there (`formats.compilation.CompiledKernel`'s ``writes_into``) saves
+    the copy of a returned result, 0.3 ms of a 512-row `down_proj` call on SmolLM2 with `hadamard`'s transform
+    (`benchmarks/bench_inference.py`, "Online transforms")."""
     out = torch.empty(rows.shape, dtype=dtype, device=rows.device)
+    chunk_rows = _chunk_rows(rows)
     for start in range(0, len(rows), chunk_rows):
-        out[start : start + chunk_rows] = fn(rows[start : start + chunk_rows])
+        fill(rows[start : start + chunk_rows], out[start : start + chunk_rows])
     return out
+
+
+def _chunk_rows(rows: torch.Tensor) -> int:
+    return max(1, ROW_CHUNK_ELEMENTS // max(1, rows.shape[-1]))
 
 
 def compiles(width: int, block_size: int) -> bool:

@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import os
 import tempfile
@@ -143,11 +144,20 @@ class CompiledKernel:
     must be hashable. Tensors of two or more dimensions have their rows (tokens) first: their row count is
     symbolic, their other sizes are part of the kernel's key, as are 0- and 1-dim tensors' sizes. `options`:
     inductor options of this kernel, added to `INDUCTOR_OPTIONS`.
+
+    `writes_into` names a tensor parameter that ``fn`` writes its main result into (``out.copy_(values)``) instead
+    of returning it: the kernel then stores the values straight into that tensor, which may be rows of a larger one
+    (a chunk of an activation's output), where a returned result would be copied there once more. It must be
+    contiguous; the first call's check compares what both write there as well as what they return.
     """
 
-    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None):
+    def __init__(self, fn: Callable[..., Any], options: dict[str, Any] | None = None, writes_into: str | None = None):
         self.fn = fn
         self.options = dict(options or {})
+        parameters = list(inspect.signature(fn).parameters)
+        if writes_into is not None and writes_into not in parameters:
+            raise ValueError(f"{fn.__name__} has no parameter {writes_into!r} to write into; it has {parameters}")
+        self._written = None if writes_into is None else parameters.index(writes_into)  # its position in a call
         # key -> what runs for it: the compiled kernel once its first call matched the eager function, else `fn`
         self._kernels: dict[tuple, Callable[..., Any]] = {}
         functools.update_wrapper(self, fn)
@@ -170,6 +180,8 @@ class CompiledKernel:
     def __call__(self, *args: Any) -> Any:
         if not self.active:
             return self.fn(*args)
+        if self._written is not None and not args[self._written].is_contiguous():
+            raise ValueError(f"{self.fn.__name__} writes into a contiguous tensor only (a copy would lose the values)")
         # Kernels are compiled for contiguous tensors (a view, e.g. a slice of a wider activation, is copied first).
         args = tuple(arg.contiguous() if isinstance(arg, torch.Tensor) else arg for arg in args)
         key = tuple(map(_signature, args))
@@ -204,15 +216,19 @@ class CompiledKernel:
         (with one warning)."""
         options = {**inductor_options(args), **self.options}
         kernel = _stored_kernel(self.fn, args, options)
-        result, expected = kernel(*args), self.fn(*args)
+        expected = self._eager_result(args)
+        result = self._kernel_result(kernel, args)
         if kernel.loaded and not _same_bits(result, expected):  # stored by another build or machine, or damaged
             kernel.discard()
             kernel = _stored_kernel(self.fn, args, options)
-            result = kernel(*args)
+            result = self._kernel_result(kernel, args)
         if _same_bits(result, expected):
             self._kernels[key] = kernel
-            return result
+            return result if self._written is None else result[0]
         self._kernels[key] = self.fn
+        if self._written is not None:  # the caller's tensor gets the eager values
+            args[self._written].copy_(expected[1])
+            expected = expected[0]
         warnings.warn(
             f"optimum-dmx: the compiled MX kernel {self.fn.__name__!r} gave other values than its eager reference "
             f"(inputs {[s for s in key if isinstance(s, tuple)]}, torch {torch.__version__}); this kernel runs "
@@ -223,6 +239,20 @@ class CompiledKernel:
             stacklevel=4,
         )
         return expected
+
+    def _kernel_result(self, kernel: Callable[..., Any], args: tuple) -> Any:
+        """What `kernel` returns for `args`, with a copy of what it wrote (`writes_into`) when it writes."""
+        returned = kernel(*args)
+        return returned if self._written is None else (returned, args[self._written].clone())
+
+    def _eager_result(self, args: tuple) -> Any:
+        """What ``fn`` returns for `args`, with what it wrote (`writes_into`) when it writes, into a tensor of its own:
+        the caller's is left to the kernel."""
+        if self._written is None:
+            return self.fn(*args)
+        own = list(args)
+        own[self._written] = torch.empty_like(args[self._written])
+        return self.fn(*own), own[self._written]
 
 
 def inductor_options(args: tuple) -> dict[str, Any]:

@@ -13,7 +13,11 @@
   with one orthogonal matrix per decoder layer (attention mixes tokens, not features, so it commutes).
 * **Online input transform of `down_proj` (R4).** The input of `down_proj` (after the gated activation) cannot be
   reached by a merged rotation: it becomes a `TransformedLinear` whose input is transformed on the fly and whose
-  weight holds the inverse. The transform is returned, per module, to be recorded in config.json.
+  weight holds the inverse. The transform's random signs `D` (`T = D B`) go into `up_proj`'s rows, which negates
+  elements of `act(gate_proj(x)) * up_proj(x)` exactly, so the online transform is the plain block Hadamard `B`
+  (`RandomizedHadamard.split_signs`): the same bits, without a pass over the activation for the signs, which on
+  SmolLM2's 512-blocks is a sixth of the transform's cost over the cast (`benchmarks/bench_inference.py`). The
+  transform is returned, per module, to be recorded in config.json.
 
 `rotation="hadamard"` uses full-size randomized Hadamard transforms for the merged rotations (hidden size, head
 size) and, online, one on blocks of the largest power of two dividing the intermediate size (all of it when it is a
@@ -217,11 +221,15 @@ def rotate_model(
     if sites.residual:
         fold_norm_scales(model)
     merge_rotations(model, sites, residual if sites.residual else None, [head for head, _ in per_layer])
+    carriers = sign_carriers(model, quantized)
     transforms = {}
     for (_, o_proj, _), (_, online) in zip(sites.heads, per_layer):
         name = _down_proj(o_proj)
         if name in quantized:
-            _merge_input_side(model, name, online)  # its TransformedLinear applies `T` online
+            _merge_input_side(model, name, online)  # W T: its TransformedLinear applies `T` online
+            if name in carriers:  # T = D B: `up_proj`'s rows take D, the online transform is B
+                signs, online = online.split_signs()
+                _negate_outputs(model, carriers[name], signs)
             replace_module(model, name, TransformedLinear(model.get_submodule(name), online))
             transforms[name] = online.to_dict()
     return transforms
@@ -440,6 +448,17 @@ def _merge_input_side(model: nn.Module, name: str, matrix: Rotation) -> None:
     """`W <- W @ diag(matrix, ...)` for module `name`: a linear now expects inputs rotated by `matrix`, an
     embedding's rows come out rotated by it."""
     _rewrite(model, name, lambda weight: rotate_input_side(weight, _in_float64(matrix, weight.device)))
+
+
+def _negate_outputs(model: nn.Module, name: str, signs: torch.Tensor) -> None:
+    """`W <- diag(signs) W`, `b <- b * signs` for linear `name`: each output element comes out multiplied by its sign
+    (+-1), exactly."""
+    _rewrite(
+        model,
+        name,
+        lambda tensor: tensor * signs.to(tensor.device).view(-1, *(1,) * (tensor.dim() - 1)),
+        ("weight", "bias"),
+    )
 
 
 def _in_float64(matrix: Rotation, device: torch.device) -> Rotation:

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..formats.cast import cast_mx_blocks, compiles, map_row_chunks, quantize_mx
+from ..formats.cast import cast_mx_blocks, compiles, fill_row_chunks, map_row_chunks, quantize_mx
 from ..formats.compilation import CompiledKernel
 from ..formats.spec import MXFormat
 
@@ -152,8 +152,9 @@ def _signed_product_in_order(
     """Rows `x` times the signs, then each run of `order` elements times the last Kronecker factor (`order` x
     `order`), in float32, its `order` products added in the order of the factor's rows, one after the other, as a
     matrix product's inner loop adds them (and, the factor's entries being +-1, as a fused multiply-add rounds them).
-    `matrices` holds the factor (flattened), or, with `signs` None, one copy of it per run with the run's signs in its
-    rows (`RandomizedHadamard._signed_run_matrices`): the same products, as a sign flips a product exactly. Compiled,
+    `matrices` holds the factor (flattened), or, with `signs` None for a signed transform, one copy of it per run with
+    the run's signs in its rows (`RandomizedHadamard._signed_run_matrices`): the same products, as a sign flips a
+    product exactly. Compiled,
     one pass over `x` with nothing stored between; a matrix product writes a buffer as large as `x`."""
     rows, width = x.shape
     signed = (x.float() if signs is None else x.float() * signs).view(rows, width // order, order)
@@ -203,17 +204,23 @@ def _transform_kernel(
     return values.to(dtype), block_output
 
 
-@functools.partial(CompiledKernel, options=_transform_kernel.options)
+@functools.partial(CompiledKernel, options=_transform_kernel.options, writes_into="out")
 def _sylvester_kernel(
-    mixed: torch.Tensor, sylvester: torch.Tensor, last: int, norm: float, dtype: torch.dtype, cast: tuple | None
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    mixed: torch.Tensor,
+    sylvester: torch.Tensor,
+    out: torch.Tensor,
+    last: int,
+    norm: float,
+    dtype: torch.dtype,
+    cast: tuple | None,
+) -> tuple[torch.Tensor, ...]:
     """The rest of a large block's transform after the product by its last factor (`mixed`: float32 rows, each block
     `order` runs of `last` elements): the product across each block's runs by the Sylvester matrix (`sylvester`,
     `order` x `order`, flattened), its `order` terms added one after the other as a matrix product's inner loop adds
     them (`_sylvester_product`'s bits), divided by `norm`, rounded to `dtype` and, with `cast` (format, block size,
-    scale rule), MX-quantized: the values as `[rows, blocks, block size]`, the shared exponents and the transformed
-    values, the last two block outputs (`formats.compilation`). Stored once, the transformed values are read by the
-    cast's two loops over each block instead of computed again in each."""
+    scale rule), MX-quantized, the values written into `out` (rows of `mixed`'s shape in `dtype`). Returns, with
+    `cast`, the shared exponents and the transformed values, block outputs (`formats.compilation`): stored once, the
+    transformed values are read by the cast's two loops over each block instead of computed again in each."""
     rows, width = mixed.shape
     order = math.isqrt(len(sylvester))
     runs = mixed.view(rows, width // (order * last), order, 1, last)
@@ -223,11 +230,13 @@ def _sylvester_kernel(
         product = product + runs[:, :, k] * columns[k].view(order, 1)
     finished = (product / norm).to(dtype).float()
     if cast is None:
-        return finished.to(dtype)
+        out.copy_(finished.view(rows, width))
+        return ()
     # The cast on a view of whole blocks: read through the rows' flat layout, inductor computed the values in a
     # scalar loop, several times slower (measured once, while the kernel was written).
     values, block_output = cast_mx_blocks(finished.view(rows, -1, cast[1]), *cast, native_cast=False)
-    return values.to(dtype), block_output, finished
+    out.copy_(values.view(rows, width))
+    return block_output, finished
 
 
 class RandomizedHadamard(nn.Module):
@@ -265,11 +274,10 @@ class RandomizedHadamard(nn.Module):
         generator = torch.Generator().manual_seed(self.seed)
         # Explicitly on the CPU: transformers builds checkpoints' modules under a meta-device context.
         self.signed = bool(signed)
+        signs = None  # unsigned: nothing to multiply by
         if self.signed:
             drawn = torch.randint(0, 2, (size // copies,), generator=generator, device="cpu").to(torch.float64) * 2 - 1
             signs = drawn.view(-1, run).repeat_interleave(copies, 0).flatten()
-        else:
-            signs = torch.ones(size, dtype=torch.float64, device="cpu")
         odd = torch.linalg.qr(torch.randn(self.odd, self.odd, generator=generator, dtype=torch.float64, device="cpu"))[
             0
         ]
@@ -290,8 +298,8 @@ class RandomizedHadamard(nn.Module):
         self._pairs = sylvester_power == 1  # the Sylvester factor is one sum and one difference
 
     def _factors_as(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
-        """The signs, the last factor's matrix and the Sylvester one (or None) on `device` in `dtype` (converted
-        once, then kept)."""
+        """The signs (None when not `signed`), the last factor's matrix and the Sylvester one (or None) on `device`
+        in `dtype` (converted once, then kept)."""
         key = (device, dtype)
         if key not in self._factors:
             factors = self._factors[(torch.device("cpu"), torch.float64)]
@@ -312,7 +320,8 @@ class RandomizedHadamard(nn.Module):
         first of `_products`' two matrix products, in `dtype` (float32 or float64), outside `torch.autocast`."""
         signs, last, _ = self._factors_as(rows.device, dtype)
         with torch.autocast(rows.device.type, enabled=False):
-            return ((rows * signs).reshape(-1, len(last)) @ last).view(rows.shape)
+            signed = rows.to(dtype) if signs is None else rows * signs
+            return (signed.reshape(-1, len(last)) @ last).view(rows.shape)
 
     def _transform_rows(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """`x @ T` computed in `dtype` (float32 or float64), eagerly, rows of `x`'s last dimension."""
@@ -334,6 +343,9 @@ class RandomizedHadamard(nn.Module):
             rows = x.reshape(-1, self.size)
             if self._whole_in_kernel:
                 return self._kernel_values(rows, x.dtype, cast).view(x.shape)
+            if rows.device.type == "cpu" and self._factors_as(rows.device, torch.float32)[2] is not None:
+                fill = lambda chunk, out: self._sylvester_kernel_into(chunk, out, cast)  # noqa: E731
+                return fill_row_chunks(fill, rows, x.dtype).view(x.shape)
             return map_row_chunks(lambda chunk: self._kernel_values(chunk, x.dtype, cast), rows, x.dtype).view(x.shape)
         transformed = self._transform_rows(x.float(), torch.float32).to(x.dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
@@ -343,29 +355,30 @@ class RandomizedHadamard(nn.Module):
             raise ValueError(f"RandomizedHadamard of size {self.size} applied to a last dimension of {x.shape[-1]}")
 
     def _kernel_values(self, rows: torch.Tensor, dtype: torch.dtype, cast: tuple | None) -> torch.Tensor:
-        """The transform of `rows` in `dtype`, MX-quantized with `cast`: the whole of it in `_transform_kernel`; for
-        larger blocks on a CPU, the product by the last factor as torch's matrix product, then the rest in
-        `_sylvester_kernel`; elsewhere both matrix products, the division and the rounding as torch's own operations,
-        then the MX cast's kernel (`formats.quantize_mx`)."""
+        """The transform of `rows` in `dtype`, MX-quantized with `cast`: the whole of it in `_transform_kernel`;
+        elsewhere than in `_sylvester_kernel_into` (a CPU's larger blocks), both matrix products, the division and
+        the rounding as torch's own operations, then the MX cast's kernel (`formats.quantize_mx`)."""
         if self._whole_in_kernel:
             kernel_input = rows, *self._kernel_factor(rows), self._pairs, self._last_order
             finished = _transform_kernel(*kernel_input, float(self._norm), dtype, cast)
             return finished if cast is None else finished[0]
-        sylvester = self._factors_as(rows.device, torch.float32)[2]
-        if rows.device.type == "cpu" and sylvester is not None:
-            mixed = self._last_factor_products(rows, torch.float32)
-            kernel_input = mixed, sylvester.view(-1), self._last_order, float(self._norm), dtype, cast
-            finished = _sylvester_kernel(*kernel_input)
-            return (finished if cast is None else finished[0]).view(rows.shape)
         transformed = self._products(rows, torch.float32).div_(self._norm).to(dtype)
         return transformed if cast is None else quantize_mx(transformed, *cast)
+
+    def _sylvester_kernel_into(self, rows: torch.Tensor, out: torch.Tensor, cast: tuple | None) -> None:
+        """The transform of `rows`, MX-quantized with `cast`, written into `out` (in its dtype): the product by the
+        last factor as torch's matrix product, then the rest in `_sylvester_kernel`. On a CPU, for a transform with a
+        Sylvester factor that `_transform_kernel` does not compute whole (SmolLM2's 512-blocks)."""
+        sylvester = self._factors_as(rows.device, torch.float32)[2]
+        mixed = self._last_factor_products(rows, torch.float32)
+        _sylvester_kernel(mixed, sylvester.view(-1), out, self._last_order, float(self._norm), out.dtype, cast)
 
     def _kernel_factor(self, rows: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
         """The signs and the last factor (flattened) that the inference kernel takes to compute the whole transform
         of `rows`: on a CPU, for rows not in float32, no signs and one copy of the factor per run with the signs in
-        it (`_signed_run_matrices`)."""
+        it (`_signed_run_matrices`); without signs (not `signed`), the factor alone."""
         signs, last, _ = self._factors_as(rows.device, torch.float32)
-        if rows.device.type == "cpu" and rows.dtype != torch.float32:
+        if signs is not None and rows.device.type == "cpu" and rows.dtype != torch.float32:
             return None, self._signed_run_matrices().view(-1)
         return signs, last.view(-1)
 
@@ -390,7 +403,20 @@ class RandomizedHadamard(nn.Module):
     def signs(self) -> torch.Tensor:
         """The diagonal of `D`: one sign (+-1, float64) per element of the transformed dimension (all +1 when not
         `signed`)."""
-        return self._factors[(torch.device("cpu"), torch.float64)][0].clone()
+        signs = self._factors[(torch.device("cpu"), torch.float64)][0]
+        return torch.ones(self.size, dtype=torch.float64) if signs is None else signs.clone()
+
+    def split_signs(self) -> tuple[torch.Tensor, RandomizedHadamard]:
+        """`T = D B`: the signs `D` (`signs()`) and `B`, this transform without them (`signed=False`, the same seed):
+        an input whose producer takes the signs (`nn.rotation.sign_carriers`) needs only `B`, which costs the signs'
+        pass over it less. Only for power-of-two blocks, whose transforms draw nothing but the signs (an odd factor's
+        random matrix `Q` would be drawn anew without them)."""
+        if self.odd != 1:
+            raise ValueError(
+                f"split_signs needs a power-of-two block_size, got {self.block_size} (odd factor {self.odd}): the "
+                "transform without signs would draw another odd-factor rotation"
+            )
+        return self.signs(), RandomizedHadamard(self.size, self.block_size, self.seed, self.sign_copies, signed=False)
 
     def matrix(self, dtype: torch.dtype = torch.float64) -> torch.Tensor:
         """`T` itself, `[size, size]`, computed in float64 on the CPU (for merged rotations, which combine with others
@@ -412,7 +438,8 @@ class RandomizedHadamard(nn.Module):
         with torch.autocast(rows.device.type, enabled=False):
             mixed = _sylvester_product(rows, sylvester, len(last))
             unsigned = (mixed.view(-1, len(last)) @ last.T).view(rows.shape)
-        return (unsigned * signs / self._norm).view(x.shape)
+        signed = unsigned if signs is None else unsigned * signs
+        return (signed / self._norm).view(x.shape)
 
     def to_dict(self) -> dict[str, Any]:
         """What rebuilds this transform exactly (`from_dict`): stored per module in config.json."""
