@@ -228,6 +228,34 @@ def test_rotation_preserves_the_models_function(kind, rotation, dtype):
         assert all(torch.all(rotated.get_submodule(f"model.layers.{i}.input_layernorm").weight == 1) for i in range(2))
 
 
+@pytest.mark.parametrize("rotation", ["hadamard", "block_hadamard"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kernels", ["eager", "compiled"])
+def test_down_proj_signs_go_into_up_proj_and_change_no_bit_of_the_quantized_model(request, rotation, dtype, kernels):
+    """A merged rotation's online `down_proj` transform `T = D B` leaves `D` to `up_proj`'s rows and applies `B`
+    (64-blocks of the tiny model's 192 here: the large blocks' kernel; 32-blocks: the whole transform in one). The
+    MX-quantized model computes the bits of the same model with `T` applied online and `up_proj` without the signs,
+    as rotations ran before."""
+    if kernels == "compiled":
+        request.getfixturevalue("compiled")
+    _, model, transforms, quantized = _rotated_copy("llama", rotation, dtype)  # the float function kept
+    signs_online = copy.deepcopy(model)
+    for name, spec in transforms.items():
+        assert spec["signed"] is False and not model.get_submodule(name).input_transform.signed
+        signed = RandomizedHadamard.from_dict(spec | {"signed": True})
+        assert not torch.all(signed.signs() == 1)
+        with torch.no_grad():
+            signs_online.get_submodule(name.replace("down_proj", "up_proj")).weight.mul_(
+                signed.signs().to(dtype)[:, None]
+            )
+        signs_online.get_submodule(name).input_transform = signed
+    format_map = {name: "mxfp4_e2m1" if i % 3 else "mxfp8_e4m3" for i, name in enumerate(quantized)}
+    for quantized_model in (model, signs_online):
+        replace_with_mx_linear(quantized_model, format_map)
+    with torch.no_grad():
+        assert torch.equal(model(INPUT_IDS).logits, signs_online(INPUT_IDS).logits)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_online_block_rotation_transforms_every_quantized_input_and_preserves_the_function(kind, dtype):

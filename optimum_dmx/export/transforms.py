@@ -16,7 +16,9 @@ negating an output is exact (MX codes are sign-magnitude: a row's sign bits):
   the norm's scale (`weight`).
 
 The loader applies `I ⊗ H`; the product is the same function. `rotation="online_block_hadamard"` draws signs only
-where they can move (`nn.rotation.sign_carriers`); a transform without signs needs nothing from another layer.
+where they can move (`nn.rotation.sign_carriers`); `"hadamard"` and `"block_hadamard"` put their `down_proj`
+transforms' signs into `up_proj`'s rows when they rotate (earlier versions' checkpoints carry them in the transform);
+a transform without signs needs nothing from another layer.
 
 What this cannot carry is refused, naming the layer: a transform with an odd factor (the random orthogonal matrix
 of `rotation="hadamard"` at an intermediate size that is not a power of two, in checkpoints of earlier versions: no

@@ -35,12 +35,15 @@ over them do not each do it again, and rounds with `.to(dtype)` (rounded on the 
 reads through scalar bit casts on a CPU, a bfloat16 transform with its cast took 3.1x the cast's time, against 1.9x:
 `benchmarks/bench_inference.py`, "Online transforms"). Larger blocks (`hadamard`'s 512-blocks of SmolLM2's
 `down_proj` input) take the product by the last factor as torch's matrix product, a chunk of rows at a time on a CPU
-(`formats.cast.map_row_chunks`: float32 temporaries small enough for the allocator to reuse); on a CPU the rest,
+(`formats.cast.fill_row_chunks`: float32 temporaries small enough for the allocator to reuse); on a CPU the rest,
 the product across the runs by the Sylvester factor, the division, the rounding and the MX cast, is one compiled
 kernel (`_sylvester_kernel`; its transformed values stored once, where inductor would compute them again in each of
 the cast's loops), which took 0.88x the time of that product, division and rounding as torch's operations followed
 by the cast's kernel, for a bfloat16 1024 x 1536 input on 512-blocks (0.90x in float32;
-`benchmarks/bench_inference.py`). On a GPU both products, the division and the rounding are torch's operations,
+`benchmarks/bench_inference.py`), and which stores its values straight into the chunk's rows of the output. Such a
+transform's signs are best kept out of it: a rotation puts them into the layer producing the input where it can
+(`split_signs`), and a transform without signs multiplies by none. On a GPU both products, the division and the
+rounding are torch's operations,
 then the cast's kernel. Each kernel is checked bit for bit against the same steps run eagerly; that those give the
 bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
 product's inner loop adds them) is tested.
