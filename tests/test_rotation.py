@@ -155,6 +155,22 @@ def test_an_unsigned_transform_is_the_plain_block_hadamard_matrix(size, block_si
         RandomizedHadamard.from_dict(spec | {"signed": "no"})
 
 
+@pytest.mark.parametrize("size, block_size, sign_copies", [(192, 64, None), (1536, 512, None), (128, 32, (2, 32))])
+def test_a_transform_splits_into_its_signs_and_the_same_transform_without_them(size, block_size, sign_copies):
+    """`split_signs`: `T = D B` exactly, `B` the transform without signs recorded with the same seed; a transform with
+    an odd factor (whose random matrix another draw would change) is refused."""
+    transform = RandomizedHadamard(size, block_size, seed=7, sign_copies=sign_copies)
+    signs, unsigned = transform.split_signs()
+    assert not unsigned.signed and unsigned.seed == 7 and unsigned.sign_copies == transform.sign_copies
+    assert torch.equal(signs, transform.signs()) and not torch.all(signs == 1)
+    assert torch.equal(signs[:, None] * unsigned.matrix(), transform.matrix())
+    assert RandomizedHadamard.from_dict(unsigned.to_dict()).key == unsigned.key
+    x = torch.randn(3, size, generator=torch.Generator().manual_seed(0))
+    assert torch.equal(unsigned(x * signs.float()), transform(x))
+    with pytest.raises(ValueError, match="split_signs needs a power-of-two block_size, got 96"):
+        RandomizedHadamard(192, 96, seed=7).split_signs()
+
+
 def test_randomized_hadamard_rejects_bad_sizes():
     with pytest.raises(ValueError, match="block_size=48"):
         RandomizedHadamard(64, 48)

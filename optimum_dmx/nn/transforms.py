@@ -43,10 +43,9 @@ by the cast's kernel, for a bfloat16 1024 x 1536 input on 512-blocks (0.90x in f
 `benchmarks/bench_inference.py`), and which stores its values straight into the chunk's rows of the output. Such a
 transform's signs are best kept out of it: a rotation puts them into the layer producing the input where it can
 (`split_signs`), and a transform without signs multiplies by none. On a GPU both products, the division and the
-rounding are torch's operations,
-then the cast's kernel. Each kernel is checked bit for bit against the same steps run eagerly; that those give the
-bits of the eager path's matrix products (products by +-1 are exact, and the sums run in the order a matrix
-product's inner loop adds them) is tested.
+rounding are torch's operations, then the cast's kernel. Each kernel is checked bit for bit against the same steps
+run eagerly; that those give the bits of the eager path's matrix products (products by +-1 are exact, and the sums
+run in the order a matrix product's inner loop adds them) is tested.
 """
 
 from __future__ import annotations
@@ -157,8 +156,8 @@ def _signed_product_in_order(
     matrix product's inner loop adds them (and, the factor's entries being +-1, as a fused multiply-add rounds them).
     `matrices` holds the factor (flattened), or, with `signs` None for a signed transform, one copy of it per run with
     the run's signs in its rows (`RandomizedHadamard._signed_run_matrices`): the same products, as a sign flips a
-    product exactly. Compiled,
-    one pass over `x` with nothing stored between; a matrix product writes a buffer as large as `x`."""
+    product exactly. Compiled, one pass over `x` with nothing stored between; a matrix product writes a buffer as
+    large as `x`."""
     rows, width = x.shape
     signed = (x.float() if signs is None else x.float() * signs).view(rows, width // order, order)
     factor = matrices.view(-1, order, order)  # one matrix for every run, or one per run
