@@ -298,6 +298,7 @@ class RandomizedHadamard(nn.Module):
         # The whole transform in the inference kernel: a small last factor and at most one sum and difference.
         self._whole_in_kernel = self._last_order <= KERNEL_MATRIX_ORDER and sylvester_power <= 1
         self._pairs = sylvester_power == 1  # the Sylvester factor is one sum and one difference
+        self._across_runs = sylvester_power > 0  # a Sylvester factor across the last factor's runs
 
     def _factors_as(self, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor | None, ...]:
         """The signs (None when not `signed`), the last factor's matrix and the Sylvester one (or None) on `device`
@@ -345,7 +346,7 @@ class RandomizedHadamard(nn.Module):
             rows = x.reshape(-1, self.size)
             if self._whole_in_kernel:
                 return self._kernel_values(rows, x.dtype, cast).view(x.shape)
-            if rows.device.type == "cpu" and self._factors_as(rows.device, torch.float32)[2] is not None:
+            if rows.device.type == "cpu" and self._across_runs:
                 fill = lambda chunk, out: self._sylvester_kernel_into(chunk, out, cast)  # noqa: E731
                 return fill_row_chunks(fill, rows, x.dtype).view(x.shape)
             return map_row_chunks(lambda chunk: self._kernel_values(chunk, x.dtype, cast), rows, x.dtype).view(x.shape)
