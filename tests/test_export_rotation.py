@@ -14,7 +14,7 @@ import torch
 from compressed_tensors.transform import TransformConfig, apply_transform_config
 from safetensors.torch import load_file, save_file
 from scipy.linalg import hadamard
-from transformers import AutoModelForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from optimum_dmx import DMXConfig
 from optimum_dmx.continuous import get_format_pair
@@ -247,6 +247,29 @@ def test_rotations_a_target_cannot_express_are_refused_naming_the_layer(tmp_path
             "quark",
         )
     assert not (tmp_path / "out").exists()
+
+
+def test_signs_an_mlp_without_a_gate_cannot_pass_on_are_refused(tmp_path):
+    """Nemotron's MLP is `down_proj(relu(up_proj(x)) ** 2)`: a sign of `up_proj`'s output does not reach
+    `down_proj`'s input. This version draws no signs there; a checkpoint of an earlier version, which did, is refused
+    instead of exported with signs in `up_proj`'s rows that would change the model's function."""
+    from .test_transformers_families import SMALL
+
+    torch.manual_seed(0)
+    float_dir = tmp_path / "nemotron"
+    AutoModelForCausalLM.from_config(AutoConfig.for_model("nemotron", **SMALL)).save_pretrained(float_dir)
+    names = linear_names(AutoModelForCausalLM.from_pretrained(float_dir))
+    format_map = dict.fromkeys(names, "mxfp8_e4m3")
+    config = DMXConfig(format_map=format_map, rotation="online_block_hadamard", scale_rule="compressed-tensors")
+    checkpoint = tmp_path / "dmx"
+    AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config).save_pretrained(checkpoint)
+    transforms = json.loads((checkpoint / "config.json").read_text())["quantization_config"]["input_transforms"]
+    assert transforms["model.layers.0.mlp.down_proj"]["signed"] is False
+    assert "signed" not in transforms["model.layers.0.self_attn.o_proj"]  # v_proj carries those
+    export_checkpoint(checkpoint, tmp_path / "exported")
+    with pytest.raises(ExportError, match=r"layers\.0\.mlp\.down_proj's online transform has random signs, and "):
+        export_checkpoint(signed_everywhere(checkpoint), tmp_path / "refused")
+    assert not (tmp_path / "refused").exists()
 
 
 @pytest.mark.parametrize("target, how", [("compressed-tensors", "apply_transform_config"), ("quark", "post_process")])

@@ -10,7 +10,7 @@ import pytest
 import scipy.linalg
 import torch
 from torch import nn
-from transformers import AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
+from transformers import AutoConfig, AutoModelForCausalLM, GPT2Config, GPT2LMHeadModel
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.calibration import CalibrationSettings, EndpointProbe, calibrate, dmx_linears
@@ -382,8 +382,51 @@ def test_sign_carriers_are_the_layers_and_norms_an_export_can_negate():
     }
     gemma = tiny_decoder("gemma3", tied=True)
     assert sign_carriers(gemma, quantized) == {n: c for n, c in expected.items() if n.endswith(("o_proj", "down_proj"))}
-    llama.model.layers[1].mlp.up_proj = nn.Linear(96, 64)  # 64 outputs for down_proj's 192 inputs
-    assert "model.layers.1.mlp.down_proj" not in sign_carriers(llama, quantized)
+
+
+@pytest.mark.parametrize(
+    "family, without_signs, with_signs",
+    [
+        ("nemotron", ["model.layers.0.mlp.down_proj"], ["model.layers.0.self_attn.o_proj"]),  # relu(up_proj(x)) ** 2
+        ("arcee", ["model.layers.1.mlp.down_proj"], ["model.layers.1.self_attn.o_proj"]),  # the same
+        ("mpt", ["transformer.blocks.0.ffn.down_proj", "transformer.blocks.1.ffn.down_proj"], []),  # gelu(up_proj(x))
+        # a gated delta net's values pass a convolution and SiLU; the softmax attention layer's do not
+        ("olmo_hybrid", ["model.layers.0.linear_attn.o_proj"], ["model.layers.1.self_attn.o_proj"]),
+        ("qwen2", [], ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.o_proj",
+                       "model.layers.1.mlp.down_proj"]),
+    ],
+)  # fmt: skip
+def test_online_transform_signs_go_only_where_the_model_passes_them_on(family, without_signs, with_signs):
+    """Names propose where an online transform's signs can go (`up_proj` for `down_proj`, `v_proj` for `o_proj`, a
+    norm for its readers); the model's own forward pass decides. Moved where the rotation put them, as the export
+    moves them (`compressed_tensors_transforms`' row signs, the transforms then plain Hadamard matrices), the model
+    computes the same logits, bit for bit; before the probe, the four families' transforms had signs their exports
+    could not carry (logits off by about their own size)."""
+    from optimum_dmx.export.transforms import compressed_tensors_transforms
+
+    from .test_transformers_families import EXTRA, SMALL
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **SMALL, **EXTRA.get(family, {}))
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # weights large enough that a sign which does not pass on shows in the logits
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.3)
+    quantized = list(linear_modules_to_quantize(model, ["lm_head"]))
+    transforms = rotate_model(model, "online_block_hadamard", quantized)
+    signed = {name for name, spec in transforms.items() if RandomizedHadamard.from_dict(spec).signed}
+    assert set(with_signs) <= signed and not signed & set(without_signs)
+    ids = torch.randint(3, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        rotated = model(ids).logits
+        for producer, signs in compressed_tensors_transforms(transforms, model).row_signs.items():
+            module = model.get_submodule(producer)
+            for parameter in (module.weight, getattr(module, "bias", None)):
+                if parameter is not None:
+                    parameter.mul_(signs.to(parameter).view(-1, *(1,) * (parameter.dim() - 1)))
+        for name, spec in transforms.items():
+            model.get_submodule(name).input_transform = RandomizedHadamard.from_dict({**spec, "signed": False})
+        assert torch.equal(model(ids).logits, rotated)
 
 
 def test_mx_and_dmx_linears_apply_the_online_transform():

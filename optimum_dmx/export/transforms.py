@@ -24,7 +24,8 @@ What this cannot carry is refused, naming the layer: a transform with an odd fac
 of `rotation="hadamard"` at an intermediate size that is not a power of two, in checkpoints of earlier versions: no
 Hadamard matrix the loaders build equals it), signs that differ within a query-head group (`online_block_hadamard`
 checkpoints of earlier versions), signs on a layer whose input no layer can take them for (a norm that scales by
-something else than its weight, such as Gemma's `1 + weight`, in checkpoints of earlier versions), linears reading
+something else than its weight, such as Gemma's `1 + weight`, or a `down_proj` whose MLP is not gated, in
+checkpoints of earlier versions), linears reading
 one norm with different transforms, and, for Quark, transforms of different block sizes in one model (its rotation
 has one `rotation_size`).
 """
@@ -153,8 +154,17 @@ def _transforms(
 
 
 def _up_proj_signs(module: str, transform: RandomizedHadamard, skeleton: nn.Module) -> tuple[str, torch.Tensor]:
-    """A gated MLP's `down_proj` reads `act(gate_proj(x)) * up_proj(x)`: `up_proj`'s output rows take the signs."""
-    producer = f"{module.rpartition('.')[0]}.up_proj"
+    """A gated MLP's `down_proj` reads `act(gate_proj(x)) * up_proj(x)`: `up_proj`'s output rows take the signs. An
+    MLP without `gate_proj` reads `act(up_proj(x))`, whose signs do not follow `up_proj`'s (checkpoints of versions
+    before `nn.rotation.sign_carriers` probed the model drew signs there): refused."""
+    mlp = module.rpartition(".")[0]
+    if not isinstance(getattr(skeleton.get_submodule(mlp), "gate_proj", None), nn.Linear):
+        raise ValueError(
+            f"{module}'s online transform has random signs, and {mlp} is not a gated MLP (no gate_proj): its "
+            "activation does not pass a sign of up_proj's output on to down_proj's input, so the loaders' plain "
+            "Hadamard transform cannot stand in for it; this version draws no signs there: calibrate again to export"
+        )
+    producer = f"{mlp}.up_proj"
     _check_outputs(producer, skeleton, transform.size, module)
     return producer, transform.signs().float()
 

@@ -31,9 +31,10 @@ odd factor. `rotation="block_hadamard"` uses block-diagonal ones aligned to the 
 block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale; linears
 that read one input (q/k/v, gate/up) share one. The loaders of exported checkpoints apply plain Hadamard
 transforms, so a transform has random signs only where an export can move them into the layer or norm producing
-its input (`sign_carriers`: `up_proj` for `down_proj`, `v_proj` for `o_proj`, with signs equal across the query
-heads that read one value head, a decoder layer's RMSNorm for the linears reading it); elsewhere (Gemma's
-`1 + weight` norms, fused `qkv_proj`/`gate_up_proj` layers, other layouts) it is a plain block Hadamard transform.
+its input (`sign_carriers`: `up_proj` for a gated MLP's `down_proj`, `v_proj` for `o_proj`, with signs equal across
+the query heads that read one value head, a decoder layer's RMSNorm for the linears reading it; each checked by a
+probe pass of the model, `nn.sign_probe`); elsewhere (Gemma's `1 + weight` norms, fused `qkv_proj`/`gate_up_proj`
+layers, MLPs that are not gated, other layouts) it is a plain block Hadamard transform.
 Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
 each quantized linear's input per call.
 
@@ -59,6 +60,7 @@ from torch import nn
 
 from .groups import expert_groups, fused_projection_groups
 from .placement import is_resident, is_sharded, loaded_weights, replace_module, write_parameters
+from .sign_probe import readers_receiving_signs
 from .transforms import RandomizedHadamard, TransformedLinear
 
 Rotation = torch.Tensor | RandomizedHadamard  # an orthogonal matrix, or a transform applied from its factors
@@ -130,26 +132,35 @@ def sign_carriers(model: nn.Module, quantized: Collection[str]) -> dict[str, str
       if every linear reading it is quantized (they share one transform) and the norm outputs its weight times
       the input (not Gemma's `1 + weight`).
 
-    The linears left out get transforms without signs."""
+    Names and shapes propose these pairs; a probe pass of the model checks each (`nn.sign_probe`): an MLP that is not
+    gated (`down_proj(act(up_proj(x)))`, Nemotron's, Arcee's, MPT's) or a linear attention whose values pass a
+    convolution and SiLU before `o_proj` (OLMo-Hybrid's) would not carry them. The linears left out get transforms
+    without signs."""
     try:
         norm_readers = residual_norm_readers(model)
     except ValueError:  # not a Llama-style layout: no norm is known to feed a linear
         norm_readers = []
-    carriers = {}
+    proposed = {}
     for norm, readers in norm_readers:
         if all(reader in quantized for reader in readers) and negates_with_its_scale(model.get_submodule(norm)):
-            carriers.update(dict.fromkeys(readers, norm))
+            proposed.update(dict.fromkeys(readers, norm))
+    copies = {}
     for name in quantized:
         parent, _, leaf = name.rpartition(".")
         if leaf not in ("down_proj", "o_proj"):
             continue
         producer = "up_proj" if leaf == "down_proj" else "v_proj"
-        copies, _ = _value_head_sign_copies(model, name) or (1, None)
+        sign_copies = _value_head_sign_copies(model, name)
         producer_module = getattr(model.get_submodule(parent), producer, None)
         inputs = model.get_submodule(name).in_features
-        if isinstance(producer_module, nn.Linear) and producer_module.out_features * copies == inputs:
-            carriers[name] = f"{parent}.{producer}"
-    return carriers
+        if isinstance(producer_module, nn.Linear) and producer_module.out_features * (sign_copies or (1,))[0] == inputs:
+            proposed[name] = f"{parent}.{producer}"
+            if sign_copies is not None:
+                copies[name] = sign_copies
+    received = readers_receiving_signs(model, proposed, copies) if proposed else set()
+    # a norm carries signs for all of its readers (they share one transform) or for none
+    refused = {carrier for name, carrier in proposed.items() if name not in received}
+    return {name: carrier for name, carrier in proposed.items() if carrier not in refused}
 
 
 def _online_transform_refusal(name: str, linear: nn.Module, block_size: int) -> str | None:
