@@ -25,9 +25,8 @@ of `rotation="hadamard"` at an intermediate size that is not a power of two, in 
 Hadamard matrix the loaders build equals it), signs that differ within a query-head group (`online_block_hadamard`
 checkpoints of earlier versions), signs on a layer whose input no layer can take them for (a norm that scales by
 something else than its weight, such as Gemma's `1 + weight`, or a `down_proj` whose MLP is not gated, in
-checkpoints of earlier versions), linears reading
-one norm with different transforms, and, for Quark, transforms of different block sizes in one model (its rotation
-has one `rotation_size`).
+checkpoints of earlier versions), linears reading one norm with different transforms, and, for Quark, transforms of
+different block sizes in one model (its rotation has one `rotation_size`).
 """
 
 from __future__ import annotations
@@ -155,8 +154,8 @@ def _transforms(
 
 def _up_proj_signs(module: str, transform: RandomizedHadamard, skeleton: nn.Module) -> tuple[str, torch.Tensor]:
     """A gated MLP's `down_proj` reads `act(gate_proj(x)) * up_proj(x)`: `up_proj`'s output rows take the signs. An
-    MLP without `gate_proj` reads `act(up_proj(x))`, whose signs do not follow `up_proj`'s (checkpoints of versions
-    before `nn.rotation.sign_carriers` probed the model drew signs there): refused."""
+    MLP without `gate_proj` reads `act(up_proj(x))`, which does not pass `up_proj`'s signs on: refused (earlier
+    versions drew signs there; this one's probe, `nn.rotation.sign_carriers`, does not)."""
     mlp = module.rpartition(".")[0]
     if not isinstance(getattr(skeleton.get_submodule(mlp), "gate_proj", None), nn.Linear):
         raise ValueError(
