@@ -446,7 +446,10 @@ def main() -> None:
         p.error(f"--memory-workloads: unknown {', '.join(sorted(unknown))}; allowed: {', '.join(MEMORY_WORKLOADS)}")
     torch.set_num_threads(a.threads)
     if a.measure_memory:
-        print(json.dumps(measure_memory(a.measure_memory, a)))
+        # One write per line: the sharded workload's processes share this pipe, and `print` writes the line and its
+        # end apart, so two processes' lines could interleave into one that is not JSON.
+        sys.stdout.write(json.dumps(measure_memory(a.measure_memory, a)) + "\n")
+        sys.stdout.flush()
         return
 
     batch_sizes = [int(b) for b in a.batch_sizes.split(",")]
