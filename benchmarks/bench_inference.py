@@ -309,16 +309,17 @@ def signs_apart(transform: transforms.RandomizedHadamard, rows: torch.Tensor) ->
 def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     """Time per call of an online transform with its MX cast (`RandomizedHadamard.quantize`, `tokens` rows: 8 x 128)
     against the plain cast of the same input, in float32 and bfloat16: 32-blocks on SmolLM2's two input widths (576:
-    q/k/v, o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input. As references, how
-    each ran before: for 32-blocks in float32 the same kernel compiled with inductor's default fusion thresholds (the
-    16 x 16 product split in two passes over a buffer as large as the input), in bfloat16 the rounding to bfloat16 on
-    the bit pattern (`rounded_on_the_bits`), the signs apart from the 16 x 16 factor (as in float32) and, besides, the
-    sums divided and rounded after they are put together (`transform_then_round`); for 512-blocks (without signs,
-    which `hadamard` moves into `up_proj`'s rows) the signs applied online (a signed transform, as `hadamard`'s was
-    before), each chunk's values copied into the output (`chunks_copied`), both products, the division and the
-    rounding as torch's operations before the cast's kernel (`products_then_cast`), the division and rounding in the
-    cast's kernel (`finish_and_cast`) and, in float32, the transform split into a 64 x 64 product and a Sylvester
-    factor of order 8 across its runs (`kronecker_split` now takes 32 and 16)."""
+    q/k/v, o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input, all without signs
+    (the rotations move them into the modules producing the inputs). As references, how each ran before: the signs
+    applied online (a signed transform, as every rotation's ran before); for 32-blocks in float32 the same kernel
+    compiled with inductor's default fusion thresholds (the 16 x 16 product split in two passes over a buffer as
+    large as the input), in bfloat16 the rounding to bfloat16 on the bit pattern (`rounded_on_the_bits`) and, for the
+    signed transform, its signs apart from the 16 x 16 factor (as in float32) and, besides, the sums divided and
+    rounded after they are put together (`transform_then_round`); for 512-blocks each chunk's values copied into the
+    output (`chunks_copied`), both products, the division and the rounding as torch's operations before the cast's
+    kernel (`products_then_cast`), the division and rounding in the cast's kernel (`finish_and_cast`) and, in float32,
+    the transform split into a 64 x 64 product and a Sylvester factor of order 8 across its runs (`kronecker_split` now
+    takes 32 and 16)."""
     fmt = get_format("mxfp4_e2m1")
     kernel = transforms._transform_kernel
     options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
@@ -334,34 +335,36 @@ def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     table = []
     for dtype, width, block in cases:
         x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0)).to(dtype)
-        transform = transforms.RandomizedHadamard(width, block, seed=0, signed=block == 32)
+        transform = transforms.RandomizedHadamard(width, block, seed=0, signed=False)
+        signed = transforms.RandomizedHadamard(width, block, seed=0)
 
-        def with_kernel(replacement: CompiledKernel, factor: Callable | None = None) -> Callable[[], None]:
+        def with_kernel(
+            replacement: CompiledKernel, factor: Callable | None = None, on: transforms.RandomizedHadamard = transform
+        ) -> Callable[[], None]:
             def call() -> None:
                 with contextlib.ExitStack() as patches:
                     patches.enter_context(mock.patch.object(transforms, "_transform_kernel", replacement))
                     if factor is not None:
-                        patches.enter_context(mock.patch.object(transform, "_kernel_factor", factor))
-                    transform.quantize(x, fmt, 32, "ocp")
+                        patches.enter_context(mock.patch.object(on, "_kernel_factor", factor))
+                    on.quantize(x, fmt, 32, "ocp")
 
             return call
 
         candidates = {
             "MX cast alone (quantize_mx)": lambda: quantize_mx(x, fmt),
             "transform and cast": lambda: transform.quantize(x, fmt, 32, "ocp"),
+            "transform and cast, signs applied online": lambda: signed.quantize(x, fmt, 32, "ocp"),
         }
-        apart = functools.partial(signs_apart, transform)
+        apart = functools.partial(signs_apart, signed)
         if block == 32 and dtype == torch.float32:
             candidates["transform and cast, inductor's default fusion thresholds"] = with_kernel(default_thresholds)
         elif block == 32:
             candidates["transform and cast, rounded to bfloat16 on the bit pattern"] = with_kernel(on_the_bits)
-            candidates["transform and cast, signs apart from the factor"] = with_kernel(kernel, apart)
+            candidates["transform and cast, signs apart from the factor"] = with_kernel(kernel, apart, signed)
             candidates["transform and cast, signs apart, sums rounded after they are put together"] = with_kernel(
-                rounded_after, apart
+                rounded_after, apart, signed
             )
         else:
-            signed = transforms.RandomizedHadamard(width, block, seed=0)
-            candidates["transform and cast, signs applied online"] = lambda: signed.quantize(x, fmt, 32, "ocp")
             candidates["transform and cast, each chunk's values copied into the output"] = functools.partial(
                 chunks_copied, transform, x, (fmt, 32, "ocp")
             )

@@ -283,3 +283,17 @@ def transformers_warnings() -> Iterator[list[str]]:
         yield messages
     finally:
         hf_logging.get_logger().removeHandler(handler)
+
+
+@contextmanager
+def signs_kept_online() -> Iterator[None]:
+    """Rotations inside the block keep every online transform's random signs in the transform, as earlier versions
+    did, instead of moving them into the modules producing the transformed inputs: how a test makes the checkpoints
+    those versions wrote."""
+    import pytest
+
+    from optimum_dmx.nn import rotation
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(rotation, "_carry_signs", lambda model, carrier, transform: transform)
+        yield

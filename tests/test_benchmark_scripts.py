@@ -863,12 +863,12 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     rows_of_1024 = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
     cells_of_1024 = [[cell.strip() for cell in line.strip("|").split("|")] for line in rows_of_1024]
     calls = [c for c in cells_of_1024 if c[1] in ("float32", "bfloat16")]  # the online transforms' rows
-    # per dtype, input width and block: the cast alone (1.00x), the transform with it, and the references: in float32
-    # for 32-blocks the same kernel compiled with inductor's default fusion thresholds; in bfloat16 for 32-blocks the
-    # rounding to bfloat16 on the bit pattern, the signs apart from the factor, then also the sums rounded after the
-    # stack; for 512-blocks the signs applied online, each chunk's values copied into the output, both products, the
-    # division and the rounding as torch's operations before the cast's kernel, the division and rounding in the
-    # cast's kernel and, in float32, the 64 x 64 split
+    # per dtype, input width and block: the cast alone (1.00x), the transform (without signs) with it, and the
+    # references: the signs applied online; in float32 for 32-blocks the same kernel compiled with inductor's default
+    # fusion thresholds; in bfloat16 for 32-blocks the rounding to bfloat16 on the bit pattern, the signs apart from
+    # the factor, then also the sums rounded after the stack; for 512-blocks each chunk's values copied into the
+    # output, both products, the division and the rounding as torch's operations before the cast's kernel, the
+    # division and rounding in the cast's kernel and, in float32, the 64 x 64 split
     cast, transform = "MX cast alone (quantize_mx)", "transform and cast"
     thresholds = f"{transform}, inductor's default fusion thresholds"
     in_the_cast = f"{transform}, division and rounding in the cast's kernel"
@@ -879,14 +879,20 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     rounded_after = f"{transform}, signs apart, sums rounded after they are put together"
     on_the_bits = f"{transform}, rounded to bfloat16 on the bit pattern"
     expected = [
-        *[("1024 x 576", "float32", "32", call) for call in (cast, transform, thresholds)],
-        *[("1024 x 1536", "float32", "32", call) for call in (cast, transform, thresholds)],
+        *[("1024 x 576", "float32", "32", call) for call in (cast, transform, signed, thresholds)],
+        *[("1024 x 1536", "float32", "32", call) for call in (cast, transform, signed, thresholds)],
         *[
             ("1024 x 1536", "float32", "512", call)
             for call in (cast, transform, signed, copied, products_first, in_the_cast, split)
         ],
-        *[("1024 x 576", "bfloat16", "32", call) for call in (cast, transform, on_the_bits, apart, rounded_after)],
-        *[("1024 x 1536", "bfloat16", "32", call) for call in (cast, transform, on_the_bits, apart, rounded_after)],
+        *[
+            ("1024 x 576", "bfloat16", "32", call)
+            for call in (cast, transform, signed, on_the_bits, apart, rounded_after)
+        ],
+        *[
+            ("1024 x 1536", "bfloat16", "32", call)
+            for call in (cast, transform, signed, on_the_bits, apart, rounded_after)
+        ],
         *[
             ("1024 x 1536", "bfloat16", "512", call)
             for call in (cast, transform, signed, copied, products_first, in_the_cast)

@@ -32,6 +32,7 @@ from .helpers import (
     held_out,
     linear_names,
     run_python,
+    signs_kept_online,
     tiny_decoder,
     transformers_warnings,
     word_tokenizer,
@@ -197,6 +198,38 @@ def test_rotated_checkpoint_exports_to_quark_and_loads_to_the_same_logits(
         assert torch.equal(loaded(IDS).logits, ours(IDS).logits)
 
 
+@pytest.mark.parametrize("target", ["compressed-tensors", "quark"])
+def test_a_checkpoint_with_its_signs_online_exports_them_into_the_layers_and_norms_producing_the_inputs(
+    tmp_path, target
+):
+    """Earlier versions kept every online transform's random signs in the transform (this one moves them into the
+    modules producing the inputs when it rotates). Their checkpoints still export: the norms' scales, `v_proj`'s
+    rows (one copy per value head) and `up_proj`'s rows and bias take the signs, the loaders apply plain Hadamard
+    transforms, and the logits are the dMX model's."""
+    float_dir = float_model(tmp_path / "float", "llama", 96, mlp_bias=True)
+    with signs_kept_online():
+        source = dmx_checkpoint(tmp_path / "dmx", float_dir, "online_block_hadamard", target=target)
+    transforms = json.loads((source / "config.json").read_text())["quantization_config"]["input_transforms"]
+    assert sorted(transforms) == transformed_layers("online_block_hadamard")
+    assert all("signed" not in spec for spec in transforms.values())  # signed, as those versions recorded them
+    exported = export_checkpoint(source, tmp_path / "out", target)
+
+    ours = AutoModelForCausalLM.from_pretrained(source, dtype=torch.bfloat16)
+    loaded = AutoModelForCausalLM.from_pretrained(exported, dtype=torch.bfloat16)
+    quantization = json.loads((exported / "config.json").read_text())["quantization_config"]
+    if target == "compressed-tensors":
+        apply_transform_config(loaded, TransformConfig.model_validate(quantization["transform_config"]))
+    else:
+        for layer in transformed_layers("online_block_hadamard"):
+            loaded.get_submodule(layer).post_process_after_loading()
+    with torch.no_grad():
+        assert torch.equal(loaded(IDS).logits, ours(IDS).logits)
+    norm = "model.layers.0.input_layernorm.weight"  # the float norm scales: negated where the signs went
+    stored = {k: v for f in exported.glob("*.safetensors") for k, v in load_file(f).items()}
+    saved = {k: v for f in source.glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(stored[norm].abs(), saved[norm].abs()) and not torch.equal(stored[norm], saved[norm])
+
+
 def test_rotations_a_target_cannot_express_are_refused_naming_the_layer(tmp_path):
     float_dir = float_model(tmp_path / "float", "llama", 96)
     # A checkpoint of an earlier version, whose "hadamard" transform was full size: 96 = 32 x 3, an odd factor
@@ -208,7 +241,8 @@ def test_rotations_a_target_cannot_express_are_refused_naming_the_layer(tmp_path
     with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.down_proj's online transform .* random orthogonal"):
         export_checkpoint(full, tmp_path / "out")
     # online_block_hadamard of an earlier version: o_proj's signs differ between the 2 query heads of a value head
-    every = dmx_checkpoint(tmp_path / "online", float_dir, "online_block_hadamard")
+    with signs_kept_online():
+        every = dmx_checkpoint(tmp_path / "online", float_dir, "online_block_hadamard")
     config = json.loads((every / "config.json").read_text())
     transforms = config["quantization_config"]["input_transforms"]
     for spec in transforms.values():
@@ -264,8 +298,8 @@ def test_signs_an_mlp_without_a_gate_cannot_pass_on_are_refused(tmp_path):
     checkpoint = tmp_path / "dmx"
     AutoModelForCausalLM.from_pretrained(float_dir, quantization_config=config).save_pretrained(checkpoint)
     transforms = json.loads((checkpoint / "config.json").read_text())["quantization_config"]["input_transforms"]
-    assert transforms["model.layers.0.mlp.down_proj"]["signed"] is False
-    assert "signed" not in transforms["model.layers.0.self_attn.o_proj"]  # v_proj carries those
+    assert transforms["model.layers.0.mlp.down_proj"]["signed"] is False  # drew none
+    assert transforms["model.layers.0.self_attn.o_proj"]["signed"] is False  # its signs are in v_proj's rows
     export_checkpoint(checkpoint, tmp_path / "exported")
     with pytest.raises(ExportError, match=r"layers\.0\.mlp\.down_proj's online transform has random signs, and "):
         export_checkpoint(signed_everywhere(checkpoint), tmp_path / "refused")

@@ -26,7 +26,7 @@ from optimum_dmx.nn.transforms import (
     sylvester_matrix,
 )
 
-from .helpers import INPUT_IDS, last_json_line, run_python, tiny_decoder
+from .helpers import INPUT_IDS, last_json_line, run_python, signs_kept_online, tiny_decoder
 
 
 @pytest.mark.parametrize("n", [1, 2, 32, 256])
@@ -248,29 +248,42 @@ def test_rotation_preserves_the_models_function(kind, rotation, dtype):
     "rotation, dtype, kernels",
     [  # compiled: the large blocks' kernel in float32, the 32-block kernel's bfloat16 factor without signs
         ("hadamard", torch.float32, "compiled"),
-        ("block_hadamard", torch.bfloat16, "compiled"),
+        ("online_block_hadamard", torch.bfloat16, "compiled"),
         ("hadamard", torch.bfloat16, "eager"),
-        ("block_hadamard", torch.float32, "eager"),
+        ("online_block_hadamard", torch.float32, "eager"),
     ],
 )
-def test_down_proj_signs_go_into_up_proj_and_change_no_bit_of_the_quantized_model(request, rotation, dtype, kernels):
-    """A merged rotation's online `down_proj` transform `T = D B` leaves `D` to `up_proj`'s rows and applies `B`
-    (64-blocks of the tiny model's 192 here: the large blocks' kernel; 32-blocks: the whole transform in one). The
-    MX-quantized model computes the bits of the same model with `T` applied online and `up_proj` without the signs,
-    as rotations ran before."""
+def test_signs_go_into_the_modules_producing_the_inputs_and_change_no_bit_of_the_quantized_model(
+    request, rotation, dtype, kernels
+):
+    """An online transform `T = D B` leaves `D` to the module producing its input (`up_proj`'s rows for
+    `down_proj`, `v_proj`'s for `o_proj`, one copy per value head, a norm's scale for q/k/v and gate/up) and applies
+    `B` (64-blocks of the tiny model's 192 for `hadamard`: the large blocks' kernel; 32-blocks: the whole transform
+    in one). The MX-quantized model computes the bits of the same model rotated with `T` online and its carriers
+    unsigned, as rotations ran before."""
     if kernels == "compiled":
         request.getfixturevalue("compiled")
     _, model, transforms, quantized = _rotated_copy("llama", rotation, dtype)  # the float function kept
-    signs_online = copy.deepcopy(model)
+    with signs_kept_online():
+        _, signs_online, signed_transforms, _ = _rotated_copy("llama", rotation, dtype)
+    carriers = sign_carriers(tiny_decoder("llama", tied=True, dtype=dtype), quantized)
+    assert set(transforms) <= set(carriers) and len(set(carriers[name] for name in transforms)) >= 2
+    expected = {n: m.weight for n, m in signs_online.named_modules() if getattr(m, "weight", None) is not None}
+    carried = {}  # carrier: the signs it takes (the readers of one norm share them)
     for name, spec in transforms.items():
         assert spec["signed"] is False and not model.get_submodule(name).input_transform.signed
-        signed = RandomizedHadamard.from_dict(spec | {"signed": True})
-        assert not torch.all(signed.signs() == 1)
-        with torch.no_grad():
-            signs_online.get_submodule(name.replace("down_proj", "up_proj")).weight.mul_(
-                signed.signs().to(dtype)[:, None]
-            )
-        signs_online.get_submodule(name).input_transform = signed
+        assert signed_transforms[name] == {k: v for k, v in spec.items() if k != "signed"}  # the same draw
+        signs = RandomizedHadamard.from_dict(signed_transforms[name]).signs().to(dtype)
+        assert not torch.all(signs == 1) and torch.equal(carried.setdefault(carriers[name], signs), signs)
+    for carrier, signs in carried.items():
+        weight = expected[carrier]
+        if weight.dim() == 2 and weight.shape[0] < len(signs):  # v_proj: one copy of the signs per value head
+            copies, run = transforms[carrier.replace("v_proj", "o_proj")]["sign_copies"]
+            signs = signs.view(-1, copies, run)[:, 0].flatten()
+        expected[carrier] = weight * signs.view(-1, *(1,) * (weight.dim() - 1))
+    for name, module in model.named_modules():
+        if name in expected:
+            assert torch.equal(module.weight, expected[name]), name  # negated where the signs went, else equal
     format_map = {name: "mxfp4_e2m1" if i % 3 else "mxfp8_e4m3" for i, name in enumerate(quantized)}
     for quantized_model in (model, signs_online):
         replace_with_mx_linear(quantized_model, format_map)
@@ -290,25 +303,25 @@ def test_online_block_rotation_transforms_every_quantized_input_and_preserves_th
         assert seeds["mlp.gate_proj"] == seeds["mlp.up_proj"]
         shared = {seeds[n] for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
         assert len(shared) == 4
-        # grouped-query attention (4 query heads, 2 value heads of 32): o_proj's signs are equal across the query
-        # heads reading one value head, its own signs for each value head
-        o_proj = rotated.get_submodule(f"{prefix}self_attn.o_proj").input_transform
+        # grouped-query attention (4 query heads, 2 value heads of 32): o_proj's signs (in v_proj's rows) are equal
+        # across the query heads reading one value head, its own signs for each value head
+        o_proj = RandomizedHadamard.from_dict({**transforms[f"{prefix}self_attn.o_proj"], "signed": True})
         assert transforms[f"{prefix}self_attn.o_proj"]["sign_copies"] == [2, 32]
         by_head = o_proj.signs().view(2, 2, 32)
         assert torch.equal(by_head[:, 0], by_head[:, 1]) and not torch.equal(by_head[0, 0], by_head[1, 0])
         assert all("sign_copies" not in transforms[f"{prefix}{n}"] for n in ("self_attn.q_proj", "mlp.down_proj"))
+        # the norms' scales take the signs of q/k/v's and gate/up's transforms, but Gemma's, which scale by
+        # 1 + weight: their readers' transforms draw none
+        mlp_norm = "pre_feedforward_layernorm" if kind == "gemma3" else "post_attention_layernorm"
+        for norm, reader in (("input_layernorm", "self_attn.q_proj"), (mlp_norm, "mlp.gate_proj")):
+            drawn = RandomizedHadamard.from_dict({**transforms[prefix + reader], "signed": True}).signs()
+            signs = torch.ones(96) if kind == "gemma3" else drawn.to(rotated.dtype)
+            original = model.get_submodule(prefix + norm).weight
+            assert torch.equal(rotated.get_submodule(prefix + norm).weight, original * signs.to(original.dtype))
     assert rotated.lm_head.weight is rotated.model.embed_tokens.weight  # nothing merged into the residual stream
     assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)
-    # random signs only where an export can move them: Gemma's norms scale by 1 + weight, so the linears reading
-    # them (q/k/v, gate/up) get plain Hadamard transforms; o_proj's signs go into v_proj, down_proj's into up_proj
-    unsigned = sorted(name for name, spec in transforms.items() if spec.get("signed") is False)
-    readers = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj")
-    assert unsigned == (sorted(n for n in quantized if n.rpartition(".")[2] in readers) if kind == "gemma3" else [])
-    assert all(
-        not torch.equal(rotated.get_submodule(n).input_transform.signs(), torch.ones(96))
-        for n in quantized
-        if n not in unsigned
-    )
+    # online, every transform is the plain block Hadamard matrix: its signs are in the modules producing its input
+    assert all(spec["signed"] is False for spec in transforms.values())
 
 
 def test_rotation_keeps_float_down_proj_without_online_transform():
@@ -398,12 +411,9 @@ def test_sign_carriers_are_the_layers_and_norms_an_export_can_negate():
 )  # fmt: skip
 def test_online_transform_signs_go_only_where_the_model_passes_them_on(family, without_signs, with_signs):
     """Names propose where an online transform's signs can go (`up_proj` for `down_proj`, `v_proj` for `o_proj`, a
-    norm for its readers); the model's own forward pass decides. Moved where the rotation put them, as the export
-    moves them (`compressed_tensors_transforms`' row signs, the transforms then plain Hadamard matrices), the model
-    computes the same logits, bit for bit; before the probe, the four families' transforms had signs their exports
-    could not carry (logits off by about their own size)."""
-    from optimum_dmx.export.transforms import compressed_tensors_transforms
-
+    norm for its readers); the model's own forward pass decides (`nn.sign_probe`). The rotation moves them there, and
+    the rotated model computes the original function; without the probe, the four families' signs would go where
+    they do not pass on, and the logits would be off by about their own size."""
     from .test_transformers_families import EXTRA, SMALL
 
     torch.manual_seed(0)
@@ -413,20 +423,47 @@ def test_online_transform_signs_go_only_where_the_model_passes_them_on(family, w
         for parameter in model.parameters():
             parameter.normal_(0, 0.3)
     quantized = list(linear_modules_to_quantize(model, ["lm_head"]))
-    transforms = rotate_model(model, "online_block_hadamard", quantized)
-    signed = {name for name, spec in transforms.items() if RandomizedHadamard.from_dict(spec).signed}
-    assert set(with_signs) <= signed and not signed & set(without_signs)
+    carriers = sign_carriers(model, quantized)
+    assert set(with_signs) <= set(carriers) and not set(carriers) & set(without_signs)
     ids = torch.randint(3, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
+        original = model(ids).logits
+        transforms = rotate_model(model, "online_block_hadamard", quantized)
         rotated = model(ids).logits
-        for producer, signs in compressed_tensors_transforms(transforms, model).row_signs.items():
-            module = model.get_submodule(producer)
-            for parameter in (module.weight, getattr(module, "bias", None)):
-                if parameter is not None:
-                    parameter.mul_(signs.to(parameter).view(-1, *(1,) * (parameter.dim() - 1)))
-        for name, spec in transforms.items():
-            model.get_submodule(name).input_transform = RandomizedHadamard.from_dict({**spec, "signed": False})
-        assert torch.equal(model(ids).logits, rotated)
+    assert not any(RandomizedHadamard.from_dict(spec).signed for spec in transforms.values())
+    assert (rotated - original).abs().max() < 1e-4 * original.abs().max()
+
+
+def _parallel_block(layer: nn.Module, hidden_states: torch.Tensor, **kwargs) -> torch.Tensor:
+    """A Llama decoder layer's forward as a parallel block (GPT-J's, Cohere's): attention and MLP both read
+    `input_layernorm`'s output; `post_attention_layernorm` is unused."""
+    normed = layer.input_layernorm(hidden_states)
+    attention, _ = layer.self_attn(hidden_states=normed, **kwargs)
+    return hidden_states + attention + layer.mlp(normed)
+
+
+def test_no_signs_move_where_a_norm_feeds_more_than_the_readers_its_names_propose(caplog):
+    """With Llama's module names, `input_layernorm` is proposed as the carrier of q/k/v's signs, and q/k/v do
+    receive them; in a parallel block the MLP reads that norm too and would receive them as well. The probe sees the
+    logits change although each proposed reader was handed its unsigned input, moves no signs anywhere and says
+    so; the rotated model computes the original function (without that check it does not)."""
+    import types
+
+    model = tiny_decoder("llama", tied=True)
+    quantized = list(linear_modules_to_quantize(model, ["lm_head"]))
+    assert "model.layers.0.self_attn.q_proj" in sign_carriers(model, quantized)  # a sequential block: signs move
+    for layer in model.model.layers:
+        layer.forward = types.MethodType(_parallel_block, layer)
+    with caplog.at_level(logging.WARNING, logger="optimum_dmx.nn.sign_probe"):
+        assert sign_carriers(model, quantized) == {}
+    assert "reached more than the modules that read it as the model's names say" in caplog.text
+    assert "model.layers.0.input_layernorm" in caplog.text
+    with torch.no_grad():
+        original = model(INPUT_IDS).logits
+        transforms = rotate_model(model, "online_block_hadamard", quantized)
+        rotated = model(INPUT_IDS).logits
+    assert not any(RandomizedHadamard.from_dict(spec).signed for spec in transforms.values())
+    assert (rotated - original).abs().max() < 1e-4 * original.abs().max()
 
 
 def test_mx_and_dmx_linears_apply_the_online_transform():

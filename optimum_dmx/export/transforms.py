@@ -15,10 +15,10 @@ negating an output is exact (MX codes are sign-magnitude: a row's sign bits):
 * q/k/v and gate/up read an RMSNorm's output, the norm's scale times the normalized input, and share one transform:
   the norm's scale (`weight`).
 
-The loader applies `I ⊗ H`; the product is the same function. `rotation="online_block_hadamard"` draws signs only
-where they can move (`nn.rotation.sign_carriers`); `"hadamard"` and `"block_hadamard"` put their `down_proj`
-transforms' signs into `up_proj`'s rows when they rotate (earlier versions' checkpoints carry them in the transform);
-a transform without signs needs nothing from another layer.
+The loader applies `I ⊗ H`; the product is the same function. Every rotation of this version already puts its
+transforms' signs there when it rotates (`nn.rotation.sign_carriers`, drawing signs only where they can move), so
+its transforms have none (`"signed": false`) and need nothing from another layer; checkpoints of earlier versions
+carry them in the transform, and the export moves them.
 
 What this cannot carry is refused, naming the layer: a transform with an odd factor (the random orthogonal matrix
 of `rotation="hadamard"` at an intermediate size that is not a power of two, in checkpoints of earlier versions: no

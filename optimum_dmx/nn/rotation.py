@@ -29,14 +29,14 @@ odd factor. `rotation="block_hadamard"` uses block-diagonal ones aligned to the 
 
 `rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets an online
 block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale; linears
-that read one input (q/k/v, gate/up) share one. The loaders of exported checkpoints apply plain Hadamard
-transforms, so a transform has random signs only where an export can move them into the layer or norm producing
-its input (`sign_carriers`: `up_proj` for a gated MLP's `down_proj`, `v_proj` for `o_proj`, with signs equal across
-the query heads that read one value head, a decoder layer's RMSNorm for the linears reading it; each checked by a
-probe pass of the model, `nn.sign_probe`); elsewhere (Gemma's `1 + weight` norms, fused `qkv_proj`/`gate_up_proj`
-layers, MLPs that are not gated, other layouts) it is a plain block Hadamard transform.
-Any architecture, tied embeddings stay tied, norms keep their scales; the price is one fast Hadamard transform of
-each quantized linear's input per call.
+that read one input (q/k/v, gate/up) share one. A transform draws random signs only where the module producing
+its input can take them (`sign_carriers`: `up_proj` for a gated MLP's `down_proj`, `v_proj` for `o_proj`, with
+signs equal across the query heads that read one value head, a decoder layer's RMSNorm scale for the linears
+reading it; each checked by probe passes of the model, `nn.sign_probe`), and the rotation puts them there, as for
+`down_proj` above: every online transform is a plain block Hadamard transform, which is also what the loaders of
+exported checkpoints apply. Elsewhere (Gemma's `1 + weight` norms, fused `qkv_proj`/`gate_up_proj` layers, MLPs
+that are not gated, other layouts) no signs are drawn. Any architecture, tied embeddings stay tied, norms keep
+their scales (up to sign); the price is one fast Hadamard transform of each quantized linear's input per call.
 
 `rotation="auto"` (`resolve_rotation`) is `"online_block_hadamard"` where an exported checkpoint can carry it (every
 quantized linear a plain, unsharded `nn.Linear` with whole MX blocks of inputs), else `"none"`, with a warning that
@@ -132,10 +132,10 @@ def sign_carriers(model: nn.Module, quantized: Collection[str]) -> dict[str, str
       if every linear reading it is quantized (they share one transform) and the norm outputs its weight times
       the input (not Gemma's `1 + weight`).
 
-    Names and shapes propose these pairs; a probe pass of the model checks each (`nn.sign_probe`): an MLP that is not
+    Names and shapes propose these pairs; probe passes of the model check them (`nn.sign_probe`): an MLP that is not
     gated (`down_proj(act(up_proj(x)))`, Nemotron's, Arcee's, MPT's) or a linear attention whose values pass a
-    convolution and SiLU before `o_proj` (OLMo-Hybrid's) would not carry them. The linears left out get transforms
-    without signs."""
+    convolution and SiLU before `o_proj` (OLMo-Hybrid's) would not carry them, nor a norm whose output reaches more
+    than the linears proposed as its readers. The linears left out get transforms without signs."""
     try:
         norm_readers = residual_norm_readers(model)
     except ValueError:  # not a Llama-style layout: no norm is known to feed a linear
@@ -158,9 +158,7 @@ def sign_carriers(model: nn.Module, quantized: Collection[str]) -> dict[str, str
             if sign_copies is not None:
                 copies[name] = sign_copies
     received = readers_receiving_signs(model, proposed, copies) if proposed else set()
-    # a norm carries signs for all of its readers (they share one transform) or for none
-    refused = {carrier for name, carrier in proposed.items() if name not in received}
-    return {name: carrier for name, carrier in proposed.items() if carrier not in refused}
+    return {name: carrier for name, carrier in proposed.items() if name in received}
 
 
 def _online_transform_refusal(name: str, linear: nn.Module, block_size: int) -> str | None:
@@ -239,9 +237,7 @@ def rotate_model(
         name = _down_proj(o_proj)
         if name in quantized:
             _merge_input_side(model, name, online)  # W T: its TransformedLinear applies `T` online
-            if name in carriers:  # T = D B: `up_proj`'s rows take D, the online transform is B
-                signs, online = online.split_signs()
-                _negate_outputs(model, carriers[name], signs)
+            online = _carry_signs(model, carriers.get(name), online)  # T = D B: `up_proj`'s rows take D
             replace_module(model, name, TransformedLinear(model.get_submodule(name), online))
             transforms[name] = online.to_dict()
     return transforms
@@ -325,14 +321,15 @@ def residual_norm_readers(model: nn.Module) -> list[tuple[str, list[str]]]:
 def _transform_every_input(
     model: nn.Module, quantized: Collection[str], block_size: int, seed: int
 ) -> dict[str, dict[str, Any]]:
-    """An online block-diagonal Hadamard transform on the input of every quantized linear, with random signs where
-    an export can carry them (`sign_carriers`); the linears that read one input (q/k/v, gate/up:
+    """An online block-diagonal Hadamard transform on the input of every quantized linear, its random signs (drawn
+    where a module producing the input can carry them, `sign_carriers`) put into that module, so that what runs
+    online is the plain block Hadamard transform (`_carry_signs`); the linears that read one input (q/k/v, gate/up:
     `nn.groups.fused_projection_groups`) share one transform, so that its result is computed once for them
     (`MXLinear.matmul_input`) and an engine that fuses them can apply it."""
     generator = torch.Generator().manual_seed(seed)
     shared_with = {name: group[0] for group in fused_projection_groups(quantized) for name in group}
     carriers = sign_carriers(model, quantized)
-    built: dict[str, RandomizedHadamard] = {}
+    built: dict[str, tuple[RandomizedHadamard, RandomizedHadamard]] = {}  # owner: (merged, applied online)
     transforms = {}
     for name in quantized:
         linear = model.get_submodule(name)
@@ -344,12 +341,30 @@ def _transform_every_input(
             seed_of_owner = int(torch.randint(0, 2**31 - 1, (), generator=generator))
             copies = _value_head_sign_copies(model, name)
             signed = owner in carriers
-            built[owner] = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies, signed)
-        transform = built[owner]
-        _merge_input_side(model, name, transform)
-        replace_module(model, name, TransformedLinear(linear, transform))
-        transforms[name] = transform.to_dict()
+            transform = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies, signed)
+            built[owner] = transform, _carry_signs(model, carriers.get(owner), transform)
+        merged, online = built[owner]
+        _merge_input_side(model, name, merged)  # W T
+        replace_module(model, name, TransformedLinear(linear, online))
+        transforms[name] = online.to_dict()
     return transforms
+
+
+def _carry_signs(model: nn.Module, carrier: str | None, transform: RandomizedHadamard) -> RandomizedHadamard:
+    """What remains online of `transform` (`T = D B`) once module `carrier`, which produces its input, outputs each
+    element multiplied by its sign in `D`: the plain block Hadamard transform `B` (`RandomizedHadamard.split_signs`).
+    A transform without signs, or without a carrier, stays as it is.
+
+    The same bits as `T` online: MX casts are sign-symmetric and a negated norm scale or weight row negates its
+    output element exactly, so `B` receives `x D` as `T` would have computed it, without a pass over the input for
+    the signs. With `sign_copies`, the carrier's output holds one run of signs per copy group (a value head read by
+    several query heads): one copy of each run goes into it."""
+    if carrier is None or not transform.signed:
+        return transform
+    signs, unsigned = transform.split_signs()
+    copies, run = transform.sign_copies
+    _negate_outputs(model, carrier, signs.view(-1, copies, run)[:, 0].flatten())
+    return unsigned
 
 
 def _value_head_sign_copies(model: nn.Module, name: str) -> tuple[int, int] | None:
@@ -463,8 +478,9 @@ def _merge_input_side(model: nn.Module, name: str, matrix: Rotation) -> None:
 
 
 def _negate_outputs(model: nn.Module, name: str, signs: torch.Tensor) -> None:
-    """`W <- diag(signs) W`, `b <- b * signs` for linear `name`: each output element comes out multiplied by its sign
-    (+-1), exactly."""
+    """`W <- diag(signs) W`, `b <- b * signs` for linear `name` (or the scale of a norm that outputs its weight times
+    the normalized input, `negates_with_its_scale`): each output element comes out multiplied by its sign (+-1),
+    exactly."""
     _rewrite(
         model,
         name,

@@ -6,8 +6,8 @@ dimension of row vectors (`x -> x @ T`):
 * `D`: a random diagonal of signs (one per element, from `seed`); with `sign_copies = (copies, run)`, each run of
   `run` drawn signs is used `copies` times in a row (the input of a grouped-query attention's `o_proj`, whose
   query heads of one group read one value head: signs equal across the group can move into `v_proj`'s rows); with
-  `signed=False`, the identity (a plain block Hadamard transform, for an input whose producer cannot take signs in
-  an exported checkpoint: `nn.rotation.sign_carriers`);
+  `signed=False`, the identity (a plain block Hadamard transform: the rotations put the signs into the module
+  producing the input where it can take them, `nn.rotation.sign_carriers`, and draw none elsewhere);
 * `I ⊗ ...`: the same transform on every `block_size` consecutive elements (block-diagonal; `block_size = size`
   is the full-size transform);
 * `H`: the normalized Walsh-Hadamard (Sylvester) matrix of the largest power of two dividing `block_size`, applied
@@ -25,7 +25,7 @@ themselves, so one outlier raises one block scale instead of all of them. The tr
 trainable state and adds nothing to a state dict.
 
 At inference (no gradient wanted) a 32-block transform (a 16 x 16 last factor and `S` of order 2,
-`KERNEL_MATRIX_ORDER`) runs as one compiled kernel (`formats.compilation`): the signs, both products
+`KERNEL_MATRIX_ORDER`) runs as one compiled kernel (`formats.compilation`): the signs if any, both products
 (`_signed_product_in_order`, then one sum and one difference), the division, the rounding to the input's dtype and,
 through `quantize`, the MX cast that follows, reading and writing the input's dtype; as separate operations each
 wrote a new buffer as large as the activation. On a CPU, for an input not in float32, the signs come inside the
