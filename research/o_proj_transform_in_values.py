@@ -18,6 +18,14 @@ to check that the merge keeps the function, and `v_proj`'s MXFP4 weight rounding
 results), to see whether mixing its rows makes its weight harder to quantize.
 
     python research/o_proj_transform_in_values.py --threads 2
+
+`--forward-times ROUNDS` instead times the bfloat16 forwards of the unrotated dMX model and of both variants (the
+inference benchmark's map and shapes, one thread: `forward_costs`); `--calibrated PRESET` instead calibrates the
+default recipe at 5 bits with both variants per seed (`calibrated_rows`):
+
+    python research/o_proj_transform_in_values.py --threads 1 --forward-times 5
+    python research/o_proj_transform_in_values.py --threads 1 --forward-times 9
+    python research/o_proj_transform_in_values.py --threads 2 --calibrated cpu-demo --seeds 0 1
 """
 
 from __future__ import annotations
@@ -25,7 +33,11 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import statistics
 import sys
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
@@ -34,7 +46,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from bench_inference import mixed_format_map  # noqa: E402
+from bench_inference import SHAPES, mixed_format_map  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
 
 from optimum_dmx import DMXConfig  # noqa: E402
@@ -44,7 +56,7 @@ from optimum_dmx.nn import rotation  # noqa: E402
 from optimum_dmx.nn.placement import replace_module  # noqa: E402
 from optimum_dmx.nn.transforms import RandomizedHadamard  # noqa: E402
 
-from common import benchmark_model, benchmark_texts  # noqa: E402
+from common import benchmark_model, benchmark_texts, fixed_malloc_thresholds, median_seconds  # noqa: E402
 
 EVAL_TOKENS, SEQ_LEN = 16384, 512
 every_input = rotation._transform_every_input
@@ -99,10 +111,12 @@ def v_proj_errors(model_dir: Path) -> dict:
     return {"v_proj MXFP4 weight error": errors, "layers": len(online)}
 
 
-def load(model_dir: Path, format_map: dict | None, merged: bool, seed: int = 0) -> nn.Module:
+def load(
+    model_dir: Path, format_map: dict | None, merged: bool, seed: int = 0, rotation_name: str = "online_block_hadamard"
+) -> nn.Module:
     config = None
     if format_map is not None:
-        config = DMXConfig(format_map=format_map, rotation="online_block_hadamard", seed=seed)
+        config = DMXConfig(format_map=format_map, rotation=rotation_name, seed=seed)
     patch = (
         mock.patch.object(rotation, "_transform_every_input", o_proj_transform_in_values)
         if merged
@@ -118,17 +132,94 @@ def load(model_dir: Path, format_map: dict | None, merged: bool, seed: int = 0) 
         return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, quantization_config=config)
 
 
+def forward_costs(model_dir: Path, rounds: int, repeats: int) -> list[dict]:
+    """Each variant's bfloat16 forward time over the unrotated dMX model's (the inference benchmark's map, cached
+    weights, 1 x 512 and 8 x 128 tokens, glibc's thresholds fixed as the benchmark fixes them): `rounds` rounds, each
+    on the three models loaded anew from saved checkpoints (the merged one records no transform for `o_proj`), their
+    forwards timed in turn (`repeats` each, median CPU time); the median of the rounds' ratios and their range."""
+    fixed_malloc_thresholds()
+    format_map = mixed_format_map(AutoModelForCausalLM.from_pretrained(model_dir))
+    variants = {"unrotated": ("none", False), "online": ("online_block_hadamard", False), "in v_proj": (None, True)}
+    ratios: dict[tuple, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folders = {}
+        for name, (rotation_name, merged) in variants.items():
+            folders[name] = Path(tmp) / name.replace(" ", "_")
+            load(model_dir, format_map, merged, rotation_name=rotation_name or "online_block_hadamard").save_pretrained(
+                folders[name]
+            )
+        for _ in range(rounds):
+            models = [AutoModelForCausalLM.from_pretrained(folders[name], dtype=torch.bfloat16) for name in variants]
+            for shape in SHAPES:
+                ids = torch.randint(0, models[0].config.vocab_size, shape, generator=torch.Generator().manual_seed(0))
+                with torch.inference_mode():
+                    base, *others = median_seconds(
+                        [lambda m=m, ids=ids: m(ids) for m in models], repeats, time.process_time
+                    )
+                for name, seconds in zip(list(variants)[1:], others):
+                    ratios.setdefault((name, shape), []).append(seconds / base)
+            del models
+    return [
+        {
+            "forward": "x".join(map(str, shape)),
+            "o_proj transform": name,
+            "cost over unrotated": f"{statistics.median(values) - 1:+.1%}",
+            "rounds": [round(v - 1, 4) for v in values],
+        }
+        for (name, shape), values in ratios.items()
+    ]
+
+
+def calibrated_rows(model_dir: Path, tokenizer, texts: dict, seeds: list[int], preset: str) -> Iterator[dict]:
+    """The default recipe (`DMXConfig(target_bits=5)`: the learned map, fused groups, `online_block_hadamard`, GPTQ)
+    calibrated at `preset`'s sizes on the five Austen calibration novels, float32, per seed with `o_proj`'s transform
+    online and merged into `v_proj` (the same rotation's signs, the same calibration sequences), and its held-out
+    perplexity, one row at a time."""
+    dataset = [path.read_text(encoding="utf-8") for path in benchmark_texts().calibration]
+    for seed, merged in itertools.product(seeds, (False, True)):
+        config = DMXConfig(target_bits=5, dataset=dataset, tokenizer=tokenizer, preset=preset, seed=seed)
+        replacement = o_proj_transform_in_values if merged else every_input
+        with mock.patch.object(rotation, "_transform_every_input", replacement):
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config)
+        row = {"recipe": f"default, target_bits=5, preset {preset}", "seed": seed}
+        row["o_proj transform"] = "in v_proj" if merged else "online"
+        row["weighted bits"] = round(model.config.quantization_config.achieved_bits["bits_weighted"], 4)
+        for text_name, text in texts.items():
+            result = evaluate_perplexity(model, tokenizer, text, SEQ_LEN, EVAL_TOKENS, batch_size=4)
+            row[f"ppl_{text_name}"] = round(result.perplexity, 4)
+        yield row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2], help="rotation seeds")
+    parser.add_argument(
+        "--forward-times", type=int, metavar="ROUNDS", help="only time the forwards (forward_costs), in ROUNDS rounds"
+    )
+    parser.add_argument(
+        "--calibrated", metavar="PRESET", help="only the default recipe calibrated at PRESET's sizes (calibrated_rows)"
+    )
+    parser.add_argument("--repeats", type=int, default=5, help="forwards timed per model per round")
     parser.add_argument("--output", type=Path, default=Path(__file__).with_name("o_proj_transform_in_values.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     model_dir = benchmark_model()
+    if args.forward_times:
+        for row in forward_costs(model_dir, args.forward_times, args.repeats):
+            print(json.dumps(row), flush=True)
+            with args.output.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+        return
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = {name: path.read_text(encoding="utf-8") for name, path in benchmark_texts().evaluation.items()}
     texts = {name: text[len(text) // 10 :] for name, text in texts.items()}
+    if args.calibrated:
+        for row in calibrated_rows(model_dir, tokenizer, texts, args.seeds, args.calibrated):
+            print(json.dumps(row), flush=True)
+            with args.output.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+        return
 
     window = tokenizer(texts["pride_prejudice"], return_tensors="pt").input_ids[:, :SEQ_LEN]
     with torch.no_grad():
