@@ -26,6 +26,11 @@ default recipe at 5 bits with both variants per seed (`calibrated_rows`):
     python research/o_proj_transform_in_values.py --threads 1 --forward-times 5
     python research/o_proj_transform_in_values.py --threads 1 --forward-times 9
     python research/o_proj_transform_in_values.py --threads 2 --calibrated cpu-demo --seeds 0 1
+
+`--probe-families BLOCK` instead checks, on the test suite's tiny models of every family, whether a mix within blocks
+of `BLOCK` put on `v_proj`'s output reaches `o_proj`'s input as signs do (`probe_rows`):
+
+    python research/o_proj_transform_in_values.py --threads 2 --probe-families 8
 """
 
 from __future__ import annotations
@@ -41,10 +46,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from unittest import mock
 
+import pytest
 import torch
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # tests.test_transformers_families
 
 from bench_inference import SHAPES, mixed_format_map  # noqa: E402
 from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: E402
@@ -54,7 +61,7 @@ from optimum_dmx.evaluation import evaluate_perplexity  # noqa: E402
 from optimum_dmx.formats import quantize_mx  # noqa: E402
 from optimum_dmx.nn import rotation  # noqa: E402
 from optimum_dmx.nn.placement import replace_module  # noqa: E402
-from optimum_dmx.nn.transforms import RandomizedHadamard  # noqa: E402
+from optimum_dmx.nn.transforms import RandomizedHadamard, hadamard_matrix  # noqa: E402
 
 from common import benchmark_model, benchmark_texts, fixed_malloc_thresholds, median_seconds  # noqa: E402
 
@@ -190,6 +197,65 @@ def calibrated_rows(model_dir: Path, tokenizer, texts: dict, seeds: list[int], p
         yield row
 
 
+def passes_on(model: nn.Module, ids: torch.Tensor, attention: str, block: int | None) -> bool:
+    """Whether multiplying `attention`'s `v_proj` output by random signs (and with `block`, then mixing each run of
+    `block` elements by the normalized Hadamard matrix) gives `o_proj` its recorded input transformed the same way
+    (the signs repeated for the query heads sharing a value head)."""
+    v_proj, o_proj = model.get_submodule(f"{attention}.v_proj"), model.get_submodule(f"{attention}.o_proj")
+    signs = torch.randint(0, 2, (v_proj.out_features,), generator=torch.Generator().manual_seed(1)) * 2.0 - 1
+    mix = hadamard_matrix(block).float() if block else None
+
+    def transformed(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
+        signed = x * signs
+        return signed if mix is None else (signed.unflatten(-1, (-1, block)) @ mix).flatten(-2)
+
+    inputs: list[torch.Tensor] = []
+    record = o_proj.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone()))
+    with torch.no_grad():
+        model(input_ids=ids, use_cache=False)
+        change = v_proj.register_forward_hook(lambda module, args, output: transformed(output, signs))
+        try:
+            model(input_ids=ids, use_cache=False)
+        finally:
+            change.remove()
+            record.remove()
+    if len(inputs) != 2 or inputs[0].shape[-1] % v_proj.out_features:
+        return False
+    recorded, received = inputs
+    copies = recorded.shape[-1] // v_proj.out_features
+    head_dim = getattr(model.get_submodule(attention), "head_dim", v_proj.out_features)
+    expected = transformed(recorded, signs.view(-1, head_dim).repeat_interleave(copies, 0).flatten())
+    return bool((received - expected).abs().max() <= 1e-4 * recorded.abs().max())
+
+
+def probe_rows(block: int) -> Iterator[dict]:
+    """For each family of `tests/test_transformers_families.py` (tiny random models whose heads are 16 wide) with
+    `v_proj` and `o_proj` linears in its attention: whether signs on every `v_proj`'s output reach its `o_proj`'s
+    input as they are (what `nn.sign_probe` checks before moving an `o_proj` transform's signs) and whether signs and
+    a Hadamard mix within blocks of `block` do (what moving the whole transform needs)."""
+    from tests.test_transformers_families import QUANTIZED, _family_config
+
+    for family in ["llama", "mistral", "qwen3", *QUANTIZED]:
+        try:
+            config = _family_config(family)
+        except pytest.skip.Exception:
+            continue
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(config).eval()
+        attentions = [
+            name
+            for name, module in model.named_modules()
+            if isinstance(getattr(module, "v_proj", None), nn.Linear)
+            and isinstance(getattr(module, "o_proj", None), nn.Linear)
+        ]
+        if not attentions:
+            continue
+        ids = torch.randint(3, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
+        signs = all(passes_on(model, ids, attention, None) for attention in attentions)
+        mixed = all(passes_on(model, ids, attention, block) for attention in attentions)
+        yield {"family": family, "v_proj -> o_proj": {"signs": signs, f"signs and {block}-blocks mixed": mixed}}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -200,10 +266,22 @@ def main() -> None:
     parser.add_argument(
         "--calibrated", metavar="PRESET", help="only the default recipe calibrated at PRESET's sizes (calibrated_rows)"
     )
+    parser.add_argument(
+        "--probe-families",
+        type=int,
+        metavar="BLOCK",
+        help="only probe the test suite's tiny families: does a mix within BLOCK-blocks pass v_proj -> o_proj?",
+    )
     parser.add_argument("--repeats", type=int, default=5, help="forwards timed per model per round")
     parser.add_argument("--output", type=Path, default=Path(__file__).with_name("o_proj_transform_in_values.jsonl"))
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    if args.probe_families:
+        for row in probe_rows(args.probe_families):
+            print(json.dumps(row), flush=True)
+            with args.output.open("a") as out:
+                out.write(json.dumps(row) + "\n")
+        return
     model_dir = benchmark_model()
     if args.forward_times:
         for row in forward_costs(model_dir, args.forward_times, args.repeats):
