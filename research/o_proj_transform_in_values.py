@@ -36,6 +36,7 @@ of `BLOCK` put on `v_proj`'s output reaches `o_proj`'s input as signs do (`probe
 from __future__ import annotations
 
 import argparse
+import contextlib
 import itertools
 import json
 import statistics
@@ -118,25 +119,25 @@ def v_proj_errors(model_dir: Path) -> dict:
     return {"v_proj MXFP4 weight error": errors, "layers": len(online)}
 
 
+def variant(merged: bool) -> contextlib.AbstractContextManager:
+    """Within it `online_block_hadamard` rotates as today, or with `merged` moves `o_proj`'s transform to `v_proj`."""
+    return mock.patch.object(rotation, "_transform_every_input", o_proj_transform_in_values if merged else every_input)
+
+
 def load(
     model_dir: Path, format_map: dict | None, merged: bool, seed: int = 0, rotation_name: str = "online_block_hadamard"
 ) -> nn.Module:
-    config = None
-    if format_map is not None:
-        config = DMXConfig(format_map=format_map, rotation=rotation_name, seed=seed)
-    patch = (
-        mock.patch.object(rotation, "_transform_every_input", o_proj_transform_in_values)
-        if merged
-        else mock.patch.object(rotation, "_transform_every_input", every_input)
-    )
-    with patch:
-        if config is None:
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-            quantized = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
-            with torch.no_grad():
-                rotation.rotate_model(model, "online_block_hadamard", quantized, seed=seed)
-            return model
-        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, quantization_config=config)
+    """The float model rotated by the variant (float32; `format_map` None), or the dMX model of `format_map` with
+    `rotation_name` (bfloat16, rounded to nearest)."""
+    with variant(merged):
+        if format_map is not None:
+            config = DMXConfig(format_map=format_map, rotation=rotation_name, seed=seed)
+            return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16, quantization_config=config)
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        quantized = [n for n, m in model.named_modules() if isinstance(m, nn.Linear) and n != "lm_head"]
+        with torch.no_grad():
+            rotation.rotate_model(model, "online_block_hadamard", quantized, seed=seed)
+        return model
 
 
 def forward_costs(model_dir: Path, rounds: int, repeats: int) -> list[dict]:
@@ -185,8 +186,7 @@ def calibrated_rows(model_dir: Path, tokenizer, texts: dict, seeds: list[int], p
     dataset = [path.read_text(encoding="utf-8") for path in benchmark_texts().calibration]
     for seed, merged in itertools.product(seeds, (False, True)):
         config = DMXConfig(target_bits=5, dataset=dataset, tokenizer=tokenizer, preset=preset, seed=seed)
-        replacement = o_proj_transform_in_values if merged else every_input
-        with mock.patch.object(rotation, "_transform_every_input", replacement):
+        with variant(merged):
             model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, quantization_config=config)
         row = {"recipe": f"default, target_bits=5, preset {preset}", "seed": seed}
         row["o_proj transform"] = "in v_proj" if merged else "online"
