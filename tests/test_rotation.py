@@ -246,9 +246,11 @@ def test_rotation_preserves_the_models_function(kind, rotation, dtype):
 
 @pytest.mark.parametrize(
     "rotation, dtype, kernels",
-    [  # compiled: the large blocks' kernel in float32, the 32-block kernel's bfloat16 factor without signs
-        ("hadamard", torch.float32, "compiled"),
-        ("online_block_hadamard", torch.bfloat16, "compiled"),
+    [  # compiled: the large blocks' kernel in float32, the 32-block kernel's bfloat16 factor without signs. Slow
+        # (80-110 s each, compiling every kernel of both models): the kernels' bits are the eager path's
+        # (tests/test_compilation.py), so the eager cases decide in the default suite.
+        pytest.param("hadamard", torch.float32, "compiled", marks=pytest.mark.slow),
+        pytest.param("online_block_hadamard", torch.bfloat16, "compiled", marks=pytest.mark.slow),
         ("hadamard", torch.bfloat16, "eager"),
         ("online_block_hadamard", torch.float32, "eager"),
     ],
