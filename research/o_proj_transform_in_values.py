@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import statistics
 import sys
 import tempfile
@@ -64,7 +63,13 @@ from optimum_dmx.nn import rotation  # noqa: E402
 from optimum_dmx.nn.placement import replace_module  # noqa: E402
 from optimum_dmx.nn.transforms import RandomizedHadamard, hadamard_matrix  # noqa: E402
 
-from common import benchmark_model, benchmark_texts, fixed_malloc_thresholds, median_seconds  # noqa: E402
+from common import (  # noqa: E402
+    append_json_line,
+    benchmark_model,
+    benchmark_texts,
+    fixed_malloc_thresholds,
+    median_seconds,
+)
 
 EVAL_TOKENS, SEQ_LEN = 16384, 512
 every_input = rotation._transform_every_input
@@ -95,28 +100,22 @@ def v_proj_errors(model_dir: Path) -> dict:
     """Relative MXFP4 rounding error of `v_proj`'s weight (`||Q(W) - W|| / ||W||`, float32, rounded to nearest) in
     each decoder layer of the rotated float models, today's and merged, and the spread of its rows' norms (largest
     over smallest): MX blocks run along a row, so a row's blocks are scaled to its own magnitude until rows mix."""
-    errors = {}
+    errors, spreads = {}, {}
     for merged in (False, True):
-        model = load(model_dir, None, merged)
-        layer_errors, spreads = [], []
-        for name, module in model.named_modules():
-            if name.endswith(".v_proj"):
-                weight = module.weight.detach().float()
-                error = (quantize_mx(weight, "mxfp4_e2m1") - weight).norm() / weight.norm()
-                layer_errors.append(error.item())
-                norms = weight.norm(dim=1)
-                spreads.append((norms.max() / norms.min()).item())
-        key = "in v_proj" if merged else "online"
-        errors[key] = {
-            "mean relative error": round(sum(layer_errors) / len(layer_errors), 5),
-            "layers with the larger error": None,
-            "row norm spread (median over layers)": round(sorted(spreads)[len(spreads) // 2], 2),
+        weights = [
+            m.weight.detach().float() for n, m in load(model_dir, None, merged).named_modules() if n.endswith(".v_proj")
+        ]
+        errors[merged] = [((quantize_mx(w, "mxfp4_e2m1") - w).norm() / w.norm()).item() for w in weights]
+        spreads[merged] = sorted((w.norm(dim=1).max() / w.norm(dim=1).min()).item() for w in weights)
+    summary = {}
+    for merged, key in ((False, "online"), (True, "in v_proj")):
+        mine, other = errors[merged], errors[not merged]
+        summary[key] = {
+            "mean relative error": round(sum(mine) / len(mine), 5),
+            "layers with the larger error": sum(a > b for a, b in zip(mine, other)),
+            "row norm spread (median over layers)": round(spreads[merged][len(mine) // 2], 2),
         }
-        errors[key]["_per_layer"] = layer_errors
-    online, merged = errors["online"].pop("_per_layer"), errors["in v_proj"].pop("_per_layer")
-    errors["in v_proj"]["layers with the larger error"] = sum(m > o for o, m in zip(online, merged))
-    errors["online"]["layers with the larger error"] = sum(o > m for o, m in zip(online, merged))
-    return {"v_proj MXFP4 weight error": errors, "layers": len(online)}
+    return {"v_proj MXFP4 weight error": summary, "layers": len(errors[False])}
 
 
 def variant(merged: bool) -> contextlib.AbstractContextManager:
@@ -191,9 +190,7 @@ def calibrated_rows(model_dir: Path, tokenizer, texts: dict, seeds: list[int], p
         row = {"recipe": f"default, target_bits=5, preset {preset}", "seed": seed}
         row["o_proj transform"] = "in v_proj" if merged else "online"
         row["weighted bits"] = round(model.config.quantization_config.achieved_bits["bits_weighted"], 4)
-        for text_name, text in texts.items():
-            result = evaluate_perplexity(model, tokenizer, text, SEQ_LEN, EVAL_TOKENS, batch_size=4)
-            row[f"ppl_{text_name}"] = round(result.perplexity, 4)
+        row.update(held_out_perplexities(model, tokenizer, texts))
         yield row
 
 
@@ -256,6 +253,16 @@ def probe_rows(block: int) -> Iterator[dict]:
         yield {"family": family, "v_proj -> o_proj": {"signs": signs, f"signs and {block}-blocks mixed": mixed}}
 
 
+def held_out_perplexities(model: nn.Module, tokenizer, texts: dict[str, str]) -> dict[str, float]:
+    """`ppl_<text>` of `model` on each held-out text's first `EVAL_TOKENS` tokens in `SEQ_LEN`-token windows."""
+    return {
+        f"ppl_{name}": round(
+            evaluate_perplexity(model, tokenizer, text, SEQ_LEN, EVAL_TOKENS, batch_size=4).perplexity, 4
+        )
+        for name, text in texts.items()
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=2)
@@ -278,25 +285,19 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     if args.probe_families:
         for row in probe_rows(args.probe_families):
-            print(json.dumps(row), flush=True)
-            with args.output.open("a") as out:
-                out.write(json.dumps(row) + "\n")
+            append_json_line(args.output, row)
         return
     model_dir = benchmark_model()
     if args.forward_times:
         for row in forward_costs(model_dir, args.forward_times, args.repeats):
-            print(json.dumps(row), flush=True)
-            with args.output.open("a") as out:
-                out.write(json.dumps(row) + "\n")
+            append_json_line(args.output, row)
         return
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     texts = {name: path.read_text(encoding="utf-8") for name, path in benchmark_texts().evaluation.items()}
     texts = {name: text[len(text) // 10 :] for name, text in texts.items()}
     if args.calibrated:
         for row in calibrated_rows(model_dir, tokenizer, texts, args.seeds, args.calibrated):
-            print(json.dumps(row), flush=True)
-            with args.output.open("a") as out:
-                out.write(json.dumps(row) + "\n")
+            append_json_line(args.output, row)
         return
 
     window = tokenizer(texts["pride_prejudice"], return_tensors="pt").input_ids[:, :SEQ_LEN]
@@ -307,7 +308,7 @@ def main() -> None:
         f"float, rotated: max |logit difference| today vs merged {(logits[0] - logits[1]).abs().max():.2e}, "
         f"vs unrotated {(logits[0] - plain).abs().max():.2e}"
     )
-    rows = [v_proj_errors(model_dir)]
+    append_json_line(args.output, v_proj_errors(model_dir))
 
     names = [
         n
@@ -318,19 +319,11 @@ def main() -> None:
         "uniform MXFP4": dict.fromkeys(names, "mxfp4_e2m1"),
         "every fifth unit MXFP8": mixed_format_map(AutoModelForCausalLM.from_pretrained(model_dir)),
     }
-    for row in rows:
-        print(json.dumps(row), flush=True)
-        with args.output.open("a") as out:
-            out.write(json.dumps(row) + "\n")
     for seed, (map_name, format_map), merged in itertools.product(args.seeds, maps.items(), (False, True)):
         model = load(model_dir, format_map, merged, seed)
         row = {"map": map_name, "seed": seed, "o_proj transform": "in v_proj" if merged else "online"}
-        for text_name, text in texts.items():
-            result = evaluate_perplexity(model, tokenizer, text, SEQ_LEN, EVAL_TOKENS, batch_size=4)
-            row[f"ppl_{text_name}"] = round(result.perplexity, 4)
-        print(json.dumps(row), flush=True)
-        with args.output.open("a") as out:
-            out.write(json.dumps(row) + "\n")
+        row.update(held_out_perplexities(model, tokenizer, texts))
+        append_json_line(args.output, row)
 
 
 if __name__ == "__main__":
