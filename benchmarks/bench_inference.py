@@ -23,10 +23,11 @@ Measures, in one run:
    down_proj, layer after layer) every fifth is MXFP8, the rest MXFP4 (4.8 average bits). With
    `--rotation NAME[,NAME...]` one more dMX model per rotation, rotated by `DMXConfig(rotation=NAME)` with the same
    map, is timed beside them (the cost of the online transforms: `down_proj`'s input for `hadamard` /
-   `block_hadamard`, every quantized input for `online_block_hadamard`), with a row per shape of each rotation's
-   cost over the cached dMX model in percent. With `--rounds N` the forwards are timed N times, each time on all
-   the models loaded anew: the cells are the medians of the rounds, the rotations' costs have their range (one
-   load of a model can run several percent faster or slower than another, as one process can).
+   `block_hadamard`, every quantized input but `o_proj`'s, which `v_proj` computes, for `online_block_hadamard`),
+   with a row per shape of each rotation's cost over the cached dMX model in percent. With `--rounds N` the forwards
+   are timed N times, each time on all the models loaded anew: the cells are the medians of the rounds, the
+   rotations' costs have their range (one load of a model can run several percent faster or slower than another,
+   as one process can).
 
 With `--fresh-processes`, instead of all of the above: the whole model in bfloat16 (float, the cached dMX model, each
 rotation), each model timed in a process of its own, started for it, as a user's process runs it (whether float32

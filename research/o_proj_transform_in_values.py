@@ -1,6 +1,10 @@
 #!/usr/bin/env python
 """Study: can `online_block_hadamard` drop `o_proj`'s online transform by merging it into `v_proj`'s rows?
 
+Adopted: the library now merges it where the model's probe passes (`nn.rotation.whole_transform_carriers`); the
+script compares that with the transform kept online as before (`variant`). The committed rows were measured with
+the study's own merge, before the adoption.
+
 `o_proj` reads, per query head, a mix over tokens of its value head's `v_proj` outputs. Attention mixes tokens, not
 features, so a block-diagonal transform `B` of `o_proj`'s input whose blocks lie within a head (block size dividing
 `head_dim`, the same matrix on every block) can be computed by `v_proj` instead: `v_proj`'s rows become `B^T W_v`
@@ -60,8 +64,7 @@ from optimum_dmx import DMXConfig  # noqa: E402
 from optimum_dmx.evaluation import evaluate_perplexity  # noqa: E402
 from optimum_dmx.formats import quantize_mx  # noqa: E402
 from optimum_dmx.nn import rotation  # noqa: E402
-from optimum_dmx.nn.placement import replace_module  # noqa: E402
-from optimum_dmx.nn.transforms import RandomizedHadamard, hadamard_matrix  # noqa: E402
+from optimum_dmx.nn.transforms import hadamard_matrix  # noqa: E402
 
 from common import (  # noqa: E402
     append_json_line,
@@ -72,28 +75,6 @@ from common import (  # noqa: E402
 )
 
 EVAL_TOKENS, SEQ_LEN = 16384, 512
-every_input = rotation._transform_every_input
-
-
-def o_proj_transform_in_values(model: nn.Module, quantized, block_size: int, seed: int) -> dict:
-    """`online_block_hadamard` as today, then each `o_proj`'s online transform merged into its `v_proj`'s rows."""
-    transforms = every_input(model, quantized, block_size, seed)
-    for name in [n for n in transforms if n.endswith(".o_proj")]:
-        parent = name.rpartition(".")[0]
-        o_proj, v_proj = model.get_submodule(name), model.get_submodule(parent + ".v_proj")
-        online = o_proj.input_transform
-        head_dim = model.get_submodule(parent).head_dim
-        if online.signed or online.odd != 1 or head_dim % online.block_size:
-            raise ValueError(f"{name}: its transform cannot move into v_proj ({online!r}, head_dim {head_dim})")
-        # Unsigned power-of-two blocks: the same Hadamard matrix on every block, whatever the seed.
-        rotation._merge_output_side(
-            model, parent + ".v_proj", RandomizedHadamard(v_proj.out_features, online.block_size, 0, signed=False)
-        )
-        plain = nn.Linear(o_proj.in_features, o_proj.out_features, bias=o_proj.bias is not None, device="meta")
-        plain.weight, plain.bias = o_proj.weight, o_proj.bias
-        replace_module(model, name, plain)
-        del transforms[name]
-    return transforms
 
 
 def v_proj_errors(model_dir: Path) -> dict:
@@ -119,8 +100,12 @@ def v_proj_errors(model_dir: Path) -> dict:
 
 
 def variant(merged: bool) -> contextlib.AbstractContextManager:
-    """Within it `online_block_hadamard` rotates as today, or with `merged` moves `o_proj`'s transform to `v_proj`."""
-    return mock.patch.object(rotation, "_transform_every_input", o_proj_transform_in_values if merged else every_input)
+    """Within it `online_block_hadamard` rotates as the library does since this study (`merged`: `o_proj`'s transform
+    in `v_proj`'s rows where the probe lets it, `nn.rotation.whole_transform_carriers`), or as it did before
+    (`o_proj`'s transform online)."""
+    if merged:
+        return contextlib.nullcontext()
+    return mock.patch.object(rotation, "whole_transform_carriers", lambda model, carriers, block_size: {})
 
 
 def load(

@@ -286,14 +286,17 @@ def transformers_warnings() -> Iterator[list[str]]:
 
 
 @contextmanager
-def signs_kept_online() -> Iterator[None]:
-    """Rotations inside the block keep every online transform's random signs in the transform, as earlier versions
-    did, instead of moving them into the modules producing the transformed inputs: how a test makes the checkpoints
-    those versions wrote."""
+def transforms_kept_online(signs: bool = False) -> Iterator[None]:
+    """Rotations inside the block apply every online transform online, as earlier versions did: `o_proj`'s too
+    (not merged into `v_proj`'s rows), and with `signs` each transform's random signs in the transform (not moved
+    into the module producing its input): how a test makes the checkpoints those versions wrote, or compares the
+    bits of a moved sign with one kept online."""
     import pytest
 
     from optimum_dmx.nn import rotation
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(rotation, "_carry_signs", lambda model, carrier, transform: transform)
+        patch.setattr(rotation, "whole_transform_carriers", lambda model, carriers, block_size: {})
+        if signs:
+            patch.setattr(rotation, "_carry_signs", lambda model, carrier, transform: transform)
         yield

@@ -32,9 +32,9 @@ from .helpers import (
     held_out,
     linear_names,
     run_python,
-    signs_kept_online,
     tiny_decoder,
     transformers_warnings,
+    transforms_kept_online,
     word_tokenizer,
     words,
 )
@@ -104,9 +104,14 @@ def signed_everywhere(checkpoint: Path) -> Path:
     return checkpoint
 
 
-def transformed_layers(rotation: str) -> list[str]:
-    """The layers whose input a checkpoint rotated by `rotation` transforms online, sorted."""
-    online = PROJECTIONS if rotation == "online_block_hadamard" else ("down_proj",)
+def transformed_layers(rotation: str, earlier_version: bool = False) -> list[str]:
+    """The layers whose input a checkpoint rotated by `rotation` transforms online, sorted: for
+    `online_block_hadamard` every linear but `o_proj`, whose input `v_proj` transforms, or every one in checkpoints
+    of earlier versions (`earlier_version`)."""
+    if rotation != "online_block_hadamard":
+        online = ("down_proj",)
+    else:
+        online = PROJECTIONS if earlier_version else tuple(p for p in PROJECTIONS if p != "o_proj")
     return sorted(name for name in servable_map() if name.rpartition(".")[2] in online)
 
 
@@ -118,13 +123,14 @@ def transformed_layers(rotation: str) -> list[str]:
         ("llama", 128, "hadamard", False, False),  # a power of two: one transform of the whole input
         ("llama", 96, "hadamard", True, False),  # 96 = 32 x 3: blocks of 32
         ("qwen3", 96, "block_hadamard", True, False),
-        # every linear: signs into the norms (q/k/v, gate/up), v_proj's rows (o_proj: 2 query heads per value head)
+        # every linear: signs into the norms (q/k/v, gate/up), o_proj's whole transform into v_proj's rows (2 query
+        # heads per value head)
         ("llama", 96, "online_block_hadamard", False, True),
         ("qwen3", 96, "online_block_hadamard", False, False),  # q_norm/k_norm after q/k_proj: untouched
         ("qwen2", 96, "online_block_hadamard", False, False),  # q/k/v biases (Qwen2.5): added after the transform
         ("qwen3", 96, "online_block_hadamard", True, False),  # calibrated, fused offset groups
-        # Gemma's norms scale by 1 + weight: q/k/v and gate/up have transforms without signs, o_proj and down_proj
-        # signs that go into v_proj and up_proj
+        # Gemma's norms scale by 1 + weight: q/k/v and gate/up have transforms without signs, down_proj signs that
+        # go into up_proj, o_proj's whole transform goes into v_proj
         ("gemma3", 96, "online_block_hadamard", False, False),
     ],
 )
@@ -165,7 +171,7 @@ def test_rotated_checkpoint_exports_its_transforms_and_loads_to_the_same_logits(
         # (in bfloat16 it rounds at each of its stages, where this package's transform computes in float32)
         ("llama", 128, "hadamard", False, torch.float32),
         ("llama", 96, "hadamard", True, torch.bfloat16),  # 96 = 32 x 3: blocks of 32
-        ("llama", 96, "online_block_hadamard", False, torch.bfloat16),  # every linear
+        ("llama", 96, "online_block_hadamard", False, torch.bfloat16),  # every linear but o_proj
         ("qwen3", 96, "online_block_hadamard", True, torch.bfloat16),
         ("gemma3", 96, "online_block_hadamard", False, torch.bfloat16),
     ],
@@ -207,10 +213,10 @@ def test_a_checkpoint_with_its_signs_online_exports_them_into_the_layers_and_nor
     rows (one copy per value head) and `up_proj`'s rows and bias take the signs, the loaders apply plain Hadamard
     transforms, and the logits are the dMX model's."""
     float_dir = float_model(tmp_path / "float", "llama", 96, mlp_bias=True)
-    with signs_kept_online():
+    with transforms_kept_online(signs=True):
         source = dmx_checkpoint(tmp_path / "dmx", float_dir, "online_block_hadamard", target=target)
     transforms = json.loads((source / "config.json").read_text())["quantization_config"]["input_transforms"]
-    assert sorted(transforms) == transformed_layers("online_block_hadamard")
+    assert sorted(transforms) == transformed_layers("online_block_hadamard", earlier_version=True)
     assert all("signed" not in spec for spec in transforms.values())  # signed, as those versions recorded them
     exported = export_checkpoint(source, tmp_path / "out", target)
 
@@ -220,7 +226,7 @@ def test_a_checkpoint_with_its_signs_online_exports_them_into_the_layers_and_nor
     if target == "compressed-tensors":
         apply_transform_config(loaded, TransformConfig.model_validate(quantization["transform_config"]))
     else:
-        for layer in transformed_layers("online_block_hadamard"):
+        for layer in transformed_layers("online_block_hadamard", earlier_version=True):
             loaded.get_submodule(layer).post_process_after_loading()
     with torch.no_grad():
         assert torch.equal(loaded(IDS).logits, ours(IDS).logits)
@@ -241,7 +247,7 @@ def test_rotations_a_target_cannot_express_are_refused_naming_the_layer(tmp_path
     with pytest.raises(ExportError, match=r"model\.layers\.0\.mlp\.down_proj's online transform .* random orthogonal"):
         export_checkpoint(full, tmp_path / "out")
     # online_block_hadamard of an earlier version: o_proj's signs differ between the 2 query heads of a value head
-    with signs_kept_online():
+    with transforms_kept_online(signs=True):
         every = dmx_checkpoint(tmp_path / "online", float_dir, "online_block_hadamard")
     config = json.loads((every / "config.json").read_text())
     transforms = config["quantization_config"]["input_transforms"]

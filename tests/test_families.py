@@ -93,9 +93,10 @@ def test_family_calibrates_to_its_budget_and_reloads(tmp_path, family, pair, tar
     assert recorded.bit_average == "weighted"  # the default: the model's size follows the target
     assert abs(recorded.achieved_bits["bits_weighted"] - target) <= BUDGET_TOLERANCE + 1e-9
     assert "lm_head" in recorded.modules_to_not_convert
-    # rotation="auto": online transforms on every quantized linear, plain Hadamard blocks: their random signs are in
-    # the decoder norms' scales (initialized to ones), v_proj's and up_proj's rows, where those can take them (not
-    # Gemma's 1 + weight norms, nor Phi-3's fused projections)
+    # rotation="auto": online transforms on every quantized linear (heads of 16 are no whole 32-block, so o_proj's
+    # stays online too), plain Hadamard blocks: their random signs are in the decoder norms' scales (initialized to
+    # ones), v_proj's and up_proj's rows, where those can take them (not Gemma's 1 + weight norms, nor Phi-3's fused
+    # projections)
     assert recorded.rotation == "online_block_hadamard" and sorted(recorded.input_transforms) == sorted(mx)
     assert all(spec["signed"] is False for spec in recorded.input_transforms.values())
     norms = {n: m.weight for n, m in model.named_modules() if n.endswith("layernorm") and ".layers." in n}

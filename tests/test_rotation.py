@@ -26,7 +26,7 @@ from optimum_dmx.nn.transforms import (
     sylvester_matrix,
 )
 
-from .helpers import INPUT_IDS, last_json_line, run_python, signs_kept_online, tiny_decoder
+from .helpers import INPUT_IDS, last_json_line, run_python, tiny_decoder, transforms_kept_online
 
 
 @pytest.mark.parametrize("n", [1, 2, 32, 256])
@@ -262,11 +262,13 @@ def test_signs_go_into_the_modules_producing_the_inputs_and_change_no_bit_of_the
     `down_proj`, `v_proj`'s for `o_proj`, one copy per value head, a norm's scale for q/k/v and gate/up) and applies
     `B` (64-blocks of the tiny model's 192 for `hadamard`: the large blocks' kernel; 32-blocks: the whole transform
     in one). The MX-quantized model computes the bits of the same model rotated with `T` online and its carriers
-    unsigned, as rotations ran before."""
+    unsigned, as rotations ran before (both with `o_proj`'s transform online: merged into `v_proj`, it rounds
+    differently, `test_o_proj_takes_its_input_transformed_by_v_proj_where_attention_passes_a_mix_on`)."""
     if kernels == "compiled":
         request.getfixturevalue("compiled")
-    _, model, transforms, quantized = _rotated_copy("llama", rotation, dtype)  # the float function kept
-    with signs_kept_online():
+    with transforms_kept_online():
+        _, model, transforms, quantized = _rotated_copy("llama", rotation, dtype)  # the float function kept
+    with transforms_kept_online(signs=True):
         _, signs_online, signed_transforms, _ = _rotated_copy("llama", rotation, dtype)
     carriers = sign_carriers(tiny_decoder("llama", tied=True, dtype=dtype), quantized)
     assert set(transforms) <= set(carriers) and len(set(carriers[name] for name in transforms)) >= 2
@@ -296,22 +298,33 @@ def test_signs_go_into_the_modules_producing_the_inputs_and_change_no_bit_of_the
 @pytest.mark.parametrize("kind", ["llama", "qwen3", "gemma3"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_online_block_rotation_transforms_every_quantized_input_and_preserves_the_function(kind, dtype):
+    """Every quantized linear's input is transformed: online, or for `o_proj` by `v_proj`, whose rows take the whole
+    transform (signs, then the Hadamard matrix on each 32 of a value head's outputs); the function is kept
+    (`_rotated_copy`)."""
     model, rotated, transforms, quantized = _rotated_copy(kind, "online_block_hadamard", getattr(torch, dtype))
-    assert sorted(transforms) == sorted(quantized) and all(s["block_size"] == 32 for s in transforms.values())
+    o_projs = [name for name in quantized if name.endswith("o_proj")]
+    assert sorted(transforms) == sorted(set(quantized) - set(o_projs))
+    assert all(s["block_size"] == 32 for s in transforms.values())
+    hadamard = sylvester_matrix(32).double() / 32**0.5
     for layer in range(2):  # the linears reading one input share its transform; the others have their own
         prefix = f"model.layers.{layer}."
         seeds = {name.removeprefix(prefix): s["seed"] for name, s in transforms.items() if name.startswith(prefix)}
         assert seeds["self_attn.q_proj"] == seeds["self_attn.k_proj"] == seeds["self_attn.v_proj"]
         assert seeds["mlp.gate_proj"] == seeds["mlp.up_proj"]
-        shared = {seeds[n] for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")}
-        assert len(shared) == 4
-        # grouped-query attention (4 query heads, 2 value heads of 32): o_proj's signs (in v_proj's rows) are equal
-        # across the query heads reading one value head, its own signs for each value head
-        o_proj = RandomizedHadamard.from_dict({**transforms[f"{prefix}self_attn.o_proj"], "signed": True})
-        assert transforms[f"{prefix}self_attn.o_proj"]["sign_copies"] == [2, 32]
-        by_head = o_proj.signs().view(2, 2, 32)
-        assert torch.equal(by_head[:, 0], by_head[:, 1]) and not torch.equal(by_head[0, 0], by_head[1, 0])
-        assert all("sign_copies" not in transforms[f"{prefix}{n}"] for n in ("self_attn.q_proj", "mlp.down_proj"))
+        assert len({seeds[n] for n in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj")}) == 3
+        # o_proj: a plain linear holding W T; v_proj's rows (2 value heads of 32, each read by 2 query heads) are
+        # H D W_v per block of 32: random signs, then the Hadamard matrix, as o_proj's transform within a head
+        assert type(rotated.get_submodule(prefix + "self_attn.o_proj")) is nn.Linear
+        qkv = RandomizedHadamard.from_dict({**transforms[prefix + "self_attn.v_proj"], "signed": kind != "gemma3"})
+        original = qkv.apply(model.get_submodule(prefix + "self_attn.v_proj").weight.double())  # W_v T_qkv
+        v_proj = rotated.get_submodule(prefix + "self_attn.v_proj").weight.double()
+        for block in range(2):
+            rows = slice(32 * block, 32 * (block + 1))
+            mix = v_proj[rows] @ torch.linalg.pinv(original[rows])  # v_proj's block = mix @ the original block
+            signs = hadamard @ mix  # D: a diagonal of random signs
+            tolerance = 1e-5 if dtype == "float32" else 0.05
+            torch.testing.assert_close(signs, torch.diag(signs.diagonal().sign()), atol=tolerance, rtol=0)
+            assert 0 < (signs.diagonal() < 0).sum() < 32
         # the norms' scales take the signs of q/k/v's and gate/up's transforms, but Gemma's, which scale by
         # 1 + weight: their readers' transforms draw none
         mlp_norm = "pre_feedforward_layernorm" if kind == "gemma3" else "post_attention_layernorm"
@@ -324,6 +337,20 @@ def test_online_block_rotation_transforms_every_quantized_input_and_preserves_th
     assert torch.equal(rotated.model.embed_tokens.weight, model.model.embed_tokens.weight)
     # online, every transform is the plain block Hadamard matrix: its signs are in the modules producing its input
     assert all(spec["signed"] is False for spec in transforms.values())
+
+
+def test_o_proj_keeps_its_transform_online_with_signs_copied_across_the_query_heads_of_a_value_head():
+    """Where `o_proj`'s transform stays online (as earlier versions kept it), its signs, in `v_proj`'s rows, are
+    equal across the query heads reading one value head (4 query heads, 2 value heads of 32), its own for each value
+    head."""
+    with transforms_kept_online(signs=True):
+        _, _, transforms, _ = _rotated_copy("llama", "online_block_hadamard", torch.float32)
+    for layer in range(2):
+        spec = transforms[f"model.layers.{layer}.self_attn.o_proj"]
+        assert spec["sign_copies"] == [2, 32]
+        by_head = RandomizedHadamard.from_dict(spec).signs().view(2, 2, 32)
+        assert torch.equal(by_head[:, 0], by_head[:, 1]) and not torch.equal(by_head[0, 0], by_head[1, 0])
+        assert "sign_copies" not in transforms[f"model.layers.{layer}.self_attn.q_proj"]
 
 
 def test_rotation_keeps_float_down_proj_without_online_transform():
@@ -431,6 +458,43 @@ def test_online_transform_signs_go_only_where_the_model_passes_them_on(family, w
     _assert_online_rotation_keeps_the_function(model, quantized, ids)
 
 
+@pytest.mark.parametrize(
+    "family, online, merged",
+    [
+        ("llama", [], ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]),
+        ("qwen2", [], ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"]),  # biased v_proj
+        # the attention output is gated by a sigmoid element by element: it passes signs on, not a mix
+        ("afmoe", ["model.layers.0.self_attn.o_proj", "model.layers.1.self_attn.o_proj"], []),
+        ("qwen3_next", ["model.layers.3.self_attn.o_proj"], []),
+        # a gated delta net's values pass a convolution and SiLU; the softmax attention layer's do not
+        ("olmo_hybrid", ["model.layers.0.linear_attn.o_proj"], ["model.layers.1.self_attn.o_proj"]),
+    ],
+)
+def test_o_proj_takes_its_input_transformed_by_v_proj_where_attention_passes_a_mix_on(family, online, merged):
+    """`o_proj`'s whole transform (signs and a Hadamard mix within blocks of 8 of its heads of 16) goes into `v_proj`'s
+    rows where the model's forward pass shows that a mix of `v_proj`'s output reaches `o_proj`'s input as it is
+    (`nn.sign_probe`), and that `o_proj` keeps no online transform; elsewhere it stays online. The rotated model
+    computes the original function."""
+    from .test_transformers_families import EXTRA, SMALL
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model(family, **{**SMALL, **EXTRA.get(family, {})})
+    model = AutoModelForCausalLM.from_config(config).float().eval()
+    with torch.no_grad():  # weights large enough that a transform which does not pass on shows in the logits
+        for parameter in model.parameters():
+            parameter.normal_(0, 0.3)
+    quantized = list(linear_modules_to_quantize(model, ["lm_head"]))
+    ids = torch.randint(3, config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        original = model(ids).logits
+        transforms = rotate_model(model, "online_block_hadamard", quantized, block_size=8)
+        rotated = model(ids).logits
+    o_projs = [name for name in quantized if name.endswith("o_proj")]
+    assert [n for n in o_projs if n in transforms] == online and [n for n in o_projs if n not in transforms] == merged
+    assert all(type(model.get_submodule(name)) is nn.Linear for name in merged)
+    assert (rotated - original).abs().max() < 1e-4 * original.abs().max()
+
+
 def _assert_online_rotation_keeps_the_function(model: nn.Module, quantized: list[str], ids: torch.Tensor) -> None:
     """Rotate the float32 `model` in place with `"online_block_hadamard"`: every transform runs without signs, and
     the logits on `ids` are the original ones to float rounding (a sign moved where it does not pass on changes them
@@ -496,24 +560,26 @@ def test_mx_and_dmx_linears_apply_the_online_transform():
 
 def test_linears_sharing_an_online_transform_transform_and_quantize_their_input_once(monkeypatch):
     """q/k/v and gate/up of an `online_block_hadamard` model, each with its own transform object rebuilt from the
-    records (as a reloaded model has them), transform and quantize their input once per forward: 4 times per decoder
-    layer, not 7. The logits are those of modules that share nothing."""
+    records (as a reloaded model has them), transform and quantize their input once per forward: 3 times per decoder
+    layer (q/k/v, gate/up, down_proj; o_proj's input comes transformed by v_proj), not 6. The logits are those of
+    modules that share nothing."""
     model = tiny_decoder("llama", tied=True)
     quantized = linear_modules_to_quantize(model, ["lm_head"])
     transforms = rotate_model(model, "online_block_hadamard", quantized)
-    for name in quantized:
-        model.get_submodule(name).input_transform = RandomizedHadamard.from_dict(transforms[name])
+    assert sorted(transforms) == sorted(n for n in quantized if not n.endswith("o_proj"))
+    for name, spec in transforms.items():
+        model.get_submodule(name).input_transform = RandomizedHadamard.from_dict(spec)
     replace_with_mx_linear(model, dict.fromkeys(quantized, "mxfp4_e2m1"))
     calls = []
     quantize = RandomizedHadamard.quantize
     monkeypatch.setattr(RandomizedHadamard, "quantize", lambda self, *a: calls.append(self.key) or quantize(self, *a))
     with torch.no_grad():
         shared = model(INPUT_IDS).logits
-        assert len(calls) == 2 * 4 and len(set(calls)) == 2 * 4
+        assert len(calls) == 2 * 3 and len(set(calls)) == 2 * 3
         for name in quantized:
             model.get_submodule(name).input_casts = None
         assert torch.equal(model(INPUT_IDS).logits, shared)
-    assert len(calls) == 2 * 4 + 2 * 7
+    assert len(calls) == 2 * 3 + 2 * 6
 
 
 def test_calibrating_a_rotated_model_runs_with_the_online_transforms():

@@ -27,16 +27,20 @@ serving engines apply (`export.transforms`), where a full-size one would need a 
 odd factor. `rotation="block_hadamard"` uses block-diagonal ones aligned to the MX blocks (`block_size`, normally
 32), which mix values only within the blocks that share a scale.
 
-`rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear gets an online
-block-diagonal transform of its input (inverse merged into its weight), applied after the RMSNorm scale; linears
-that read one input (q/k/v, gate/up) share one. A transform draws random signs only where the module producing
-its input can take them (`sign_carriers`: `up_proj` for a gated MLP's `down_proj`, `v_proj` for `o_proj`, with
-signs equal across the query heads that read one value head, a decoder layer's RMSNorm scale for the linears
-reading it; each checked by probe passes of the model, `nn.sign_probe`), and the rotation puts them there, as for
-`down_proj` above: every online transform is a plain block Hadamard transform, which is also what the loaders of
-exported checkpoints apply. Elsewhere (Gemma's `1 + weight` norms, fused `qkv_proj`/`gate_up_proj` layers, MLPs
-that are not gated, other layouts) no signs are drawn. Any architecture, tied embeddings stay tied, norms keep
-their scales (up to sign); the price is one fast Hadamard transform of each quantized linear's input per call.
+`rotation="online_block_hadamard"` merges nothing into the residual stream: every quantized linear's input is
+transformed block by block (inverse merged into its weight), after the RMSNorm scale; linears that read one input
+(q/k/v, gate/up) share one transform. An attention's `o_proj` takes its input transformed from `v_proj`, whose
+rows take the whole transform, where attention mixes values over tokens only (`whole_transform_carriers`: heads a
+whole number of blocks, checked by probe passes of the model, `nn.sign_probe`; an attention output gated element
+by element, as in AFMoE or Qwen3-Next, does not qualify): it needs no online transform, one of a decoder layer's
+four fewer. Every other one is applied online. It draws random signs only where the module producing its input can
+take them (`sign_carriers`: `up_proj` for a gated MLP's `down_proj`, `v_proj` for `o_proj`, with signs equal
+across the query heads that read one value head, a decoder layer's RMSNorm scale for the linears reading it; each
+checked by the probe), and the rotation puts them there, as for `down_proj` above: every online transform is a
+plain block Hadamard transform, which is also what the loaders of exported checkpoints apply. Elsewhere (Gemma's
+`1 + weight` norms, fused `qkv_proj`/`gate_up_proj` layers, MLPs that are not gated, other layouts) no signs are
+drawn. Any architecture, tied embeddings stay tied, norms keep their scales (up to sign); the price is one fast
+Hadamard transform of each quantized linear's input per call, `o_proj`'s excepted where `v_proj` computes it.
 
 `rotation="auto"` (`resolve_rotation`) is `"online_block_hadamard"` where an exported checkpoint can carry it (every
 quantized linear a plain, unsharded `nn.Linear` with whole MX blocks of inputs), else `"none"`, with a warning that
@@ -51,7 +55,7 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,7 +64,7 @@ from torch import nn
 
 from .groups import expert_groups, fused_projection_groups
 from .placement import is_resident, is_sharded, loaded_weights, replace_module, write_parameters
-from .sign_probe import readers_receiving_signs
+from .sign_probe import readers_receiving
 from .transforms import RandomizedHadamard, TransformedLinear
 
 Rotation = torch.Tensor | RandomizedHadamard  # an orthogonal matrix, or a transform applied from its factors
@@ -157,7 +161,28 @@ def sign_carriers(model: nn.Module, quantized: Collection[str]) -> dict[str, str
             proposed[name] = f"{parent}.{producer}"
             if sign_copies is not None:
                 copies[name] = sign_copies
-    received = readers_receiving_signs(model, proposed, copies) if proposed else set()
+    received = readers_receiving(model, proposed, copies) if proposed else set()
+    return {name: carrier for name, carrier in proposed.items() if name in received}
+
+
+def whole_transform_carriers(model: nn.Module, carriers: Mapping[str, str], block_size: int) -> dict[str, str]:
+    """For each attention `o_proj` of `carriers` (`sign_carriers`: its `v_proj` takes its transform's signs) whose
+    whole online transform of `block_size` blocks `v_proj` can compute, that `v_proj`'s name: attention mixes
+    `v_proj`'s outputs over tokens, never over features, so a transform within each head (`head_dim` a multiple of
+    `block_size`) that is merged into `v_proj`'s rows reaches `o_proj`'s input as if applied there, and `o_proj` needs
+    no online transform (one of a decoder layer's four fewer). Probe passes of the model check it (`nn.sign_probe`,
+    a random transform of `block_size` blocks on `v_proj`'s output): an attention output gated element by element
+    (AFMoE, Qwen3-Next, Qwen3.5) passes signs on, not a mix."""
+    proposed, copies = {}, {}
+    for name, carrier in carriers.items():
+        parent, _, leaf = name.rpartition(".")
+        head_dim = getattr(model.get_submodule(parent), "head_dim", None)
+        if leaf == "o_proj" and isinstance(head_dim, int) and head_dim % block_size == 0:
+            proposed[name] = carrier
+            sign_copies = _value_head_sign_copies(model, name)
+            if sign_copies is not None:
+                copies[name] = sign_copies
+    received = readers_receiving(model, proposed, copies, block_size) if proposed else set()
     return {name: carrier for name, carrier in proposed.items() if name in received}
 
 
@@ -321,14 +346,18 @@ def residual_norm_readers(model: nn.Module) -> list[tuple[str, list[str]]]:
 def _transform_every_input(
     model: nn.Module, quantized: Collection[str], block_size: int, seed: int
 ) -> dict[str, dict[str, Any]]:
-    """An online block-diagonal Hadamard transform on the input of every quantized linear, its random signs (drawn
-    where a module producing the input can carry them, `sign_carriers`) put into that module, so that what runs
-    online is the plain block Hadamard transform (`_carry_signs`); the linears that read one input (q/k/v, gate/up:
-    `nn.groups.fused_projection_groups`) share one transform, so that its result is computed once for them
-    (`MXLinear.matmul_input`) and an engine that fuses them can apply it."""
+    """A block-diagonal Hadamard transform of the input of every quantized linear (`T`, merged into its weight as
+    `W T`), computed where it costs least: an attention's `o_proj` whose `v_proj` can compute the whole transform
+    (`whole_transform_carriers`) takes its input transformed from `v_proj`, whose rows take `T` (`_merge_whole`); any
+    other linear gets `T` online, its random signs (drawn where a module producing the input can carry them,
+    `sign_carriers`) put into that module, so that what runs online is the plain block Hadamard transform
+    (`_carry_signs`). The linears that read one input (q/k/v, gate/up: `nn.groups.fused_projection_groups`) share one
+    transform, so that its result is computed once for them (`MXLinear.matmul_input`) and an engine that fuses them
+    can apply it. Returns the online transforms by module name."""
     generator = torch.Generator().manual_seed(seed)
     shared_with = {name: group[0] for group in fused_projection_groups(quantized) for name in group}
     carriers = sign_carriers(model, quantized)
+    whole_carriers = whole_transform_carriers(model, carriers, block_size)
     built: dict[str, tuple[RandomizedHadamard, RandomizedHadamard]] = {}  # owner: (merged, applied online)
     transforms = {}
     for name in quantized:
@@ -342,12 +371,28 @@ def _transform_every_input(
             copies = _value_head_sign_copies(model, name)
             signed = owner in carriers
             transform = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies, signed)
-            built[owner] = transform, _carry_signs(model, carriers.get(owner), transform)
+            online = transform if owner in whole_carriers else _carry_signs(model, carriers.get(owner), transform)
+            built[owner] = transform, online
         merged, online = built[owner]
         _merge_input_side(model, name, merged)  # W T
+        if name in whole_carriers:
+            _merge_whole(model, whole_carriers[name], merged)
+            continue
         replace_module(model, name, TransformedLinear(linear, online))
         transforms[name] = online.to_dict()
     return transforms
+
+
+def _merge_whole(model: nn.Module, carrier: str, transform: RandomizedHadamard) -> None:
+    """Merge `transform` into the output side of `carrier`, a `v_proj` whose outputs its `o_proj` reads through
+    attention (`whole_transform_carriers`): each value head's output comes out transformed, and with it each query
+    head's input of `o_proj`. With `sign_copies`, the value heads take one copy of each run of signs, the transform
+    of `size / copies` elements drawn from the same seed (the same signs, once each, and the same blocks)."""
+    copies, _ = transform.sign_copies
+    of_values = RandomizedHadamard(
+        transform.size // copies, transform.block_size, transform.seed, signed=transform.signed
+    )
+    _merge_output_side(model, carrier, of_values)
 
 
 def _carry_signs(model: nn.Module, carrier: str | None, transform: RandomizedHadamard) -> RandomizedHadamard:

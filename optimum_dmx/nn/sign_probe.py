@@ -1,20 +1,23 @@
-"""Whether a sign put on one module's output reaches another module's input unchanged, checked on the model itself.
+"""Whether a transform put on one module's output reaches another module's input unchanged, checked on the model.
 
-An online transform's random signs `D` (`T = D B`) can leave the transform for the module that produces its
-input (`nn.rotation.sign_carriers`: a rotation puts them there, an export writes them there for loaders that apply
-plain Hadamard transforms) only if negating an element of the producer's output negates exactly that element of
-the reader's input and nothing else. Module names do not say when that holds: `down_proj(act(gate_proj(x)) *
-up_proj(x))` passes `up_proj`'s signs on, `down_proj(relu(up_proj(x)) ** 2)` (Nemotron, Arcee) or a GELU MLP's
-(MPT) does not; softmax attention passes `v_proj`'s on, a gated delta net whose values go through a convolution and
-SiLU before its `o_proj` (OLMo-Hybrid's linear attention) does not. So the model runs `PROBE_TOKENS` random tokens
-three times: once as it is, recording each reader's input and the logits; then with each producer's output
-multiplied by random signs, comparing each reader's input with its recorded one times the signs it should have
-received, and handing the reader its recorded input, so that a producer whose signs do not pass on changes nothing
-downstream and every pair is judged on its own. A producer keeps its signs for all of its readers (the linears
-reading one norm share one transform) or for none. The third pass signs only the producers kept and hands only their
-readers their recorded inputs: the logits must be the first pass's, or some kept producer's output also reaches a
-module that is not its reader (a block whose attention and MLP both read one norm, under Llama's module names), and
-then no signs move at all.
+An online transform `T = D B` (random signs, then a block Hadamard transform: `nn.transforms.RandomizedHadamard`) can
+leave its signs `D`, or all of itself, to the module that produces its input (`nn.rotation.sign_carriers`,
+`nn.rotation.whole_transform_carriers`: a rotation puts them there, an export writes the signs there for loaders
+that apply plain Hadamard transforms) only if transforming the producer's output transforms exactly the reader's input
+and nothing else. Module names do not say when that holds: `down_proj(act(gate_proj(x)) * up_proj(x))` passes
+`up_proj`'s signs on, but not a mix of its elements; `down_proj(relu(up_proj(x)) ** 2)` (Nemotron, Arcee) or a GELU
+MLP's (MPT) passes neither; softmax attention passes a mix of `v_proj`'s outputs within a head on (it mixes tokens,
+not features), an attention output gated element by element (AFMoE, Qwen3-Next) passes its signs and not a mix, a
+gated delta net whose values go through a convolution and SiLU before its `o_proj` (OLMo-Hybrid's linear attention)
+neither. So the model runs `PROBE_TOKENS` random tokens three times: once as it is, recording each reader's input and
+the logits; then with each producer's output transformed by a random `RandomizedHadamard` of the probed block size
+(1: signs alone), comparing each reader's input with its recorded one transformed as it should have been, and
+handing the reader its recorded input, so that a producer whose transform does not pass on changes nothing
+downstream and every pair is judged on its own. A producer keeps its transform for all of its readers (the linears
+reading one norm share one transform) or for none. The third pass transforms only the producers kept and hands only
+their readers their recorded inputs: the logits must be the first pass's, or some kept producer's output also
+reaches a module that is not its reader (a block whose attention and MLP both read one norm, under Llama's module
+names), and then nothing moves at all.
 """
 
 from __future__ import annotations
@@ -28,55 +31,67 @@ import torch
 from torch import nn
 
 from .placement import input_device
+from .transforms import RandomizedHadamard
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["PROBE_TOKENS", "readers_receiving_signs"]
+__all__ = ["PROBE_TOKENS", "readers_receiving"]
 
 PROBE_TOKENS = 8  # a few positions: attention mixes tokens, a convolution over positions shows
-_TOLERANCE = 1e-3  # of the largest value compared: a sign that passes on is exact, one that does not is off by O(1)
+_TOLERANCE = 1e-3  # of the largest value compared: signs that pass on are exact, those that do not are off by O(1)
 
 
 @torch.no_grad()
-def readers_receiving_signs(
-    model: nn.Module, producers: Mapping[str, str], copies: Mapping[str, tuple[int, int]] | None = None
+def readers_receiving(
+    model: nn.Module,
+    producers: Mapping[str, str],
+    copies: Mapping[str, tuple[int, int]] | None = None,
+    block_size: int = 1,
 ) -> set[str]:
-    """The readers (module names, keys of `producers`) that can leave their online transform's signs to their
-    producer (`producers[reader]`), checked in forward passes of `model` (a causal LM) on random tokens in eval mode:
-    when the producer's output is multiplied by random signs, the input of each of the producer's readers comes out
-    multiplied by them element by element, and nothing else in the model changes. `copies[reader] = (repeats, run)`:
-    each run of `run` of the producer's output elements reaches `repeats` runs of the reader's input in a row (the
-    query heads of a grouped-query attention reading one value head); otherwise the reader's input has the
-    producer's output size. Empty, with a warning naming the producers, if the signs of the producers whose readers
-    all receive them reach something else too."""
+    """The readers (module names, keys of `producers`) that can leave the random signs (`block_size=1`), or a whole
+    block transform of their input (`block_size` elements a block), to their producer (`producers[reader]`), checked
+    in forward passes of `model` (a causal LM) on random tokens in eval mode: when the producer's output goes through
+    a random `RandomizedHadamard(out_features, block_size)`, the input of each of the producer's readers comes out
+    through the same transform, and nothing else in the model changes. `copies[reader] = (repeats, run)`: each run of
+    `run` of the producer's output elements reaches `repeats` runs of the reader's input in a row (the query heads of
+    a grouped-query attention reading one value head), and the reader's input comes out through the transform with
+    those sign copies; otherwise the reader's input has the producer's output size. Empty, with a warning naming the
+    producers, if the transforms of the producers whose readers all receive them reach something else too."""
     copies = copies or {}
     generator = torch.Generator().manual_seed(0)
     vocabulary = model.get_input_embeddings().num_embeddings
     ids = torch.randint(0, vocabulary, (1, PROBE_TOKENS), generator=generator).to(input_device(model))
     recorded = {reader: [] for reader in producers}
     logits = _run(model, ids, {reader: _recording(recorded[reader]) for reader in producers}, {})
-    signs: dict[str, torch.Tensor] = {}  # per producer, drawn at its first signed call
-    expected = {reader: _expected_signs(signs, producer, copies.get(reader)) for reader, producer in producers.items()}
+    seeds = {p: int(torch.randint(0, 2**31 - 1, (), generator=generator)) for p in dict.fromkeys(producers.values())}
+    sizes: dict[str, int] = {}  # each producer's output size, as its transformed pass saw it
+    expected = {
+        reader: _expected(sizes, producer, seeds[producer], block_size, copies.get(reader))
+        for reader, producer in producers.items()
+    }
 
-    def signed_pass(pairs: Mapping[str, str]) -> tuple[set[str], torch.Tensor]:
-        """The readers of `pairs` receiving their producer's signs, and the logits, with those producers signed."""
+    def transformed_pass(pairs: Mapping[str, str]) -> tuple[set[str], torch.Tensor]:
+        """The readers of `pairs` receiving their producer's transform, and the logits, with those producers'
+        outputs transformed."""
         received = dict.fromkeys(pairs, True)
-        readers = {reader: _comparing(recorded[reader], expected[reader], received, reader) for reader in pairs}
-        signing = {producer: _signing(signs, producer, generator) for producer in dict.fromkeys(pairs.values())}
-        signed_logits = _run(model, ids, readers, signing)
-        return {reader for reader, passed in received.items() if passed and recorded[reader]}, signed_logits
+        readers = {r: _comparing(recorded[r], expected[r], received, r, block_size) for r in pairs}
+        transforming = {p: _transforming(sizes, p, seeds[p], block_size) for p in dict.fromkeys(pairs.values())}
+        transformed_logits = _run(model, ids, readers, transforming)
+        return {reader for reader, passed in received.items() if passed and recorded[reader]}, transformed_logits
 
-    passed, _ = signed_pass(producers)
+    passed, _ = transformed_pass(producers)
     refused = {producer for reader, producer in producers.items() if reader not in passed}
     kept = {reader: producer for reader, producer in producers.items() if producer not in refused}
     if not kept:
         return set()
-    passed, signed_logits = signed_pass(kept)  # the kept pairs alone: nothing but their readers may change
-    if passed != set(kept) or not _close(signed_logits, logits):
+    passed, transformed_logits = transformed_pass(kept)  # the kept pairs alone: nothing but their readers may change
+    if passed != set(kept) or not _close(transformed_logits, logits):
         logger.warning(
-            "the online transforms of this model draw no random signs: a sign put on the output of one of %s reached "
-            "more than the modules that read it as the model's names say (the logits changed although those were "
-            "handed their unsigned inputs)",
+            "the online transforms of this model leave %s to no other module: %s put on the output of one of %s "
+            "reached more than the modules that read it as the model's names say (the logits changed although those "
+            "were handed their untransformed inputs)",
+            "their signs" if block_size == 1 else "nothing",
+            "a sign" if block_size == 1 else f"a transform of blocks of {block_size}",
             sorted(set(kept.values())),
         )
         return set()
@@ -100,11 +115,21 @@ def _run(model: nn.Module, ids: torch.Tensor, pre_hooks: Mapping[str, Any], hook
                 module.training = mode
 
 
-def _close(values: torch.Tensor, reference: torch.Tensor) -> bool:
-    """Whether `values` equal `reference` to `_TOLERANCE` of its largest magnitude (both passes compute the same
-    operations on the same inputs; the tolerance only absorbs nondeterministic kernels)."""
+def _close(values: torch.Tensor, reference: torch.Tensor, tolerance: float = _TOLERANCE) -> bool:
+    """Whether `values` equal `reference` to `tolerance` of its largest magnitude (both passes compute the same
+    operations on the same inputs; the tolerance absorbs nondeterministic kernels, and `_tolerance` the rounding of a
+    block transform's sums)."""
     scale = reference.double().abs().max()
-    return bool((values.double() - reference.double()).abs().max() <= _TOLERANCE * scale)
+    return bool((values.double() - reference.double()).abs().max() <= tolerance * scale)
+
+
+def _tolerance(dtype: torch.dtype, block_size: int) -> float:
+    """How closely a reader's input must match its expected value: signs pass on exactly (`_TOLERANCE`); a block
+    transform's sums are rounded to the model's dtype where they enter the producer's output, and the reader's input
+    is computed from them in that dtype, so four of its epsilons more (bfloat16: 0.031; on the test suite's tiny
+    models of 46 families, attention that passes a mix on matched to at most 0.006 in bfloat16 and 1e-7 in float32,
+    attention gated element by element missed by 0.13 or more)."""
+    return _TOLERANCE if block_size == 1 else _TOLERANCE + 4 * torch.finfo(dtype).eps
 
 
 def _recording(inputs: list[torch.Tensor | None]):
@@ -116,40 +141,45 @@ def _recording(inputs: list[torch.Tensor | None]):
     return record
 
 
-def _signing(signs: dict[str, torch.Tensor], producer: str, generator: torch.Generator):
-    """A forward hook that multiplies the output by random signs, drawn at the first call into `signs[producer]`."""
+def _transforming(sizes: dict[str, int], producer: str, seed: int, block_size: int):
+    """A forward hook that passes the output through `RandomizedHadamard(its size, block_size, seed)`, rounded back
+    to the output's dtype (a transform of `block_size` 1 multiplies by its signs alone, exactly), and notes the size
+    in `sizes[producer]`."""
 
-    def multiply(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
-        if producer not in signs:
-            signs[producer] = torch.randint(0, 2, (output.shape[-1],), generator=generator).to(output) * 2 - 1
-        return output * signs[producer]
+    def transform(module: nn.Module, args: tuple, output: torch.Tensor) -> torch.Tensor:
+        size = sizes[producer] = output.shape[-1]
+        if size % block_size:
+            return output  # no such transform: its readers fail their comparison
+        return RandomizedHadamard(size, block_size, seed).apply(output).to(output.dtype)
 
-    return multiply
+    return transform
 
 
-def _expected_signs(
-    signs: Mapping[str, torch.Tensor], producer: str, copies: tuple[int, int] | None
-) -> Callable[[], torch.Tensor | None]:
-    """The signs a reader's input should carry, from its producer's once the pass has drawn them (None before)."""
+def _expected(
+    sizes: Mapping[str, int], producer: str, seed: int, block_size: int, copies: tuple[int, int] | None
+) -> Callable[[torch.Tensor], torch.Tensor | None]:
+    """What a reader's recorded input should become when its producer's output goes through the transform of
+    `seed` (`_transforming`): the same transform, with its signs copied as the reader receives them (float64); None
+    when the input is not the producer's output size (times the copies) or has no such transform."""
 
-    def expected() -> torch.Tensor | None:
-        produced = signs.get(producer)
-        if produced is None or copies is None:
-            return produced
-        repeats, run = copies
-        return produced.view(-1, run).repeat_interleave(repeats, 0).flatten()
+    def expected(reference: torch.Tensor) -> torch.Tensor | None:
+        size, repeats = reference.shape[-1], (copies or (1,))[0]
+        if size != sizes.get(producer, 0) * repeats or size % block_size:
+            return None
+        return RandomizedHadamard(size, block_size, seed, copies).apply(reference)
 
     return expected
 
 
 def _comparing(
     recorded: list[torch.Tensor | None],
-    expected: Callable[[], torch.Tensor | None],
+    expected: Callable[[torch.Tensor], torch.Tensor | None],
     received: dict[str, bool],
     reader: str,
+    block_size: int,
 ):
-    """A pre-hook that compares each call's input with the recorded one times the expected signs (into
-    `received[reader]`), then hands the reader the recorded input."""
+    """A pre-hook that compares each call's input with the recorded one transformed as expected (into
+    `received[reader]`, to `_tolerance`), then hands the reader the recorded input."""
     calls = iter(range(len(recorded)))
 
     def compare(module: nn.Module, args: tuple) -> tuple | None:
@@ -157,11 +187,9 @@ def _comparing(
         if index is None or not args or recorded[index] is None:
             received[reader] = False
             return None
-        reference, signs = recorded[index], expected()
-        if signs is None or signs.shape[-1] != reference.shape[-1] or args[0].shape != reference.shape:
-            received[reader] = False
-        else:
-            received[reader] &= _close(args[0], reference.double() * signs.double())
+        reference = recorded[index]
+        wanted = expected(reference) if args[0].shape == reference.shape else None
+        received[reader] &= wanted is not None and _close(args[0], wanted, _tolerance(args[0].dtype, block_size))
         return (reference, *args[1:])  # downstream as in the first pass: each reader judged on its own
 
     return compare
