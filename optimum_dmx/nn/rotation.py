@@ -358,7 +358,7 @@ def _transform_every_input(
     shared_with = {name: group[0] for group in fused_projection_groups(quantized) for name in group}
     carriers = sign_carriers(model, quantized)
     whole_carriers = whole_transform_carriers(model, carriers, block_size)
-    built: dict[str, tuple[RandomizedHadamard, RandomizedHadamard]] = {}  # owner: (merged, applied online)
+    built: dict[str, tuple[RandomizedHadamard, RandomizedHadamard | None]] = {}  # owner: (merged, applied online)
     transforms = {}
     for name in quantized:
         linear = model.get_submodule(name)
@@ -371,11 +371,11 @@ def _transform_every_input(
             copies = _value_head_sign_copies(model, name)
             signed = owner in carriers
             transform = RandomizedHadamard(linear.in_features, block_size, seed_of_owner, copies, signed)
-            online = transform if owner in whole_carriers else _carry_signs(model, carriers.get(owner), transform)
+            online = None if owner in whole_carriers else _carry_signs(model, carriers.get(owner), transform)
             built[owner] = transform, online
         merged, online = built[owner]
         _merge_input_side(model, name, merged)  # W T
-        if name in whole_carriers:
+        if online is None:  # its input comes transformed from v_proj
             _merge_whole(model, whole_carriers[name], merged)
             continue
         replace_module(model, name, TransformedLinear(linear, online))
