@@ -64,7 +64,7 @@ from optimum_dmx import DMXConfig  # noqa: E402
 from optimum_dmx.evaluation import evaluate_perplexity  # noqa: E402
 from optimum_dmx.formats import quantize_mx  # noqa: E402
 from optimum_dmx.nn import rotation  # noqa: E402
-from optimum_dmx.nn.transforms import hadamard_matrix  # noqa: E402
+from optimum_dmx.nn.sign_probe import readers_receiving  # noqa: E402
 
 from common import (  # noqa: E402
     append_json_line,
@@ -179,42 +179,11 @@ def calibrated_rows(model_dir: Path, tokenizer, texts: dict, seeds: list[int], p
         yield row
 
 
-def passes_on(model: nn.Module, ids: torch.Tensor, attention: str, block: int | None) -> bool:
-    """Whether multiplying `attention`'s `v_proj` output by random signs (and with `block`, then mixing each run of
-    `block` elements by the normalized Hadamard matrix) gives `o_proj` its recorded input transformed the same way
-    (the signs repeated for the query heads sharing a value head)."""
-    v_proj, o_proj = model.get_submodule(f"{attention}.v_proj"), model.get_submodule(f"{attention}.o_proj")
-    signs = torch.randint(0, 2, (v_proj.out_features,), generator=torch.Generator().manual_seed(1)) * 2.0 - 1
-    mix = hadamard_matrix(block).float() if block else None
-
-    def transformed(x: torch.Tensor, signs: torch.Tensor) -> torch.Tensor:
-        signed = x * signs
-        return signed if mix is None else (signed.unflatten(-1, (-1, block)) @ mix).flatten(-2)
-
-    inputs: list[torch.Tensor] = []
-    record = o_proj.register_forward_pre_hook(lambda module, args: inputs.append(args[0].detach().clone()))
-    with torch.no_grad():
-        model(input_ids=ids, use_cache=False)
-        change = v_proj.register_forward_hook(lambda module, args, output: transformed(output, signs))
-        try:
-            model(input_ids=ids, use_cache=False)
-        finally:
-            change.remove()
-            record.remove()
-    if len(inputs) != 2 or inputs[0].shape[-1] % v_proj.out_features:
-        return False
-    recorded, received = inputs
-    copies = recorded.shape[-1] // v_proj.out_features
-    head_dim = getattr(model.get_submodule(attention), "head_dim", v_proj.out_features)
-    expected = transformed(recorded, signs.view(-1, head_dim).repeat_interleave(copies, 0).flatten())
-    return bool((received - expected).abs().max() <= 1e-4 * recorded.abs().max())
-
-
 def probe_rows(block: int) -> Iterator[dict]:
     """For each family of `tests/test_transformers_families.py` (tiny random models whose heads are 16 wide) with
     `v_proj` and `o_proj` linears in its attention: whether signs on every `v_proj`'s output reach its `o_proj`'s
-    input as they are (what `nn.sign_probe` checks before moving an `o_proj` transform's signs) and whether signs and
-    a Hadamard mix within blocks of `block` do (what moving the whole transform needs)."""
+    input as they are and whether a random transform of blocks of `block` does, each by the library's own probe
+    (`nn.sign_probe.readers_receiving`, as `nn.rotation.sign_carriers` and `whole_transform_carriers` call it)."""
     from tests.test_transformers_families import QUANTIZED, _family_config
 
     for family in ["llama", "mistral", "qwen3", *QUANTIZED]:
@@ -232,9 +201,11 @@ def probe_rows(block: int) -> Iterator[dict]:
         ]
         if not attentions:
             continue
-        ids = torch.randint(3, config.vocab_size, (1, 8), generator=torch.Generator().manual_seed(0))
-        signs = all(passes_on(model, ids, attention, None) for attention in attentions)
-        mixed = all(passes_on(model, ids, attention, block) for attention in attentions)
+        pairs = {f"{attention}.o_proj": f"{attention}.v_proj" for attention in attentions}
+        copies = {o_proj: rotation._value_head_sign_copies(model, o_proj) for o_proj in pairs}
+        copies = {o_proj: run for o_proj, run in copies.items() if run is not None}
+        signs = readers_receiving(model, pairs, copies) == set(pairs)
+        mixed = readers_receiving(model, pairs, copies, block) == set(pairs)
         yield {"family": family, "v_proj -> o_proj": {"signs": signs, f"signs and {block}-blocks mixed": mixed}}
 
 
