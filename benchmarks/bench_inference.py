@@ -25,9 +25,11 @@ Measures, in one run:
    map, is timed beside them (the cost of the online transforms: `down_proj`'s input for `hadamard` /
    `block_hadamard`, every quantized input but `o_proj`'s, which `v_proj` computes, for `online_block_hadamard`),
    with a row per shape of each rotation's cost over the cached dMX model in percent. With `--rounds N` the forwards
-   are timed N times, each time on all the models loaded anew: the cells are the medians of the rounds, the
-   rotations' costs have their range (one load of a model can run several percent faster or slower than another,
-   as one process can).
+   are timed N times, each time on all the models loaded anew: the cells are the medians of the rounds (one load of
+   a model can run several percent faster or slower than another, as one process can). A rotation's cost compares each
+   of its forwards with the cached dMX model's forward of the same repeat (the models run in turn), and is the median of
+   those pairs over every repeat of every round, with the range of the rounds' own medians: the two forwards of a pair
+   share the machine's faster and slower spells, which on a shared VM moved single forwards by several percent.
 
 With `--fresh-processes`, instead of all of the above: the whole model in bfloat16 (float, the cached dMX model, each
 rotation), each model timed in a process of its own, started for it, as a user's process runs it (whether float32
@@ -83,6 +85,7 @@ from common import (
     median_seconds,
     minor_page_faults,
     processor_description,
+    timed_samples,
     write_report,
 )
 
@@ -497,13 +500,19 @@ def load_models(model_dir: Path, dmx_dir: Path, rotated_dirs: list[Path], dtype:
     return models + [AutoModelForCausalLM.from_pretrained(path, dtype=dtype) for path in rotated_dirs]
 
 
-def cost_over_rounds(times: list[list[float]], column: int) -> str:
-    """The cell of a rotated model (`column` of each round's times; the cached dMX model's is 1): its time over the
-    cached dMX model's as a percentage to a tenth (the +5% bar of the online transforms), the median of the rounds
-    and, of several, their range."""
-    costs = sorted(100 * (round_times[column] / round_times[1] - 1) for round_times in times)
-    spread = f" ({costs[0]:+.1f}% to {costs[-1]:+.1f}%)" if len(costs) > 1 else ""
-    return f"{statistics.median(costs):+.1f}%{spread}"
+def cost_over_rounds(samples: list[list[list[float]]], column: int) -> str:
+    """The cell of a rotated model (`column` of each round's samples, `timed_samples`; the cached dMX model's is 1): its
+    cost over the cached dMX model as a percentage to a tenth (the +5% bar of the online transforms). Each repeat's
+    forward is compared with the cached dMX model's forward of the same repeat (the models run in turn): the cell is the
+    median of those paired costs over every repeat of every round and, of several rounds, the range of the rounds'
+    own medians. A pair shares the machine's slower and faster spells, which moved single forwards of one model by
+    several percent on a shared VM (the ratio of two models' medians, each over its own forwards, carried that
+    noise)."""
+    per_round = [[100 * (t / base - 1) for t, base in zip(times[column], times[1])] for times in samples]
+    pooled = statistics.median(cost for costs in per_round for cost in costs)
+    medians = sorted(statistics.median(costs) for costs in per_round)
+    spread = f" ({medians[0]:+.1f}% to {medians[-1]:+.1f}%)" if len(medians) > 1 else ""
+    return f"{pooled:+.1f}%{spread}"
 
 
 def bench_model(
@@ -515,8 +524,9 @@ def bench_model(
 ) -> tuple[list[list[str]], list[str]]:
     """The whole-model table's rows and notes. The forwards are timed in `rounds` rounds, each on models loaded anew
     (two loads of one model differed by several percent, as separate processes do), each cell the median of the
-    rounds; with rotations, a row per shape gives each rotation's cost over the cached dMX model (the median of the
-    rounds' ratios and their range). Page faults and generation are measured on the last round's models."""
+    rounds; with rotations, a row per shape gives each rotation's cost over the cached dMX model (`cost_over_rounds`:
+    the median of every repeat's paired cost, and the range of the rounds' medians). Page faults and generation are
+    measured on the last round's models."""
     from transformers import AutoModelForCausalLM
 
     rows, notes = [], []
@@ -577,24 +587,26 @@ def bench_model(
         }
         for dtype in dtypes:
             name = str(dtype).removeprefix("torch.")
-            per_round: dict[tuple[int, int], list[list[float]]] = {shape: [] for shape in SHAPES}
+            per_round: dict[tuple[int, int], list[list[list[float]]]] = {shape: [] for shape in SHAPES}
             for _ in range(rounds):
                 models = None  # the last round's models are freed before the next round loads its own
                 models = load_models(model_dir, dmx_dir, rotated_dirs, dtype)
-                for shape, times in per_round.items():
+                for shape, samples in per_round.items():
                     forwards = [lambda m=m, ids=inputs[shape]: m(ids) for m in models]
                     with torch.inference_mode():
-                        times.append(median_seconds(forwards, repeats, time.process_time))
-                    log(f"model {dtype} {shape}: " + " / ".join(f"{t:.2f}" for t in times[-1]) + " s")
+                        samples.append(timed_samples(forwards, repeats, time.process_time))
+                    medians = [statistics.median(model_samples) for model_samples in samples[-1]]
+                    log(f"model {dtype} {shape}: " + " / ".join(f"{t:.2f}" for t in medians) + " s")
             first_rotated = len(models) - len(rotations)
-            for (batch, seq), times in per_round.items():
+            for (batch, seq), samples in per_round.items():
+                times = [[statistics.median(model) for model in round_samples] for round_samples in samples]
                 base, *others = (statistics.median(model_times) for model_times in zip(*times))
                 shape = f"{batch}x{seq}"
                 rows.append(
                     ["SmolLM2-135M forward", name, shape, f"{base * 1e3:.0f}", *compared(others, base, 1e3, "{:.0f}")]
                 )
                 if rotations:
-                    costs = [cost_over_rounds(times, column) for column in range(first_rotated, len(models))]
+                    costs = [cost_over_rounds(samples, column) for column in range(first_rotated, len(models))]
                     blank = [""] * first_rotated
                     rows.append(["SmolLM2-135M forward, rotation's cost over dMX cached", name, shape, *blank, *costs])
                 with torch.inference_mode():
@@ -696,6 +708,11 @@ def main() -> None:
     )
     if args.rounds > 1 and not args.fresh_processes:
         machine += f"; whole-model forwards: the median of {args.rounds} rounds, each on the models loaded anew"
+    if rotations and not args.fresh_processes:
+        machine += (
+            "; a rotation's cost: the median, over every repeat of every round, of its forward over the cached dMX "
+            "model's forward of the same repeat (in brackets: the range of the rounds' medians)"
+        )
     if args.fresh_processes:
         header = ["measure", "dtype", "batch x seq", "float", "dMX cached (vs float)"]
         header += [f"dMX cached, rotation {rotation} (vs float; vs dMX cached)" for rotation in rotations]

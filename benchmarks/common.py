@@ -314,14 +314,26 @@ def median_seconds(
     device: torch.device | str | None = None,
     calls: int = 1,
 ) -> list[float]:
-    """Median time of each of ``fns`` over ``repeats`` rounds, after one warm-up call of each.
+    """Median time of each of ``fns`` over ``repeats`` rounds, after one warm-up call of each (`timed_samples`)."""
+    return [statistics.median(samples) for samples in timed_samples(fns, repeats, clock, device, calls)]
+
+
+def timed_samples(
+    fns: Sequence[Callable[[], object]],
+    repeats: int,
+    clock: Callable[[], float] = time.perf_counter,
+    device: torch.device | str | None = None,
+    calls: int = 1,
+) -> list[list[float]]:
+    """``repeats`` times of each of ``fns``, after one warm-up call of each: sample ``i`` of every function comes from
+    round ``i``.
 
     The functions are called in turn within each round, so a slow spell of the machine hits all of them
-    alike. Pass ``clock=time.process_time`` to time computation in CPU time of this process: on a machine
-    shared with other jobs, wall time partly measures the other jobs. With a CUDA ``device``, each sample is timed
-    from an idle device to the end of the work it queued there. A sample is the mean of ``calls`` calls in a row:
-    on a GPU, several let the host queue the next call while the device runs the last, as in a model, so the
-    sample measures the device's work rather than the host's launch cost.
+    alike, and two functions' samples of one round can be compared as a pair. Pass ``clock=time.process_time`` to time
+    computation in CPU time of this process: on a machine shared with other jobs, wall time partly measures the other
+    jobs. With a CUDA ``device``, each sample is timed from an idle device to the end of the work it queued there. A
+    sample is the mean of ``calls`` calls in a row: on a GPU, several let the host queue the next call while the
+    device runs the last, as in a model, so the sample measures the device's work rather than the host's launch cost.
     """
     for fn in fns:
         fn()
@@ -334,7 +346,7 @@ def median_seconds(
                 fn()
             synchronize(device)
             samples.append((clock() - start) / calls)
-    return [statistics.median(samples) for samples in times]
+    return times
 
 
 def fwd_bwd_seconds(model: torch.nn.Module, batch: torch.Tensor, repeats: int = 2) -> float:

@@ -813,6 +813,27 @@ print(len(fused_projection_groups(format_map)), len(mixed_groups(format_map)), s
 """
 
 
+PAIRED_COSTS = """
+import sys
+sys.path.insert(0, "benchmarks")
+from bench_inference import cost_over_rounds
+# per round: one sample list per model, in the table's column order (float, dMX cached, ..., a rotated model)
+first = [[0.9, 0.9, 0.9], [1.0, 1.2, 1.4], [1.3, 1.25, 1.45]]  # paired +30%, +4.2%, +3.6%; medians' ratio +8.3%
+second = [[0.9, 0.9, 0.9], [1.0, 1.0, 1.0], [1.02, 1.02, 1.02]]  # +2% in every pair
+print(cost_over_rounds([first], 2))
+print(cost_over_rounds([first, second], 2))
+"""
+
+
+def test_a_rotations_cost_pairs_each_of_its_forwards_with_the_dmx_forward_of_the_same_repeat():
+    """The inference benchmark's cost cell is the median of paired costs (each rotated forward over the cached dMX
+    forward of its repeat), pooled over the rounds, with the rounds' medians as its range: not the ratio of the two
+    models' medians, which a slow spell of the machine during one model's forwards moves."""
+    result = subprocess.run([sys.executable, "-c", PAIRED_COSTS], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.splitlines() == ["+4.2%", "+2.8% (+2.0% to +4.2%)"]
+
+
 def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_against_the_cached_model(
     tiny_text_model_dir, tmp_path
 ):
