@@ -314,7 +314,7 @@ def median_seconds(
     device: torch.device | str | None = None,
     calls: int = 1,
 ) -> list[float]:
-    """Median time of each of ``fns`` over ``repeats`` rounds, after one warm-up call of each (`timed_samples`)."""
+    """Median time of each of ``fns`` over ``repeats`` repeats, after one warm-up call of each (`timed_samples`)."""
     return [statistics.median(samples) for samples in timed_samples(fns, repeats, clock, device, calls)]
 
 
@@ -326,10 +326,10 @@ def timed_samples(
     calls: int = 1,
 ) -> list[list[float]]:
     """``repeats`` times of each of ``fns``, after one warm-up call of each: sample ``i`` of every function comes from
-    round ``i``.
+    repeat ``i``.
 
-    The functions are called in turn within each round, so a slow spell of the machine hits all of them
-    alike, and two functions' samples of one round can be compared as a pair. Pass ``clock=time.process_time`` to time
+    The functions are called in turn within each repeat, so a slow spell of the machine hits all of them
+    alike, and two functions' samples of one repeat can be compared as a pair. Pass ``clock=time.process_time`` to time
     computation in CPU time of this process: on a machine shared with other jobs, wall time partly measures the other
     jobs. With a CUDA ``device``, each sample is timed from an idle device to the end of the work it queued there. A
     sample is the mean of ``calls`` calls in a row: on a GPU, several let the host queue the next call while the
