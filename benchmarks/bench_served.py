@@ -13,8 +13,9 @@ bfloat16, is evaluated beside it: `served / dMX` is what the export changes, and
     python benchmarks/bench_served.py --rotation online_block_hadamard --offset-groups fused --pair mxfp8-mxfp4 \
         --target 5 --to compressed-tensors --output benchmarks/results/served.md
 
-Each finished run is appended to `--runs` (default `results/served_runs.jsonl`) and skipped when asked again; the
-table is rebuilt from all of them.
+Each finished run is appended to `--runs` (default `results/served_runs.jsonl`) with the commit it ran at, and
+skipped when asked again unless `--again` (a row beside the earlier ones, e.g. after the library changed); the table is
+rebuilt from all of them.
 """
 
 from __future__ import annotations
@@ -32,7 +33,14 @@ from optimum_dmx import DMXConfig
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.export import export_checkpoint, load_exported
 
-from common import append_json_line, benchmark_model, benchmark_texts, read_json_lines, write_report
+from common import (
+    append_json_line,
+    benchmark_model,
+    benchmark_texts,
+    read_json_lines,
+    source_commit,
+    write_report,
+)
 
 RESULTS = Path(__file__).parent / "results"
 CELL = ("rotation", "offset_groups", "bit_average", "pair", "target", "seed")
@@ -95,7 +103,7 @@ def run(cell: dict, target: str, rounding: str, runs: Path, sweep: Sweep) -> dic
         seed=int(cell["seed"]),
         modules_to_not_convert=list(SKIPPED),
     )
-    row = {**cell, "to": target, "weight_rounding": rounding, "preset": source["preset"]}
+    row = {**cell, "to": target, "weight_rounding": rounding, "preset": source["preset"], "commit": source_commit()}
     if rounding == "gptq":
         row["gptq_order"] = "activation"  # the library's (`calibration.gptq`); rows without it: columns
     row.update({k: source[k] for k in ("bits_simple", "bits_weighted", "storage_bits")})
@@ -122,6 +130,7 @@ def report(rows: list[dict]) -> str:
     texts = sorted(k.removeprefix("served_ppl_") for k in rows[0] if k.startswith("served_ppl_"))
     head = ["rotation", "groups", "budget", "pair", "target", "seed", "to", "rounding", "bits (weighted)"]
     head += [f"{label} {t}" for t in texts for label in ("quality row", "dMX bf16", "served", "served / dMX")]
+    head.append("commit")
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in sorted(rows, key=lambda r: tuple(str(r[k]) for k in (*CELL, "to", "weight_rounding"))):
         cells = [r["rotation"], r["offset_groups"], r["bit_average"], r["pair"], r["target"], r["seed"], r["to"]]
@@ -129,6 +138,7 @@ def report(rows: list[dict]) -> str:
         for t in texts:
             cells += [r[f"quality_ppl_{t}"], r[f"dmx_ppl_{t}"], r[f"served_ppl_{t}"]]
             cells.append(f"{r[f'served_ppl_{t}'] / r[f'dmx_ppl_{t}']:.4f}")
+        cells.append(r.get("commit", "-"))
         lines.append("| " + " | ".join(map(str, cells)) + " |")
     return "\n".join(lines) + "\n"
 
@@ -167,6 +177,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--quality-runs", type=Path, default=RESULTS / "quality_runs.jsonl")
     p.add_argument("--runs", type=Path, default=RESULTS / "served_runs.jsonl")
     p.add_argument("--threads", type=int, default=None)
+    p.add_argument("--again", action="store_true", help="run the cell even if --runs holds it (a row beside)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--output", type=Path, default=None, help="also write the table (and command) here")
     a = p.parse_args(argv)
@@ -180,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
         and (a.weight_rounding == "rtn" or gptq_order(r) == "activation")
         for r in read_json_lines(a.runs)
     )
-    if not a.report_only and not done:
+    if not a.report_only and (a.again or not done):
         row = run(cell, a.to, a.weight_rounding, a.quality_runs, sweep_from(a))
         append_json_line(a.runs, row | {"torch_threads": torch.get_num_threads()})
     header = (
@@ -192,7 +203,10 @@ def main(argv: list[str] | None = None) -> None:
         "held-out text, 512-token windows). Rows with groups `none` are exported with `--force` (vLLM fuses q/k/v and "
         "gate/up and would refuse their maps; transformers' loaders read them). A row is added by "
         "`python benchmarks/bench_served.py --rotation R --offset-groups G --bit-average B --pair P --target T "
-        "--seed S --to X --weight-rounding W` with its columns' values (the quality row must have run first).\n\n"
+        "--seed S --to X --weight-rounding W` with its columns' values (the quality row must have run first). "
+        "`commit`: the repository's commit the row ran at (`+`: with uncommitted changes to the package's source; "
+        "`-`: not recorded, rows run before `bd260cd`, which moved `online_block_hadamard`'s `o_proj` transform into "
+        "`v_proj`'s rows); `--again` adds a row of a cell beside its earlier ones.\n\n"
     )
     write_report(header + report(read_json_lines(a.runs)), a.output, "Served quality: exported checkpoints")
 

@@ -478,6 +478,22 @@ def read_json_lines(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
 
 
+def source_commit() -> str:
+    """The commit of this repository a result was measured at (its short hash), with `+` where the package's source
+    (`optimum_dmx/`) differs from it; `-` outside a git checkout or without git."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> subprocess.CompletedProcess:
+        return subprocess.run(["git", "-C", str(root), *args], capture_output=True, text=True)
+
+    try:
+        head = git("rev-parse", "--short", "HEAD")
+        changed = git("diff", "--quiet", "HEAD", "--", "optimum_dmx").returncode != 0
+    except OSError:  # no git
+        return "-"
+    return "-" if head.returncode else head.stdout.strip() + ("+" if changed else "")
+
+
 def append_json_line(path: Path, row: dict) -> None:
     """Append one finished row, so that an interrupted sweep keeps what it did."""
     with open(path, "a") as f:

@@ -271,9 +271,15 @@ def test_served_quality_evaluates_the_exported_map_as_the_loader_runs_it(tiny_te
     assert row["to"] == "compressed-tensors" and row["bits_weighted"] == source["bits_weighted"]
     assert row["quality_ppl_heldout"] == source["ppl_heldout"]
     assert row["served_ppl_heldout"] == row["dmx_ppl_heldout"] > 1
-    assert "| 1.0000 |" in output.read_text()
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT)
+    assert row["commit"].removesuffix("+") == head.stdout.strip()
+    assert "| 1.0000 |" in output.read_text() and f"| {row['commit']} |" in output.read_text()
     run_benchmark("bench_served.py", *args)  # done already: nothing added
     assert len(served.read_text().splitlines()) == 1
+    run_benchmark("bench_served.py", *args, "--again")  # a second row beside the first
+    assert [json.loads(line)["served_ppl_heldout"] for line in served.read_text().splitlines()] == [
+        row["served_ppl_heldout"]
+    ] * 2
     missing = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks" / "bench_served.py"), *map(str, args), "--target", "6"],
         capture_output=True,
@@ -758,6 +764,36 @@ def test_inference_benchmark_times_each_bfloat16_model_in_new_processes(tiny_tex
         assert len(cells) == 6 and re.fullmatch(r"\d+", cells[3]), cells
         assert re.fullmatch(r"\d+ \(\d+\.\d\dx\)", cells[4]), cells
         assert all(re.fullmatch(r"\d+ \(\d+\.\d\dx; \d+\.\d\dx dMX\)", cell) for cell in cells[5:]), cells
+
+
+def test_a_result_rows_commit_names_the_repositorys_head_and_marks_changes_to_the_package(tmp_path):
+    """`common.source_commit`, which the served benchmark writes into each row: the short hash of the checkout's HEAD,
+    with `+` while the package's source (`optimum_dmx/`) differs from it (other changes do not count), `-` outside a
+    git checkout. Run on a scratch repository holding a copy of the benchmarks folder."""
+    repo = tmp_path / "repo"
+    shutil.copytree(ROOT / "benchmarks", repo / "benchmarks", ignore=shutil.ignore_patterns("results", "__pycache__"))
+    (repo / "optimum_dmx").mkdir()
+    (repo / "optimum_dmx" / "layer.py").write_text("x = 1\n")
+    (repo / "README.md").write_text("text\n")
+    code = "import sys; sys.path.insert(0, 'benchmarks'); import common; print(common.source_commit())"
+    probe = [sys.executable, "-c", code]
+
+    def commit() -> str:
+        result = subprocess.run(probe, capture_output=True, text=True, cwd=repo, timeout=120)
+        assert result.returncode == 0, result.stderr[-2000:]
+        return result.stdout.split()[-1]
+
+    assert commit() == "-"  # not a git checkout
+    git = ["git", "-C", str(repo), "-c", "user.name=t", "-c", "user.email=t@t"]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "first"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True)
+    assert commit() == head.stdout.strip()
+    (repo / "README.md").write_text("other text\n")
+    assert commit() == head.stdout.strip()  # not the package's source
+    (repo / "optimum_dmx" / "layer.py").write_text("x = 2\n")
+    assert commit() == head.stdout.strip() + "+"
 
 
 FAULTS_OF_A_FORWARD = """
