@@ -11,7 +11,8 @@ Measures, in one run:
 1. one SmolLM2-135M-sized decoder linear (mlp.up_proj, 576 -> 1536) at batch x seq 1 x 512 and 8 x 128:
    `nn.Linear` vs `MXLinear` with its cached dequantized weight vs `MXLinear` packed-only (dequantized
    on every call), in each of the four MX formats; the time per call on one row and on 64 (`bench_per_call`);
-   and an online transform with its cast against the cast alone, on that model's input widths (`bench_transforms`);
+   and an online transform with its cast against the cast alone, on that model's input widths (`bench_transforms`;
+   how those kernels came to be, each beside what it replaced, is `research/inference_kernel_choices.py`);
 2. unless `--skip-model`, the whole model (by default the de-gridded SmolLM2-135M, fetched and built once, see
    `common.py`): forward time of the float model vs the dMX model (cached and packed-only), greedy generation's
    time per token (32 tokens after a 16-token prompt: one row per step, where a cast's per-call cost counts more
@@ -56,24 +57,19 @@ usage: python benchmarks/bench_inference.py [--model DIR | --skip-model] [--mode
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from unittest import mock
 
 import torch
 from torch import nn
 
 from optimum_dmx import DMXConfig, MXLinear
 from optimum_dmx.formats import MX_FORMATS, get_format, quantize_mx
-from optimum_dmx.formats.cast import cast_mx_blocks, fused_cast_mx, map_row_chunks
-from optimum_dmx.formats.compilation import INDUCTOR_OPTIONS, CompiledKernel
 from optimum_dmx.integration.model_card import checkpoint_bytes
 from optimum_dmx.nn import transforms
 from optimum_dmx.nn.groups import fused_projection_groups
@@ -134,271 +130,84 @@ def bench_linear(repeats: int) -> list[list[str]]:
 
 def bench_per_call(repeats: int, calls: int = 1000) -> list[list[str]]:
     """Time per call on one row (a generated token's input to a 576 -> 576 linear, float32) and on 64 rows (a short
-    prompt's): the linear, its `MXLinear`, `quantize_mx`, its `CompiledKernel` call alone (a kernel compiled by
-    inductor directly: sizes static on one row, the row count symbolic on 64), and the same cast function through
-    `torch.compile` with the same options and the rows dynamic (how kernels ran before)."""
+    prompt's): the linear, its `MXLinear` and the MX cast of its input alone (`quantize_mx`), where a cast's fixed
+    cost per call counts more than its throughput. (`research/inference_kernel_choices.py` times the cast's compiled
+    kernel against the same function through `torch.compile`, as it ran before.)"""
     torch.manual_seed(0)
     linear = nn.Linear(576, 576, bias=False)
     module = MXLinear.from_linear(linear, "mxfp4_e2m1")
     fmt = get_format("mxfp4_e2m1")
-    through_torch_compile = torch.compile(fused_cast_mx.fn, options=INDUCTOR_OPTIONS)
-
-    def cast_through_torch_compile(rows: torch.Tensor) -> None:
-        if rows.shape[0] > 1:
-            torch._dynamo.mark_dynamic(rows, 0)
-        through_torch_compile(rows, fmt, 32, "ocp")
-
     table = []
     for count in (1, 64):
         x = torch.randn(1, count, 576)
-        rows = x.reshape(count, 576)
         candidates = {
             "nn.Linear": lambda: linear(x),
             "MXLinear cached": lambda: module(x),
             "quantize_mx": lambda: quantize_mx(x, fmt),
-            "CompiledKernel call": lambda: fused_cast_mx(rows, fmt, 32, "ocp"),
-            "the cast through torch.compile": lambda: cast_through_torch_compile(rows),
         }
-        with torch.inference_mode():
-            seconds = median_seconds(list(candidates.values()), repeats, time.perf_counter, calls=calls)
-        reference = seconds[list(candidates).index("the cast through torch.compile")]
-        for name, per_call in zip(candidates, seconds):
-            log(f"{count} row(s), {name}: {per_call * 1e6:.1f} us per call")
-            table.append([str(count), name, f"{per_call * 1e6:.1f}", f"{per_call / reference:.2f}x"])
+        table += timed_per_call_rows(candidates, count, repeats, calls)
     return table
 
 
-def multiply_add(x: torch.Tensor) -> torch.Tensor:
-    """The plainest element-wise kernel: what `bench_bit_patterns` measures the others against."""
-    return x * 2 + 1
-
-
-def multiply_add_on_the_bits(x: torch.Tensor) -> torch.Tensor:
-    """`multiply_add` of `abs(x)` taken on the float32 bit pattern, as the MX casts read exponents and round: the
-    pattern viewed as int32 and back."""
-    return (x.view(torch.int32) & 0x7FFFFFFF).view(torch.float32) * 2 + 1
-
-
-def bench_bit_patterns(repeats: int, tokens: int = 1024, width: int = 1536) -> list[list[str]]:
-    """Nanoseconds per element of three compiled kernels on a `tokens` x `width` float32 input: a multiply-add, the
-    same on the bit pattern (float32 -> int32 -> float32, which torch 2.13's inductor writes for a CPU as scalar
-    loops through memory) and the MX cast, whose elements' rounding steps come from comparisons instead
-    (`formats.cast.element_steps`): what one bit reinterpretation per element would cost the cast on this machine."""
-    x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0))
-    fmt = get_format("mxfp4_e2m1")
-    plain, on_the_bits = CompiledKernel(multiply_add), CompiledKernel(multiply_add_on_the_bits)
-    candidates = {
-        "x * 2 + 1": lambda: plain(x),
-        "abs(x) * 2 + 1, abs(x) taken on the bit pattern (float32 -> int32 -> float32)": lambda: on_the_bits(x),
-        "MX cast (quantize_mx, float32)": lambda: quantize_mx(x, fmt),
-    }
+def timed_per_call_rows(
+    candidates: dict[str, Callable[[], object]], count: int, repeats: int, calls: int
+) -> list[list[str]]:
+    """Rows of the per-call table: each of `candidates` (calls on `count` rows) timed per call, wall time, median of
+    `repeats` x `calls` calls, with its ratio to the first."""
     with torch.inference_mode():
-        seconds = median_seconds(list(candidates.values()), repeats, time.process_time, calls=20)
-    table = []
+        seconds = median_seconds(list(candidates.values()), repeats, time.perf_counter, calls=calls)
+    rows = []
     for name, per_call in zip(candidates, seconds):
-        log(f"{name}: {per_call / x.numel() * 1e9:.2f} ns per element")
-        table.append(
-            [f"{tokens} x {width}", name, f"{per_call / x.numel() * 1e9:.2f}", f"{per_call / seconds[0]:.2f}x"]
-        )
-    return table
-
-
-def rounded_as_before(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Float32 `x` rounded to `dtype` and kept in float32 as the transform kernel did before it used `.to(dtype)`:
-    to bfloat16 on the float32 bit pattern (ties to even; infinities and NaNs unchanged), for the references below
-    that run as before."""
-    if dtype != torch.bfloat16:
-        return x.to(dtype).float()
-    bits = x.view(torch.int32)
-    magnitude = bits & 0x7FFFFFFF
-    rounded = (magnitude + (0x7FFF + ((magnitude >> 16) & 1))) & -0x10000  # no overflow: finite magnitudes only
-    signed = (rounded | (bits & torch.iinfo(torch.int32).min)).view(torch.float32)
-    return torch.where(magnitude < 0x7F800000, signed, x)
-
-
-def split_64_by_8(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
-    """`transforms.kronecker_split` as it was for blocks of 512 and more: a last factor of order 64 (times the odd
-    one), the rest as the Sylvester factor across its runs."""
-    return (power // 64).bit_length() - 1, torch.kron(transforms.sylvester_matrix(64), odd.contiguous())
-
-
-def transform_then_round(
-    x: torch.Tensor,
-    signs: torch.Tensor | None,
-    matrices: torch.Tensor | None,
-    pairs: bool,
-    last: int,
-    norm: float,
-    dtype: torch.dtype,
-    cast: tuple,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`transforms._transform_kernel` for 32-blocks as it was: the sums and differences put together, then divided
-    and rounded to `dtype` (which inductor then computes in each of the MX cast's two loops over the stored sums)."""
-    summed = transforms._sum_and_difference(transforms._signed_product_in_order(x, signs, matrices, last), last)
-    values, block_output = cast_mx_blocks(rounded_as_before(summed / norm, dtype), *cast, native_cast=False)
-    return values.to(dtype), block_output
-
-
-def rounded_on_the_bits(
-    x: torch.Tensor,
-    signs: torch.Tensor | None,
-    matrices: torch.Tensor | None,
-    pairs: bool,
-    last: int,
-    norm: float,
-    dtype: torch.dtype,
-    cast: tuple,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """`transforms._transform_kernel` for 32-blocks as it was before the rounding became `.to(dtype)`: the division
-    and the rounding (`rounded_as_before`: to bfloat16 on the float32 bit pattern) before the sums and differences are
-    put together."""
-
-    def finish(values: torch.Tensor) -> torch.Tensor:
-        return rounded_as_before(values / norm, dtype)
-
-    product = transforms._signed_product_in_order(x, signs, matrices, last)
-    values, block_output = cast_mx_blocks(
-        transforms._sum_and_difference(product, last, finish), *cast, native_cast=False
-    )
-    return values.to(dtype), block_output
-
-
-def finish_and_cast(products: torch.Tensor, norm: float, dtype: torch.dtype, cast: tuple) -> torch.Tensor:
-    """The division, rounding and MX cast of a transform's products in one kernel: how blocks over 32 ran before
-    (the rounding, through scalar bit casts in inductor's code, then computed in each of the cast's loops)."""
-    return cast_mx_blocks(rounded_as_before(products / norm, dtype), *cast, native_cast=False)
-
-
-def rounded_in_the_cast(
-    kernel: CompiledKernel, transform: transforms.RandomizedHadamard, x: torch.Tensor, cast: tuple
-) -> torch.Tensor:
-    """`transform.quantize(x, *cast)` for blocks over 32 as it was: the products, then `kernel` (`finish_and_cast`),
-    a chunk of rows at a time."""
-
-    def chunk(rows: torch.Tensor) -> torch.Tensor:
-        return kernel(transform._products(rows, torch.float32), float(transform._norm), x.dtype, cast)[0]
-
-    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
-
-
-def products_then_cast(transform: transforms.RandomizedHadamard, x: torch.Tensor, cast: tuple) -> torch.Tensor:
-    """`transform.quantize(x, *cast)` for blocks over 32 as it was before `transforms._sylvester_kernel`: both matrix
-    products, the division and the rounding as torch's operations, then the MX cast's kernel, a chunk of rows at a
-    time."""
-
-    def chunk(rows: torch.Tensor) -> torch.Tensor:
-        return quantize_mx(transform._products(rows, torch.float32).div_(transform._norm).to(x.dtype), *cast)
-
-    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
-
-
-def chunks_copied(transform: transforms.RandomizedHadamard, x: torch.Tensor, cast: tuple) -> torch.Tensor:
-    """`transform.quantize(x, *cast)` for blocks over 32 as it was before `transforms._sylvester_kernel` wrote into the
-    output: each chunk of rows transformed into a tensor of its own, then copied into the output."""
-
-    def chunk(rows: torch.Tensor) -> torch.Tensor:
-        values = torch.empty(rows.shape, dtype=x.dtype)
-        transform._sylvester_kernel_into(rows, values, cast)
-        return values
-
-    return map_row_chunks(chunk, x.reshape(-1, transform.size), x.dtype).view(x.shape)
-
-
-def signs_apart(transform: transforms.RandomizedHadamard, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """`RandomizedHadamard._kernel_factor` as it is for float32 rows: the signs apart from the last factor."""
-    signs, last, _ = transform._factors_as(rows.device, torch.float32)
-    return signs, last.view(-1)
+        log(f"{count} row(s), {name}: {per_call * 1e6:.1f} us per call")
+        rows.append([str(count), name, f"{per_call * 1e6:.1f}", f"{per_call / seconds[0]:.2f}x"])
+    return rows
 
 
 def bench_transforms(repeats: int, tokens: int = 1024) -> list[list[str]]:
     """Time per call of an online transform with its MX cast (`RandomizedHadamard.quantize`, `tokens` rows: 8 x 128)
     against the plain cast of the same input, in float32 and bfloat16: 32-blocks on SmolLM2's two input widths (576:
-    q/k/v, o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input, all without signs
-    (the rotations move them into the modules producing the inputs). As references, how each ran before: the signs
-    applied online (a signed transform, as every rotation's ran before); for 32-blocks in float32 the same kernel
-    compiled with inductor's default fusion thresholds (the 16 x 16 product split in two passes over a buffer as
-    large as the input), in bfloat16 the rounding to bfloat16 on the bit pattern (`rounded_on_the_bits`) and, for the
-    signed transform, its signs apart from the 16 x 16 factor (as in float32) and, besides, the sums divided and
-    rounded after they are put together (`transform_then_round`); for 512-blocks each chunk's values copied into the
-    output (`chunks_copied`), both products, the division and the rounding as torch's operations before the cast's
-    kernel (`products_then_cast`), the division and rounding in the cast's kernel (`finish_and_cast`) and, in float32,
-    the transform split into a 64 x 64 product and a Sylvester factor of order 8 across its runs (`kronecker_split` now
-    takes 32 and 16)."""
+    q/k/v, o_proj, gate/up; 1536: down_proj) and `hadamard`'s 512-blocks of `down_proj`'s input, without signs (the
+    rotations move them into the modules producing the inputs) and with them applied online (a transform whose
+    input's producer cannot take them). `research/inference_kernel_choices.py` times the ways these kernels ran
+    before beside them."""
     fmt = get_format("mxfp4_e2m1")
-    kernel = transforms._transform_kernel
-    options = {key: value for key, value in kernel.options.items() if not key.startswith("realize_")}
-    default_thresholds = CompiledKernel(kernel.fn, options=options)
-    rounded_after = CompiledKernel(transform_then_round, options=kernel.options)
-    on_the_bits = CompiledKernel(rounded_on_the_bits, options=kernel.options)
-    finished_in_the_cast = CompiledKernel(finish_and_cast, options=kernel.options)
-    cases = [
-        (dtype, width, block)
-        for dtype in (torch.float32, torch.bfloat16)
-        for width, block in ((576, 32), (1536, 32), (1536, 512))
-    ]
     table = []
-    for dtype, width, block in cases:
-        x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0)).to(dtype)
-        transform = transforms.RandomizedHadamard(width, block, seed=0, signed=False)
-        signed = transforms.RandomizedHadamard(width, block, seed=0)
-
-        def with_kernel(
-            replacement: CompiledKernel, factor: Callable | None = None, on: transforms.RandomizedHadamard = transform
-        ) -> Callable[[], None]:
-            def call() -> None:
-                with contextlib.ExitStack() as patches:
-                    patches.enter_context(mock.patch.object(transforms, "_transform_kernel", replacement))
-                    if factor is not None:
-                        patches.enter_context(mock.patch.object(on, "_kernel_factor", factor))
-                    on.quantize(x, fmt, 32, "ocp")
-
-            return call
-
+    for x, block, transform, signed in transform_inputs(tokens):
         candidates = {
             "MX cast alone (quantize_mx)": lambda: quantize_mx(x, fmt),
             "transform and cast": lambda: transform.quantize(x, fmt, 32, "ocp"),
             "transform and cast, signs applied online": lambda: signed.quantize(x, fmt, 32, "ocp"),
         }
-        apart = functools.partial(signs_apart, signed)
-        if block == 32 and dtype == torch.float32:
-            candidates["transform and cast, inductor's default fusion thresholds"] = with_kernel(default_thresholds)
-        elif block == 32:
-            candidates["transform and cast, rounded to bfloat16 on the bit pattern"] = with_kernel(on_the_bits)
-            candidates["transform and cast, signs apart from the factor"] = with_kernel(kernel, apart, signed)
-            candidates["transform and cast, signs apart, sums rounded after they are put together"] = with_kernel(
-                rounded_after, apart, signed
-            )
-        else:
-            candidates["transform and cast, each chunk's values copied into the output"] = functools.partial(
-                chunks_copied, transform, x, (fmt, 32, "ocp")
-            )
-            candidates["transform and cast, the product across runs as torch's, then the cast's kernel"] = (
-                functools.partial(products_then_cast, transform, x, (fmt, 32, "ocp"))
-            )
-            candidates["transform and cast, division and rounding in the cast's kernel"] = functools.partial(
-                rounded_in_the_cast, finished_in_the_cast, transform, x, (fmt, 32, "ocp")
-            )
-        if block > 32 and dtype == torch.float32:
-            with mock.patch.object(transforms, "kronecker_split", split_64_by_8):
-                split_before = transforms.RandomizedHadamard(width, block, seed=0, signed=False)
-            candidates["transform and cast, 64 x 64 product then order 8"] = lambda: split_before.quantize(
-                x, fmt, 32, "ocp"
-            )
-        with torch.inference_mode():
-            seconds = median_seconds(list(candidates.values()), repeats, time.process_time, calls=20)
-        for name, per_call in zip(candidates, seconds):
-            log(f"{dtype}, {width} wide, {block}-blocks, {name}: {per_call * 1e3:.2f} ms per call")
-            table.append(
-                [
-                    f"{tokens} x {width}",
-                    str(dtype).removeprefix("torch."),
-                    str(block),
-                    name,
-                    f"{per_call * 1e3:.2f}",
-                    f"{per_call / seconds[0]:.2f}x",
-                ]
-            )
+        table += timed_transform_rows(candidates, x, block, repeats)
     return table
+
+
+def transform_inputs(
+    tokens: int,
+) -> Iterator[tuple[torch.Tensor, int, transforms.RandomizedHadamard, transforms.RandomizedHadamard]]:
+    """The online transforms' table's cases: a random input of `tokens` rows, in float32 then bfloat16, on SmolLM2's
+    input widths and blocks (576 and 1536 on 32-blocks, 1536 on `hadamard`'s 512-blocks), with the transform without
+    signs and the same one signed."""
+    for dtype in (torch.float32, torch.bfloat16):
+        for width, block in ((576, 32), (1536, 32), (1536, 512)):
+            x = torch.randn(tokens, width, generator=torch.Generator().manual_seed(0)).to(dtype)
+            unsigned = transforms.RandomizedHadamard(width, block, seed=0, signed=False)
+            yield x, block, unsigned, transforms.RandomizedHadamard(width, block, seed=0)
+
+
+def timed_transform_rows(
+    candidates: dict[str, Callable[[], object]], x: torch.Tensor, block: int, repeats: int
+) -> list[list[str]]:
+    """Rows of the online transforms' table: each of `candidates` (calls on the input `x`, the first one the cast
+    alone) timed per call, CPU time, median of `repeats` x 20 calls, with its ratio to the first."""
+    with torch.inference_mode():
+        seconds = median_seconds(list(candidates.values()), repeats, time.process_time, calls=20)
+    rows, width, dtype = [], x.shape[-1], str(x.dtype).removeprefix("torch.")
+    for name, per_call in zip(candidates, seconds):
+        log(f"{dtype}, {width} wide, {block}-blocks, {name}: {per_call * 1e3:.2f} ms per call")
+        shares = f"{per_call * 1e3:.2f}", f"{per_call / seconds[0]:.2f}x"
+        rows.append([f"{len(x)} x {width}", dtype, str(block), name, *shares])
+    return rows
 
 
 def mixed_format_map(model: nn.Module) -> dict[str, str]:
@@ -736,13 +545,10 @@ def main() -> None:
         "",
         f"### Per call: one row (a generated token) and 64 (a short prompt), wall time in us (median of "
         f"{args.repeats} x 1000 calls)",
-        table(["rows", "call", "us per call", "x the cast through torch.compile"], bench_per_call(args.repeats)),
+        table(["rows", "call", "us per call", "x nn.Linear"], bench_per_call(args.repeats)),
         "",
         f"### Online transforms with their MX cast, per call (CPU time in ms, median of {args.repeats} x 20 calls)",
         table(["input", "dtype", "block", "call", "ms per call", "x the cast alone"], bench_transforms(args.repeats)),
-        "",
-        f"### Compiled element-wise kernels, CPU time per element (median of {args.repeats} x 20 calls)",
-        table(["input", "kernel", "ns per element", "x the multiply-add"], bench_bit_patterns(args.repeats)),
     ]
     if not args.skip_model:
         dtypes = (torch.float32, torch.bfloat16) if args.model_bf16 else (torch.float32,)

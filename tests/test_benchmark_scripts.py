@@ -920,49 +920,75 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
     rows_of_1024 = [line for line in output.read_text().splitlines() if line.startswith("| 1024 x ")]
     cells_of_1024 = [[cell.strip() for cell in line.strip("|").split("|")] for line in rows_of_1024]
     calls = [c for c in cells_of_1024 if c[1] in ("float32", "bfloat16")]  # the online transforms' rows
-    # per dtype, input width and block: the cast alone (1.00x), the transform (without signs) with it, and the
-    # references: the signs applied online; in float32 for 32-blocks the same kernel compiled with inductor's default
-    # fusion thresholds; in bfloat16 for 32-blocks the rounding to bfloat16 on the bit pattern, the signs apart from
-    # the factor, then also the sums rounded after the stack; for 512-blocks each chunk's values copied into the
-    # output, both products, the division and the rounding as torch's operations before the cast's kernel, the
-    # division and rounding in the cast's kernel and, in float32, the 64 x 64 split
+    # per dtype, input width and block: the cast alone (1.00x), the transform (without signs) with it, and the same
+    # transform with its signs applied online
     cast, transform = "MX cast alone (quantize_mx)", "transform and cast"
-    thresholds = f"{transform}, inductor's default fusion thresholds"
-    in_the_cast = f"{transform}, division and rounding in the cast's kernel"
-    signed, copied = f"{transform}, signs applied online", f"{transform}, each chunk's values copied into the output"
-    products_first = f"{transform}, the product across runs as torch's, then the cast's kernel"
-    split = f"{transform}, 64 x 64 product then order 8"
-    apart = f"{transform}, signs apart from the factor"
-    rounded_after = f"{transform}, signs apart, sums rounded after they are put together"
-    on_the_bits = f"{transform}, rounded to bfloat16 on the bit pattern"
     expected = [
-        *[("1024 x 576", "float32", "32", call) for call in (cast, transform, signed, thresholds)],
-        *[("1024 x 1536", "float32", "32", call) for call in (cast, transform, signed, thresholds)],
-        *[
-            ("1024 x 1536", "float32", "512", call)
-            for call in (cast, transform, signed, copied, products_first, in_the_cast, split)
-        ],
-        *[
-            ("1024 x 576", "bfloat16", "32", call)
-            for call in (cast, transform, signed, on_the_bits, apart, rounded_after)
-        ],
-        *[
-            ("1024 x 1536", "bfloat16", "32", call)
-            for call in (cast, transform, signed, on_the_bits, apart, rounded_after)
-        ],
-        *[
-            ("1024 x 1536", "bfloat16", "512", call)
-            for call in (cast, transform, signed, copied, products_first, in_the_cast)
-        ],
+        (f"1024 x {width}", dtype, block, call)
+        for dtype in ("float32", "bfloat16")
+        for width, block in ((576, "32"), (1536, "32"), (1536, "512"))
+        for call in (cast, transform, f"{transform}, signs applied online")
     ]
     assert [tuple(c[:4]) for c in calls] == expected
     # each ratio is the row's time over its cast's (a one-repeat run on a busy machine can time the transform below
     # the cast, so the ratio's size is not asserted)
-    # the element-wise kernels: a multiply-add (1.00x), the same through a bit reinterpretation, the MX cast
-    kernels = [c for c in cells_of_1024 if c[1] not in ("float32", "bfloat16")]
-    assert [k[1].split(",")[0] for k in kernels] == ["x * 2 + 1", "abs(x) * 2 + 1", "MX cast (quantize_mx"]
-    assert kernels[0][3] == "1.00x" and all(float(k[2]) > 0 for k in kernels)
     groups = [[c for c in calls if tuple(c[:3]) == key] for key in dict.fromkeys(row[:3] for row in expected)]
     for group in groups:
         assert group[0][5] == "1.00x", group
         assert all(ratio_matches_rounded_times(row[5], row[4], group[0][4], step=0.01) for row in group[1:]), group
+
+
+def test_the_kernel_choices_study_times_each_inference_kernel_beside_what_it_replaced():
+    """`research/inference_kernel_choices.py` keeps the inference kernels' design choices measurable: per dtype, input
+    width and block, the cast alone (1.00x), the library's transform with it, then each earlier or rejected way of
+    computing it (for 32-blocks in float32 inductor's default fusion thresholds; in bfloat16 the rounding on the bit
+    pattern and, beside the library's signed transform, the signs apart from the factor, and the sums rounded after
+    they are put together; for 512-blocks each
+    chunk copied into the output, the product across runs as torch's, the division and rounding in the cast's kernel
+    and, in float32, the 64 x 64 split); the cast's kernel against `torch.compile` per call; a multiply-add against the
+    same on the bit pattern and the cast. Every ratio is its row's time over its table's reference."""
+    script = [sys.executable, str(ROOT / "research" / "inference_kernel_choices.py"), "--repeats", "1"]
+    result = subprocess.run(script, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert result.returncode == 0, result.stderr[-3000:]
+    tables = [
+        [[cell.strip() for cell in line.strip("|").split("|")] for line in block.splitlines() if line.startswith("| ")]
+        for block in result.stdout.split("###")[1:]
+    ]
+    transforms, per_call, kernels = (rows[1:] for rows in tables)  # the header rows dropped
+    library = "transform and cast (the library's)"
+    variants = {
+        ("float32", "32"): ["inductor's default fusion thresholds"],
+        ("bfloat16", "32"): [
+            "rounded to bfloat16 on the bit pattern",
+            "signed (the library's: the signs inside copies of the factor)",
+            "signed, signs apart from the factor",
+            "signed, signs apart, sums rounded after they are put together",
+        ],
+        ("float32", "512"): [
+            "each chunk's values copied into the output",
+            "the product across runs as torch's, then the cast's kernel",
+            "division and rounding in the cast's kernel",
+            "64 x 64 product then order 8",
+        ],
+    }
+    variants[("bfloat16", "512")] = variants[("float32", "512")][:-1]
+    expected = [
+        (f"1024 x {width}", dtype, block, call)
+        for dtype in ("float32", "bfloat16")
+        for width, block in ((576, "32"), (1536, "32"), (1536, "512"))
+        for call in ("MX cast alone (quantize_mx)", library, *variants[(dtype, block)])
+    ]
+    assert [tuple(row[:4]) for row in transforms] == expected
+    groups = [[row for row in transforms if tuple(row[:3]) == key] for key in dict.fromkeys(e[:3] for e in expected)]
+    for group in groups:
+        assert group[0][5] == "1.00x", group
+        assert all(ratio_matches_rounded_times(row[5], row[4], group[0][4], step=0.01) for row in group[1:]), group
+    assert [tuple(row[:2]) for row in per_call] == [
+        (rows, call)
+        for rows in ("1", "64")
+        for call in ("the cast through torch.compile", "CompiledKernel call (the library's)")
+    ]
+    for reference, kernel in (per_call[:2], per_call[2:]):
+        assert reference[3] == "1.00x" and ratio_matches_rounded_times(kernel[3], kernel[2], reference[2], step=0.1)
+    assert [row[1].split(",")[0] for row in kernels] == ["x * 2 + 1", "abs(x) * 2 + 1", "MX cast (quantize_mx"]
+    assert kernels[0][3] == "1.00x" and all(float(row[2]) > 0 for row in kernels)

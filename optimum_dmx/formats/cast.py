@@ -68,9 +68,10 @@ def element_steps(v: torch.Tensor, fmt: MXFormat) -> torch.Tensor:
     ``|v|`` in the binade ``[2^e, 2^(e+1))`` of the format's normal range, ``2^(emin - m)`` below it.
 
     Found by comparing ``|v|`` with powers of two, not read from the float32 exponent field as ``floor_log2`` does:
-    a compiled kernel then runs on vectors of floats, where torch 2.13's inductor writes each float32 <-> int32 bit
-    reinterpretation for a CPU as a scalar loop through memory (`benchmarks/bench_inference.py`, "Compiled
-    element-wise kernels": one such round trip per element costs more than the whole cast). Scaled elements lie below
+    a compiled kernel then runs on vectors of floats, where torch 2.13's inductor wrote each float32 <-> int32 bit
+    reinterpretation as a scalar loop through memory on an Intel Xeon with AMX (one such round trip per element cost
+    more than the whole cast; the AMD EPYCs measured vectorised it: `research/inference_kernel_choices.py`, "Compiled
+    element-wise kernels", and `benchmarks/results/inference*.md`). Scaled elements lie below
     ``2^(emax+1)`` (finite blocks), so the largest binade is
     ``emax``'s; larger values (in a NaN or Inf block, or GPTQ's unscaled ones) get a step that still saturates them.
     """

@@ -24,28 +24,28 @@ themselves, so one outlier raises one block scale instead of all of them. The tr
 `(size, block_size, seed)` (and `sign_copies`, `signed`), which is all a checkpoint records (`to_dict`); it holds no
 trainable state and adds nothing to a state dict.
 
-At inference (no gradient wanted) a 32-block transform (a 16 x 16 last factor and `S` of order 2,
-`KERNEL_MATRIX_ORDER`) runs as one compiled kernel (`formats.compilation`): the signs if any, both products
-(`_signed_product_in_order`, then one sum and one difference), the division, the rounding to the input's dtype and,
-through `quantize`, the MX cast that follows, reading and writing the input's dtype; as separate operations each
-wrote a new buffer as large as the activation. On a CPU, for an input not in float32, the signs come inside the
-factor, one copy of it per run of 16 elements (a product then loads a vector of the matrix instead of a sign and
-multiplies once less); the kernel divides and rounds the sums before it stores them, so that the MX cast's two loops
-over them do not each do it again, and rounds with `.to(dtype)` (rounded on the float32 bit pattern, which inductor
-reads through scalar bit casts on a CPU, a bfloat16 transform with its cast took 3.1x the cast's time, against 1.9x:
-`benchmarks/bench_inference.py`, "Online transforms"). Larger blocks (`hadamard`'s 512-blocks of SmolLM2's
-`down_proj` input) take the product by the last factor as torch's matrix product, a chunk of rows at a time on a CPU
-(`formats.cast.fill_row_chunks`: float32 temporaries small enough for the allocator to reuse); on a CPU the rest,
-the product across the runs by the Sylvester factor, the division, the rounding and the MX cast, is one compiled
-kernel (`_sylvester_kernel`; its transformed values stored once, where inductor would compute them again in each of
-the cast's loops), which took 0.88x the time of that product, division and rounding as torch's operations followed
-by the cast's kernel, for a bfloat16 1024 x 1536 input on 512-blocks (0.90x in float32;
-`benchmarks/bench_inference.py`), and which stores its values straight into the chunk's rows of the output. Such a
-transform's signs are best kept out of it: a rotation puts them into the layer producing the input where it can
-(`split_signs`), and a transform without signs multiplies by none. On a GPU both products, the division and the
-rounding are torch's operations, then the cast's kernel. Each kernel is checked bit for bit against the same steps
-run eagerly; that those give the bits of the eager path's matrix products (products by +-1 are exact, and the sums
-run in the order a matrix product's inner loop adds them) is tested.
+At inference (no gradient wanted) a 32-block transform (a 16 x 16 last factor and `S` of order 2, `KERNEL_MATRIX_ORDER`)
+runs as one compiled kernel (`formats.compilation`): the signs if any, both products (`_signed_product_in_order`, then
+one sum and one difference), the division, the rounding to the input's dtype and, through `quantize`, the MX cast that
+follows, reading and writing the input's dtype; as separate operations each wrote a new buffer as large as the
+activation. On a CPU, for an input not in float32, the signs come inside the factor, one copy of it per run of 16
+elements (a product then loads a vector of the matrix instead of a sign and multiplies once less); the kernel divides
+and rounds the sums before it stores them, so that the MX cast's two loops over them do not each do it again, and rounds
+with `.to(dtype)` (rounded on the float32 bit pattern, which inductor reads through scalar bit casts on a CPU, a
+bfloat16 transform with its cast took 3.1x the cast's time, against 1.9x: `research/inference_kernel_choices.py` times
+each such choice beside what it replaced). Larger blocks (`hadamard`'s 512-blocks of SmolLM2's `down_proj` input) take
+the product by the last factor as torch's matrix product, a chunk of rows at a time on a CPU
+(`formats.cast.fill_row_chunks`: float32 temporaries small enough for the allocator to reuse); on a CPU the rest, the
+product across the runs by the Sylvester factor, the division, the rounding and the MX cast, is one compiled kernel
+(`_sylvester_kernel`; its transformed values stored once, where inductor would compute them again in each of the cast's
+loops), which took 0.88x the time of that product, division and rounding as torch's operations followed by the cast's
+kernel, for a bfloat16 1024 x 1536 input on 512-blocks (0.90x in float32; `research/inference_kernel_choices.py`), and
+which stores its values straight into the chunk's rows of the output. Such a transform's signs are best kept out of it:
+a rotation puts them into the layer producing the input where it can (`split_signs`), and a transform without signs
+multiplies by none. On a GPU both products, the division and the rounding are torch's operations, then the cast's
+kernel. Each kernel is checked bit for bit against the same steps run eagerly; that those give the bits of the eager
+path's matrix products (products by +-1 are exact, and the sums run in the order a matrix product's inner loop adds
+them) is tested.
 """
 
 from __future__ import annotations
@@ -109,7 +109,7 @@ def kronecker_split(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
     (all of `power` below the lower bound). For a 32-block, `k = 1` (a 16 x 16 product, then one sum and one
     difference), all in one kernel at inference. For larger blocks two factors of about equal order cost least on a
     CPU: 512-blocks as a 32 x 32 product and one of order 16 (with the MX cast, 3.2 against 3.9 ms per 1024 x 1536
-    float32 input for 64 x 64 and order 8, `benchmarks/bench_inference.py`); 1024-blocks as 32 and 32."""
+    float32 input for 64 x 64 and order 8, `research/inference_kernel_choices.py`); 1024-blocks as 32 and 32."""
     low, high = MATRIX_FACTOR_ORDERS
     order = min(power, max(low, min(high, 1 << (power.bit_length() // 2))))
     return (power // order).bit_length() - 1, torch.kron(sylvester_matrix(order), odd.contiguous())
@@ -170,7 +170,7 @@ def _signed_product_in_order(
 # `emulate_precision_casts` keeps a float16 rounding between the transform and the cast, which inductor otherwise
 # drops. The two thresholds keep the 16 x 16 product in one loop: by default inductor stores the sum of its first
 # 13 terms in a buffer as large as the input and adds the rest in a second pass (2.9x against 2.3x the plain cast
-# on a 1024 x 1536 input, `benchmarks/bench_inference.py`). The same operations in the same order: the same bits.
+# on a 1024 x 1536 input, `research/inference_kernel_choices.py`). The same operations in the same order: the same bits.
 @functools.partial(
     CompiledKernel,
     options={
@@ -390,7 +390,7 @@ class RandomizedHadamard(nn.Module):
         rows (float32, on the CPU, `[size / order, order * order]`: `size * order` values, made on first use, then
         kept). The inference kernel's factor on a CPU for inputs not in float32, where a vector of the matrix costs
         less than a sign and one more multiplication per product; in float32 the signs apart cost less
-        (`benchmarks/bench_inference.py` times both)."""
+        (`research/inference_kernel_choices.py` times both in bfloat16)."""
         if self._signed_runs is None:
             signs, last, _ = self._factors_as(torch.device("cpu"), torch.float32)
             order = self._last_order
