@@ -466,10 +466,14 @@ def calibration_benchmark_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def write_report(text: str, output: Path | None, title: str) -> None:
-    """Print a benchmark's table and, with ``output``, write it under ``title`` with the command that made it."""
+    """Print a benchmark's table and, with ``output``, write it under ``title`` with the command that made it (the
+    script named by its path in the repository: `benchmarks/` or, for a study using these helpers, `research/`)."""
     print(text)
     if output:
-        command = "python benchmarks/" + Path(sys.argv[0]).name + " " + shlex.join(sys.argv[1:])
+        script = Path(sys.argv[0]).resolve()
+        repository = Path(__file__).resolve().parent.parent
+        named = script.relative_to(repository) if script.is_relative_to(repository) else script.name
+        command = f"python {named} " + shlex.join(sys.argv[1:])
         output.write_text(f"# {title}\n\nCommand: `{command}`\n\n{text}")
 
 

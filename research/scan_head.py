@@ -52,7 +52,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
-from bench_sensitivity import spearman  # noqa: E402
+from sensitivity_signals import spearman  # noqa: E402
 
 from optimum_dmx.calibration import CalibrationSettings, get_preset  # noqa: E402
 from optimum_dmx.calibration.groups import offset_groups  # noqa: E402

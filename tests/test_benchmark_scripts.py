@@ -16,8 +16,10 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def run_benchmark(script: str, *args, env: dict | None = None) -> str:
+    """Run `benchmarks/<script>` (or a study's `research/<name>.py`, named so) in a new process; its stdout."""
+    path = ROOT / script if script.startswith("research/") else ROOT / "benchmarks" / script
     result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / script), *map(str, args)],
+        [sys.executable, str(path), *map(str, args)],
         capture_output=True,
         text=True,
         timeout=600,
@@ -574,7 +576,7 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
     assert not (tmp_path / "cache").exists()  # --help fetched nothing
 
 
-def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
+def test_sensitivity_signals_study(tiny_text_model_dir, tmp_path):
     """The KL scan on its own sequences reproduces itself exactly, with its divergence summed element by element
     to within 1e-4, and so does the library's scan on a vocabulary head as large as the vocabulary; the scan of
     fused groups gets its row; with bfloat16 products both library scans again, ranked against themselves in float32;
@@ -582,7 +584,7 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     root = tiny_text_model_dir
     output = tmp_path / "sensitivity.md"
     run_benchmark(
-        "bench_sensitivity.py",
+        "research/sensitivity_signals.py",
         "--model",
         root / "model",
         "--calibration",
@@ -603,7 +605,7 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
         output,
     )
     report = output.read_text()
-    assert report.startswith("# Sensitivity signals\n\nCommand: ")
+    assert report.startswith("# Sensitivity signals\n\nCommand: `python research/sensitivity_signals.py --model ")
     # the positions table: the library's scan reading half of each 16-token sequence, and reading it whole (itself)
     shares = re.findall(r"^\| ([\d.]+) \| (\d+) \| [\d.]+ \| [\d.]+% \| (-?[\d.]+) \| ([\d.]+) \|$", report, re.M)
     assert [r[:2] for r in shares] == [("0.5", "8"), ("1.0", "16")]
@@ -637,13 +639,13 @@ def test_sensitivity_benchmark(tiny_text_model_dir, tmp_path):
     assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[2:])
 
 
-def test_sensitivity_benchmark_tables_the_scans_passes(tiny_text_model_dir, tmp_path):
+def test_sensitivity_signals_study_tables_the_scans_passes(tiny_text_model_dir, tmp_path):
     """`--passes-only` on a rotated model: the library's scan with one unit per pass, its head in float32, both,
     and reading whole sequences, each ranked against the scan before and the whole sequences' scan."""
     root = tiny_text_model_dir
     output = tmp_path / "passes.md"
     run_benchmark(
-        "bench_sensitivity.py",
+        "research/sensitivity_signals.py",
         *("--model", root / "model", "--calibration", root / "calibration.txt", "--seq-len", 16),
         *("--rotation", "online_block_hadamard", "--passes-only", "--output", output),
     )
@@ -662,7 +664,7 @@ def test_sensitivity_benchmark_tables_the_scans_passes(tiny_text_model_dir, tmp_
     assert all(float(r[3]) > 0.9 and -1 <= float(r[4]) <= 1 for r in rows)
 
 
-def test_sensitivity_benchmark_tables_the_default_scan_against_the_original(tiny_text_model_dir, tmp_path):
+def test_sensitivity_signals_study_tables_the_default_scan_against_the_original(tiny_text_model_dir, tmp_path):
     """`--default-scan-only`: the library's default scan (and with every position alike, and reading 9/16 of each
     sequence) against the original one (layer by layer, float32, whole sequences and vocabulary) on `--scan-sets` sets
     of sequences, ranked on the same tokens and on the next set's (the last set's next is the first); the 9/16
@@ -670,7 +672,7 @@ def test_sensitivity_benchmark_tables_the_default_scan_against_the_original(tiny
     root = tiny_text_model_dir
     output = tmp_path / "default.md"
     run_benchmark(
-        "bench_sensitivity.py",
+        "research/sensitivity_signals.py",
         *("--model", root / "model", "--calibration", root / "calibration.txt", "--seq-len", 16),
         *("--rotation", "online_block_hadamard", "--default-scan-only", "--scan-sets", 3, "--output", output),
     )

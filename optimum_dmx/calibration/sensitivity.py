@@ -9,19 +9,19 @@ divergence: the budget values a group at its members' sum, which is then the div
 On SmolLM2-135M with `offset_groups="fused"` that is 120 passes instead of 210 (0.58x the time), ranking the
 budget's units as the members scanned alone and summed do (Spearman 0.994), for the same held-out perplexity with
 GPTQ rounding (0.9994x over six maps on two held-out texts; 1.006x rounded to nearest); on a mixture of experts it is
-one pass per layer's experts instead of one per expert linear (`benchmarks/results/sensitivity.md`,
+one pass per layer's experts instead of one per expert linear (`research/sensitivity_signals.md`,
 `research/README.md`, "The additive value").
 
 The scan reads the first half of the positions of each of its `KL_SAMPLES` sequences (`KL_POSITIONS`): a pass
 costs about in proportion to the positions it reads. On SmolLM2-135M reading half ranks the budget's units as
-reading the whole sequences does at Spearman 0.991, in 0.58x the time (`benchmarks/results/sensitivity.md`), and
+reading the whole sequences does at Spearman 0.991, in 0.58x the time (`research/sensitivity_signals.md`), and
 the default recipe's maps from the same learned offsets had the same held-out perplexity within the evaluation's
 noise (1.0001x over ten comparisons, -0.8% to +1.5%; `research/README.md`, "The scan on the first half of each
 sequence"). Within the half, a position's divergence weighs more the more context precedes it (`position_weights`:
 `sqrt(p + 1)`), so that the later positions read stand in for the unread ones. Against the original scan (every layer
 alone, float32, whole sequences and vocabulary) the half ranks the units at Spearman 0.99 or more on six of eight sets
 of sequences; reading 9/16 of each does on all eight, but takes 1.1-1.3x the half's time, which put the scan at 11%
-of the CLI's default run's steps against 9% (`benchmarks/results/sensitivity.md`, "Eight sets of sequences").
+of the CLI's default run's steps against 9% (`research/sensitivity_signals.md`, "Eight sets of sequences").
 
 The scan makes one pass per unit (a layer, or a group), and a layer's quantization cannot change what the decoder
 layers before its own compute. So one float pass records every decoder layer's output, and each unit's pass replays
@@ -36,7 +36,7 @@ The units of one decoder layer (up to `KL_UNITS_PER_PASS`) share a pass: it runs
 each unit low in its own copy only (`LowInOneCopy`), and each copy's divergence is that unit's, the value a pass of
 its own gives (the same sums, tested). The decoder then multiplies larger matrices and runs its other operations a
 quarter as often: on SmolLM2-135M (4 units per decoder layer with fused groups, 4 x 64 tokens) 0.80x the scan's
-time (`benchmarks/results/sensitivity.md`, "Units sharing passes"). Only divergences from final hidden states share
+time (`research/sensitivity_signals.md`, "Units sharing passes"). Only divergences from final hidden states share
 passes: the whole vocabulary's logits for every copy would cost as many batches of them. And only units whose linears
 read the batch whole, copy after copy (`_WholeBatchReaders`, seen in the float pass): a mixture of experts' expert
 reads the tokens routed to it in the router's order, so a layer's experts are scanned in passes of their own.
@@ -46,7 +46,7 @@ a CPU with AMX or AVX-512 BF16): the float layers hold bfloat16 copies of their 
 from its float32 weight, and the residual stream, normalisations, softmaxes and the divergence stay float32 but for
 the divergence's product with the vocabulary head's rows (`calibration.vocabulary_head`; 0.90x the scan's time). On
 SmolLM2-135M with AMX that is 0.54x the float32 scan's time, ranking the budget's units at Spearman 0.998
-against it (`benchmarks/results/sensitivity.md`; `research/README.md`, "The scan in bfloat16", for the maps).
+against it (`research/sensitivity_signals.md`; `research/README.md`, "The scan in bfloat16", for the maps).
 `kl_sensitivities(..., matmul_dtype=torch.float32)` keeps float32. A scan of whole distributions (soft-capped or
 scaled logits) takes each pass's logits the way the head's divergences take `dz`: the reference's float32 logits plus
 the bfloat16 product of the final hidden states' shift (`_pass_logits`). Rounded to bfloat16 whole, the logits put a
@@ -236,7 +236,7 @@ def position_weights(length: int, power: float) -> torch.Tensor | None:
     growing as the square root make the default scan rank the budget's units closer to the original scan's (whole
     sequences, every position alike): Spearman 0.9859-0.9937, 0.9905 on average, against 0.9786-0.9927 and 0.9869
     with every position alike, at no measurable cost; the maps the default recipe made from the same learned offsets
-    stayed within the evaluation's noise (`benchmarks/results/sensitivity.md`, "Eight sets of sequences";
+    stayed within the evaluation's noise (`research/sensitivity_signals.md`, "Eight sets of sequences";
     `research/README.md`, "Weighted positions in the scan")."""
     if isinstance(power, bool) or not isinstance(power, (int, float)) or not 0 <= power < math.inf:
         raise ValueError(
@@ -569,7 +569,7 @@ def next_token_kl(
     (a block that stays in cache) and their dot products with the probabilities as one batched matrix product, in
     float32, the positions' sums in float64. The same value as `F.kl_div` (within 1e-4, tested), which exponentiates
     the reference and writes whole-batch temporaries at every call: the scan takes 0.89x its time with it
-    (`benchmarks/results/sensitivity.md`).
+    (`research/sensitivity_signals.md`).
     """
     vocab = log_probs.shape[-1]
     references, probabilities = reference.log_probs.reshape(-1, vocab), reference.probabilities.reshape(-1, vocab)

@@ -45,7 +45,7 @@ of whole sequences: seconds (the least of two runs of each, the scans alternatin
 units. `--rotation` rotates the model first, as calibration does (`online_block_hadamard`: the CLI's default on
 SmolLM2-135M); `--passes-only` runs that table alone.
 
-    python benchmarks/bench_sensitivity.py --output benchmarks/results/sensitivity.md
+    python research/sensitivity_signals.py --output research/sensitivity_signals.md
 
 Pass `--model` and `--calibration` for any other model and texts.
 """
@@ -56,13 +56,17 @@ import contextlib
 import dataclasses
 import math
 import statistics
+import sys
 import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 from torch import nn
 from torch.nn import functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 
 from optimum_dmx.calibration import CalibrationSettings, sensitivity
 from optimum_dmx.calibration.groups import offset_groups
