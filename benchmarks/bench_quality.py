@@ -38,12 +38,9 @@ GPTQ rounds each weight's columns in activation order, as the library does (rows
 `gptq (act order)`); `--gptq-order columns` runs the library's GPTQ before it, in the columns' own order, which
 every GPTQ row without `gptq_order` ran.
 
-With `--sensitivity-rounding gptq` the KL scan puts each layer in the low format rounded by GPTQ (every layer
-low, the seed's sequences) instead of to nearest: `kl` ranks by that scan, and `dmx` blends its learned offsets with
-it in place of its own scan (the rows are labelled `(GPTQ scan)`; the report compares the default with them):
-
-    python benchmarks/bench_quality.py --methods dmx --pairs mxfp8-mxfp4 --targets 5 --weight-rounding gptq \
-        --sensitivity-rounding gptq
+Rows labelled `(GPTQ scan)` come from a study, not adopted, whose KL scan put each layer in the low format rounded
+by GPTQ instead of to nearest (`research/README.md`; its option, `--sensitivity-rounding gptq`, is in this script at
+commit `2909300`); the report still compares the default with them.
 
 With `--learn-rotations` (and `--rotation hadamard` or `block_hadamard`) the calibrated methods train the merged
 rotations with the offsets (`learn_rotations=True`); each cell calibrates a copy of the rotated model, whose learned
@@ -96,7 +93,6 @@ from optimum_dmx.calibration import (
     round_weights_by_gptq,
     uniform_format_map,
 )
-from optimum_dmx.calibration.trainer import blended_format_map
 from optimum_dmx.continuous import FORMAT_PAIRS, get_format_pair
 from optimum_dmx.evaluation import evaluate_perplexity
 from optimum_dmx.formats import quantize_mx
@@ -149,7 +145,6 @@ class Sweep:
     learn_rotations: bool = False
     gptq_samples: int | None = None  # None: every calibration sequence of the preset
     gptq_order: str = "activation"  # GPTQ's column order (`round_weights_by_gptq`): "activation" or "columns"
-    sensitivity_rounding: str = "rtn"  # how the KL scan (`kl`'s, `dmx`'s blend) rounds the low format: rtn or gptq
     peer_samples: int | None = None  # None: map peers read every calibration sequence of the preset
     eval_tokens: int = 16384
     eval_seq_len: int = 512
@@ -188,13 +183,11 @@ class Sweep:
             key.update(learn_rotations=True)
         if method in MAP_PEERS and self.peer_samples is not None:
             key.update(peer_samples=self.peer_samples)
-        if method in ("kl", "dmx") and self.sensitivity_rounding != "rtn":
-            key.update(sensitivity_rounding=self.sensitivity_rounding)
         if self.weight_rounding != "rtn" and method != "float":
             key.update(weight_rounding=self.weight_rounding, preset=self.preset)  # GPTQ reads the preset's tokens
             if self.gptq_samples is not None:
                 key.update(gptq_samples=self.gptq_samples)
-        if method not in (*WEIGHT_PEERS, "float") and "gptq" in (self.weight_rounding, self.sensitivity_rounding):
+        if method not in (*WEIGHT_PEERS, "float") and self.weight_rounding == "gptq":
             if self.gptq_order != "columns":  # rows without it: columns, this package's only GPTQ before `gptq_order`
                 key.update(gptq_order=self.gptq_order)
         if method in WEIGHT_PEERS:
@@ -253,40 +246,19 @@ class Runner:
             result = kl_preselection(model, self.calibration_ids(seed), settings, sensitivities=sensitivities)
             return result.format_map, seconds + result.seconds
         result = calibrate(model, self.calibration_ids(seed), settings)
-        if method != "dmx" or s.sensitivity_rounding == "rtn":
-            return result.format_map, result.seconds
-        # The same learned offsets blended with the scan of GPTQ-rounded low-format weights instead of rounded ones.
-        sensitivities, scan_seconds = self.sensitivities(model, get_format_pair(pair).low.name, seed, settings)
-        shapes = {name: tuple(self.targets[name].weight.shape) for name in result.format_map}
-        format_map = blended_format_map(result.beta_hat, sensitivities, shapes, settings)
-        changed = sorted(name for name in format_map if format_map[name] != result.format_map[name])
-        print(f"the GPTQ scan changed {len(changed)} layers of the calibration's own map: {changed}", flush=True)
-        return format_map, result.seconds - result.scan_seconds + scan_seconds
+        return result.format_map, result.seconds
 
     def sensitivities(
         self, model: torch.nn.Module, low: str, seed: int, settings: CalibrationSettings
     ) -> tuple[dict[str, float], float]:
-        """KL pre-selection's scan of every layer (or offset group) in the `low` format (rounded as
-        `--sensitivity-rounding` says) and the seconds it took: the same for every pair with that low format and
-        every target, so scanned once."""
-        key = (self.sweep.sensitivity_rounding, low, seed, repr(settings.offset_groups))
+        """KL pre-selection's scan of every layer (or offset group) in the `low` format and the seconds it took: the
+        same for every pair with that low format and every target, so scanned once."""
+        key = (low, seed, repr(settings.offset_groups))
         if key not in self.scans:
             start = time.perf_counter()
-            low_weights = self.gptq_weights(model, low, seed) if self.sweep.sensitivity_rounding == "gptq" else None
-            scan = kl_sensitivities(model, self.calibration_ids(seed), settings, low_weights=low_weights)
+            scan = kl_sensitivities(model, self.calibration_ids(seed), settings)
             self.scans[key] = scan, time.perf_counter() - start
         return self.scans[key]
-
-    def gptq_weights(self, model: torch.nn.Module, fmt: str, seed: int) -> dict[str, torch.Tensor]:
-        """Every quantized layer's weight rounded by GPTQ in `fmt` (all layers in it, the seed's sequences),
-        dequantized: what `--sensitivity-rounding gptq` scans each layer with."""
-        float_linears = linear_modules_to_quantize(model, SKIPPED)
-        format_map = dict.fromkeys(float_linears, fmt)
-        with emulate_format_map(model, format_map):
-            batch_size = get_preset(self.sweep.preset).batch_size
-            ids, activation_order = self.calibration_ids(seed), self.sweep.gptq_order == "activation"
-            round_weights_by_gptq(model, float_linears, ids, batch_size, activation_order=activation_order)
-            return {name: model.get_submodule(name).dequantized_weight(torch.float32) for name in format_map}
 
     @contextlib.contextmanager
     def peer_run(self, method: str, seed: int, *args: str | float) -> Iterator[Path]:
@@ -795,13 +767,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         "GPTQ before; rows without `gptq_order` ran it)",
     )
     p.add_argument(
-        "--sensitivity-rounding",
-        default=d.sensitivity_rounding,
-        choices=["rtn", "gptq"],
-        help="the KL scan (`kl`'s, and the one `dmx` blends with its offsets) puts each layer in the low format "
-        "rounded to nearest (default) or by GPTQ",
-    )
-    p.add_argument(
         "--peer-samples", type=int, help="map peers (autoscheme) read only the first N calibration sequences"
     )
     p.add_argument("--eval-tokens", type=int, default=d.eval_tokens)
@@ -823,11 +788,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         p.error(
             "autoscheme keeps a budget weighted by parameters and chooses each layer alone: pass --bit-average "
             f"weighted and --offset-groups none (got {a.bit_average}, {a.offset_groups})"
-        )
-    if a.learn_rotations and a.sensitivity_rounding != "rtn":
-        p.error(
-            f"--sensitivity-rounding {a.sensitivity_rounding} scans the model once per seed; with --learn-rotations "
-            "each cell's model differs (use --sensitivity-rounding rtn)"
         )
     if a.learn_rotations and a.rotation not in ("hadamard", "block_hadamard"):
         p.error(
@@ -851,7 +811,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[Sweep, argparse.Namespace
         learn_rotations=a.learn_rotations,
         gptq_samples=a.gptq_samples,
         gptq_order=a.gptq_order,
-        sensitivity_rounding=a.sensitivity_rounding,
         peer_samples=a.peer_samples,
         eval_tokens=a.eval_tokens,
         eval_seq_len=a.eval_seq_len,

@@ -1,6 +1,5 @@
 """The benchmark scripts run end to end (as subprocesses, on a tiny model) and print their tables."""
 
-import ast
 import json
 import os
 import re
@@ -370,15 +369,6 @@ def test_learned_rotation_rows_round_the_model_their_calibration_learned(tiny_te
         cwd=ROOT,
     )
     assert result.returncode == 2 and "--rotation none has none" in result.stderr
-    # Nor with a GPTQ scan, which is made once per seed while each cell learns its own rotations.
-    command = ["--rotation", "hadamard", "--learn-rotations", "--sensitivity-rounding", "gptq"]
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_quality.py"), *command],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-    )
-    assert result.returncode == 2 and "each cell's model differs" in result.stderr
 
 
 def test_the_report_pairs_a_gptq_scan_row_only_with_its_own_variant(tmp_path):
@@ -403,30 +393,6 @@ def test_the_report_pairs_a_gptq_scan_row_only_with_its_own_variant(tmp_path):
     assert "- vs `dmx (GPTQ scan)`: lower in 0 of 1 comparisons" in report
     budget_lines = [line for line in report.splitlines() if "weighted lower in" in line]
     assert budget_lines == [line for line in budget_lines if line.startswith("- `dmx`, gptq:")] and budget_lines
-
-
-@pytest.mark.slow  # two short calibrations, a GPTQ scan and GPTQ: a minute
-def test_a_gptq_scan_row_blends_the_same_offsets_with_the_scan_of_gptq_rounded_weights(tiny_text_model_dir, tmp_path):
-    """`--sensitivity-rounding gptq` for the default method: the calibration's learned offsets are blended with the
-    KL scan of GPTQ-rounded low-format weights instead of its own scan. The two rows of a cell come from the same
-    offsets, so their maps differ exactly at the layers the run reports the scan changed."""
-    root = tiny_text_model_dir
-    runs = tmp_path / "runs.jsonl"
-    args = [
-        *("--model", root / "model", "--calibration", root / "calibration.txt"),
-        *("--eval", f"heldout={root / 'heldout.txt'}", "--runs", runs, "--eval-tokens", 256, "--eval-seq-len", 16),
-        *("--methods", "dmx", "--pairs", "mxfp8-mxfp4", "--targets", "5", "--preset", "cpu-demo", "--threads", 1),
-    ]
-    run_benchmark("bench_quality.py", *args)
-    stdout = run_benchmark("bench_quality.py", *args, "--sensitivity-rounding", "gptq", "--output", tmp_path / "q.md")
-    default, scanned = [json.loads(line) for line in runs.read_text().splitlines()]
-    assert "sensitivity_rounding" not in default and scanned["sensitivity_rounding"] == "gptq"
-    changed = ast.literal_eval(
-        re.search(r"the GPTQ scan changed \d+ layers of the calibration's own map: (.*)$", stdout, re.M)[1]
-    )
-    assert sorted(n for n in default["format_map"] if default["format_map"][n] != scanned["format_map"][n]) == changed
-    assert abs(scanned["bits_weighted"] - 5) <= 0.3
-    assert "- vs `dmx (GPTQ scan)`: lower in " in (tmp_path / "q.md").read_text()
 
 
 @pytest.mark.slow

@@ -1,4 +1,5 @@
 import copy
+from unittest import mock
 
 import pytest
 import torch
@@ -70,27 +71,12 @@ def test_kl_sensitivities_cover_every_layer_and_are_positive(sensitive, sensitiv
     assert len({round(v, 8) for v in sensitivities.values()}) > 1
 
 
-def test_low_weights_replace_round_to_nearest_in_the_scan_and_only_for_their_layer(sensitive, sensitivities):
-    """Weights on the MXFP4 grid are scanned as given: the float weights rounded to nearest change nothing; one
-    layer given other weights (its own, doubled) moves that layer's sensitivity and no other's."""
-    model, ids = sensitive
-    s = CalibrationSettings(batch_size=4)
-    targets = linear_modules_to_quantize(model, ["lm_head"])
-    rounded = {name: quantize_mx(linear.weight, "mxfp4_e2m1") for name, linear in targets.items()}
-    assert kl_sensitivities(model, ids, s, progress=False, low_weights=rounded) == sensitivities
-    name = "model.layers.0.mlp.down_proj"
-    weights_before = {n: t.weight.clone() for n, t in targets.items()}
-    doubled = kl_sensitivities(model, ids, s, progress=False, low_weights={name: 2 * rounded[name]})
-    assert doubled[name] > 2 * sensitivities[name]
-    assert {n: v for n, v in doubled.items() if n != name} == {n: v for n, v in sensitivities.items() if n != name}
-    assert all(torch.equal(t.weight, weights_before[n]) for n, t in targets.items())  # every weight restored
-
-
 def test_the_scan_multiplies_in_bfloat16_with_layers_low_from_their_float32_weights(sensitive, sensitivities):
     """With bfloat16 products (`"auto"` on a float32 model, where the device multiplies bfloat16 natively) the float
-    layers hold bfloat16 copies of their weights, a layer goes low from its float32 weight (the MXFP4 rounding of
-    that weight, given as `low_weights`, changes nothing), the layers rank as in float32, and every weight comes
+    layers hold bfloat16 copies of their weights, a layer goes low from its float32 weight (every low layer the scan
+    builds holds that weight's MXFP4 rounding, not its copy's), the layers rank as in float32, and every weight comes
     back as it was."""
+    from optimum_dmx.calibration import sensitivity
     from optimum_dmx.calibration.sensitivity import native_bfloat16
 
     model, ids = sensitive
@@ -102,16 +88,26 @@ def test_the_scan_multiplies_in_bfloat16_with_layers_low_from_their_float32_weig
     handle = probe.register_forward_pre_hook(
         lambda module, args: seen.add((module.weight.dtype, torch.is_autocast_enabled("cpu")))
     )
+    low_weights, build = {}, sensitivity.mx_linears_from
+
+    def recorded(*args, **kwargs):
+        lows = build(*args, **kwargs)
+        low_weights.update({name: layer.dequantized_weight(torch.float32) for name, layer in lows.items()})
+        return lows
+
     try:
-        half = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.bfloat16)
+        with mock.patch.object(sensitivity, "mx_linears_from", recorded):
+            half = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.bfloat16)
     finally:
         handle.remove()
     assert seen == {(torch.bfloat16, True)}  # the probe's float passes; in its own it is replaced by its MX layer
     for name, linear in targets.items():
         weight, values = weights[name]
         assert linear.weight is weight and weight.dtype == torch.float32 and torch.equal(weight, values)
-    rounded = {name: quantize_mx(weight, "mxfp4_e2m1") for name, (weight, _) in weights.items()}
-    assert kl_sensitivities(model, ids, s, progress=False, low_weights=rounded, matmul_dtype=torch.bfloat16) == half
+    assert low_weights.keys() == weights.keys()
+    for name, (weight, _) in weights.items():
+        assert torch.equal(low_weights[name], quantize_mx(weight, "mxfp4_e2m1")), name
+        assert not torch.equal(low_weights[name], quantize_mx(weight.bfloat16().float(), "mxfp4_e2m1")), name
     single = kl_sensitivities(model, ids, s, progress=False, matmul_dtype=torch.float32)
     names = list(single)
     assert spearmanr([single[n] for n in names], [half[n] for n in names]).statistic > 0.95

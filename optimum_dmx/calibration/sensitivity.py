@@ -66,7 +66,7 @@ from __future__ import annotations
 import math
 from collections.abc import Collection, Iterator, Mapping, Sequence
 from contextlib import ExitStack, contextmanager, nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -98,7 +98,6 @@ def kl_sensitivities(
     input_ids: torch.LongTensor,
     settings: CalibrationSettings,
     progress: bool = True,
-    low_weights: Mapping[str, torch.Tensor] | None = None,
     head_tokens: int | None = HEAD_TOKENS,
     groups: Sequence[Sequence[str]] | None = None,
     matmul_dtype: torch.dtype | str = "auto",
@@ -120,9 +119,6 @@ def kl_sensitivities(
     pairs (MXFP4), so the result can be reused across pairs and targets with the same groups.
 
     `groups`: the groups scanned whole; `None` takes `settings.offset_groups`, `()` scans every layer alone.
-
-    `low_weights` (by layer name, optional) are weights already on the low format's grid, e.g. rounded by GPTQ,
-    that a layer's pass uses instead of its float weight rounded to nearest.
 
     `head_tokens`: the divergence is computed exactly on that many of the vocabulary's most probable tokens and
     to second order on the rest (`calibration.vocabulary_head`); `None` computes it over the whole vocabulary,
@@ -181,12 +177,9 @@ def kl_sensitivities(
         passes = split.passes(rank, stages, units_per_pass if _from_hidden_states(references) else 1, alone)
         for units, round_names, replayed in tqdm(passes, desc="KL sensitivity", disable=not progress):
             names = [name for unit in units for name in unit]
-            with ExitStack() as installed:  # low from its own weight and transform (or `low_weights`), not the copy
+            with ExitStack() as installed:  # low from its own weight and transform, not the copy
                 for name in names:
-                    layer = own.get(name, _LayerState.of(targets[name]))
-                    if low_weights is not None and name in low_weights:
-                        layer = replace(layer, weight=low_weights[name].to(layer.weight))
-                    installed.enter_context(layer.installed_in(targets[name]))
+                    installed.enter_context(own.get(name, _LayerState.of(targets[name])).installed_in(targets[name]))
                 lows = mx_linears_from(
                     model,
                     dict.fromkeys(names, low),
