@@ -98,11 +98,6 @@ def sylvester_matrix(order: int) -> torch.Tensor:
     return matrix
 
 
-def hadamard_matrix(order: int) -> torch.Tensor:
-    """The normalized Sylvester-Hadamard matrix `sylvester_matrix(order) / sqrt(order)` (orthogonal), float64."""
-    return sylvester_matrix(order) / order**0.5
-
-
 def kronecker_split(power: int, odd: torch.Tensor) -> tuple[int, torch.Tensor]:
     """`sylvester_matrix(power) ⊗ odd` as `sylvester_matrix(2**k) ⊗ M`: `k` and the float64 matrix
     `M = sylvester_matrix(m) ⊗ odd`, `m` the power of two at or above `sqrt(power)`, clamped to `MATRIX_FACTOR_ORDERS`
