@@ -542,6 +542,7 @@ def test_benchmarks_answer_help_from_a_clone_alone(tmp_path):
     assert not (tmp_path / "cache").exists()  # --help fetched nothing
 
 
+@pytest.mark.slow  # a research study (research/), not the product: kept runnable, run with the slow tests
 def test_sensitivity_signals_study(tiny_text_model_dir, tmp_path):
     """The KL scan on its own sequences reproduces itself exactly, with its divergence summed element by element
     to within 1e-4, and so does the library's scan on a vocabulary head as large as the vocabulary; the scan of
@@ -605,6 +606,7 @@ def test_sensitivity_signals_study(tiny_text_model_dir, tmp_path):
     assert all(-1 <= float(r[3]) <= 1 and float(r[4]) > 0 for r in rows[2:])
 
 
+@pytest.mark.slow  # a research study
 def test_sensitivity_signals_study_tables_the_scans_passes(tiny_text_model_dir, tmp_path):
     """`--passes-only` on a rotated model: the library's scan with one unit per pass, its head in float32, both,
     and reading whole sequences, each ranked against the scan before and the whole sequences' scan."""
@@ -630,6 +632,7 @@ def test_sensitivity_signals_study_tables_the_scans_passes(tiny_text_model_dir, 
     assert all(float(r[3]) > 0.9 and -1 <= float(r[4]) <= 1 for r in rows)
 
 
+@pytest.mark.slow  # a research study
 def test_sensitivity_signals_study_tables_the_default_scan_against_the_original(tiny_text_model_dir, tmp_path):
     """`--default-scan-only`: the library's default scan (and with every position alike, and reading 9/16 of each
     sequence) against the original one (layer by layer, float32, whole sequences and vocabulary) on `--scan-sets` sets
@@ -906,6 +909,7 @@ def test_inference_benchmark_keeps_fused_groups_whole_and_times_rotations_agains
         assert all(ratio_matches_rounded_times(row[5], row[4], group[0][4], step=0.01) for row in group[1:]), group
 
 
+@pytest.mark.slow  # a research study: dozens of kernel variants compiled, about 30 s
 def test_the_kernel_choices_study_times_each_inference_kernel_beside_what_it_replaced():
     """`research/inference_kernel_choices.py` keeps the inference kernels' design choices measurable: per dtype, input
     width and block, the cast alone (1.00x), the library's transform with it, then each earlier or rejected way of
