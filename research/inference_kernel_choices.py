@@ -20,8 +20,9 @@ what the product costs; this measures why it is built so.
    `CompiledKernel` (compiled by inductor directly) against the same cast function through `torch.compile` with the
    same options and the rows dynamic, as the kernels ran before.
 3. **Compiled element-wise kernels per element** (1024 x 1536 float32): a multiply-add, the same through a bit
-   reinterpretation (float32 -> int32 -> float32, which torch 2.13's inductor writes for a CPU as scalar loops
-   through memory) and the MX cast, whose rounding steps come from comparisons instead (`formats.cast.element_steps`).
+   reinterpretation (float32 -> int32 -> float32, which torch 2.13's inductor wrote as scalar loops through memory
+   on an Intel Xeon with AMX and vectorised on the AMD EPYCs measured) and the MX cast, whose rounding steps come
+   from comparisons instead (`formats.cast.element_steps`).
 
 Times are median CPU times over `--repeats` repeats of 20 calls (wall time of 1000 calls per repeat for the
 per-call table), one torch thread by default:
