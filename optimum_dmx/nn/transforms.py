@@ -31,10 +31,10 @@ follows, reading and writing the input's dtype; as separate operations each wrot
 activation. On a CPU, for an input not in float32, the signs come inside the factor, one copy of it per run of 16
 elements (a product then loads a vector of the matrix instead of a sign and multiplies once less); the kernel divides
 and rounds the sums before it stores them, so that the MX cast's two loops over them do not each do it again, and rounds
-with `.to(dtype)` (rounded on the float32 bit pattern, which inductor reads through scalar bit casts on a CPU, a
-bfloat16 transform with its cast took 3.1x the cast's time, against 1.9x: `research/inference_kernel_choices.py` times
-each such choice beside what it replaced). Larger blocks (`hadamard`'s 512-blocks of SmolLM2's `down_proj` input) take
-the product by the last factor as torch's matrix product, a chunk of rows at a time on a CPU
+with `.to(dtype)` (rounded on the float32 bit pattern, which inductor read through scalar bit casts on an AMX Xeon, a
+bfloat16 transform with its cast took 3.1x the cast's time there, against 1.9x: `research/inference_kernel_choices.py`
+times each such choice beside what it replaced). Larger blocks (`hadamard`'s 512-blocks of SmolLM2's `down_proj` input)
+take the product by the last factor as torch's matrix product, a chunk of rows at a time on a CPU
 (`formats.cast.fill_row_chunks`: float32 temporaries small enough for the allocator to reuse); on a CPU the rest, the
 product across the runs by the Sylvester factor, the division, the rounding and the MX cast, is one compiled kernel
 (`_sylvester_kernel`; its transformed values stored once, where inductor would compute them again in each of the cast's
